@@ -1,0 +1,149 @@
+"""Per-phase cost of the π0.5 passes: measured time next to FLOP and byte accounting.
+
+Used for the model's phase table (`oxygen-ros phases`) and as the benchmark's component
+model: prefill P, denoise D, decode step d(B) per batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from ..model import KVTensors, Pi05Config, Pi05Model
+
+
+@dataclasses.dataclass
+class PhaseCosts:
+    """Median wall time per phase, in seconds, plus analytic FLOPs and weight bytes."""
+
+    vision_s: float
+    prefill_s: float                 # vision + backbone over the prefix (includes vision_s)
+    denoise_s: float                 # all flow-matching steps of one frame
+    decode_s: dict[int, float]       # batch size -> one decode step
+    flops: dict[str, float]          # analytic multiply-adds × 2 per phase
+    weight_bytes: dict[str, float]   # parameter bytes each phase reads
+
+    def ideal_speedup(self, n_tokens: int, k: int) -> float:
+        """(2P + D + N·d(1)) / (P + D + k·d(ceil(N/k))): isolated vs oxygen frame time."""
+        batch = -(-n_tokens // k)
+        d1, dB = self.decode_at(1), self.decode_at(batch)
+        isolated = 2 * self.prefill_s + self.denoise_s + n_tokens * d1
+        return isolated / (self.prefill_s + self.denoise_s + k * dB)
+
+    def decode_at(self, batch: int) -> float:
+        """Decode step time at `batch`, linearly interpolated between measured sizes."""
+        sizes = sorted(self.decode_s)
+        if batch in self.decode_s:
+            return self.decode_s[batch]
+        lo = max([s for s in sizes if s < batch], default=sizes[0])
+        hi = min([s for s in sizes if s > batch], default=sizes[-1])
+        if lo == hi:
+            return self.decode_s[lo] * batch / lo
+        w = (batch - lo) / (hi - lo)
+        return (1 - w) * self.decode_s[lo] + w * self.decode_s[hi]
+
+
+def analytic_costs(cfg: Pi05Config) -> tuple[dict[str, float], dict[str, float]]:
+    """Count FLOPs (2 × multiply-adds, matmuls only) and fp32 parameter bytes per phase."""
+    b, e, v = cfg.backbone, cfg.expert, cfg.vision
+
+    def gemma_layer_params(g):
+        attn = g.width * (2 * g.num_heads + 2 * g.num_kv_heads) * g.head_dim
+        return attn + 3 * g.width * g.mlp_dim
+
+    vis_params = v.depth * (4 * v.hidden ** 2 + 2 * v.hidden * v.mlp_dim) + v.hidden * b.width
+    bb_params = b.depth * gemma_layer_params(b)
+    ex_params = e.depth * gemma_layer_params(e)
+    lm_head = b.vocab_size * b.width
+    P, H, Ti = cfg.prefix_len, cfg.action_horizon, cfg.tokens_per_image
+    attn_prefill = b.depth * 2 * P * P * b.num_heads * b.head_dim
+    flops = {
+        'vision': 2 * cfg.num_cameras * Ti * vis_params,
+        'prefill': 2 * cfg.num_cameras * Ti * vis_params + 2 * P * bb_params + 2 * attn_prefill,
+        'denoise': cfg.num_steps * (2 * H * ex_params + 4 * e.depth * H * (P + H)
+                                    * e.num_heads * e.head_dim),
+        'decode_step_b1': 2 * (bb_params + lm_head) + 4 * b.depth * P * b.num_heads * b.head_dim,
+    }
+    weight_bytes = {'vision': 4 * vis_params, 'prefill': 4 * (vis_params + bb_params),
+                    'denoise': 4 * ex_params * cfg.num_steps,
+                    'decode_step': 4 * (bb_params + lm_head)}
+    return flops, weight_bytes
+
+
+def _median_time(fn, repeats: int, sync) -> float:
+    samples = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+@torch.no_grad()
+def measure_phases(model: Pi05Model, batches=(1, 4, 8), repeats: int = 5,
+                   warmup: int = 2, seed: int = 0) -> PhaseCosts:
+    """Time each pass of `model` on random inputs (warm-up excluded, synced clocks)."""
+    cfg = model.config
+    device = next(model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
+    g = torch.Generator().manual_seed(seed)
+    S = cfg.vision.image_size
+    images = (torch.rand(1, cfg.num_cameras, 3, S, S, generator=g) * 2 - 1).to(device)
+    image_masks = torch.ones(1, cfg.num_cameras, dtype=torch.bool, device=device)
+    tokens = torch.randint(3, cfg.backbone.vocab_size, (1, cfg.max_token_len), generator=g)
+    tokens = tokens.to(device)
+    token_masks = torch.zeros(1, cfg.max_token_len, dtype=torch.bool, device=device)
+    token_masks[:, : cfg.max_token_len // 4] = True
+    max_batch = max(batches)
+    kv = KVTensors.allocate(cfg, max_batch, cfg.prefix_len + 64, model.compute_dtype, device)
+    vision = model.vision.vision_model
+    flat_images = images.flatten(0, 1).to(model.compute_dtype)
+
+    def run_prefill(slot=0):
+        return model.prefill(images, image_masks, tokens, token_masks, kv=kv,
+                             slots=torch.tensor([slot]))
+
+    for slot in range(max_batch):
+        prefix = run_prefill(slot)
+    noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, generator=g).to(device)
+    for _ in range(warmup):
+        vision(flat_images)
+        run_prefill()
+        model.sample_actions(prefix, noise)
+    vision_s = _median_time(lambda: vision(flat_images), repeats, sync)
+    prefill_s = _median_time(run_prefill, repeats, sync)
+    denoise_s = _median_time(lambda: model.sample_actions(prefix, noise), repeats, sync)
+    decode_s = {}
+    valid = prefix.valid.expand(max_batch, -1)
+    n_valid = prefix.n_valid.expand(max_batch)
+    for batch in batches:
+        def step():
+            model.decode_step(kv, torch.arange(batch), valid[:batch], n_valid[:batch],
+                              torch.full((batch,), 16), torch.full((batch,), 5))
+        for _ in range(warmup):
+            step()
+        decode_s[batch] = _median_time(step, repeats, sync)
+    flops, weight_bytes = analytic_costs(cfg)
+    return PhaseCosts(vision_s, prefill_s, denoise_s, decode_s, flops, weight_bytes)
+
+
+def format_phases(costs: PhaseCosts) -> str:
+    """Format the measured phases as a markdown table."""
+    gf = costs.flops
+    lines = ['| phase | time (ms) | GFLOP | weights read (MB) |', '|---|---:|---:|---:|',
+             f'| vision (all cameras) | {costs.vision_s * 1e3:.1f} | {gf["vision"] / 1e9:.2f} '
+             f'| {costs.weight_bytes["vision"] / 1e6:.1f} |',
+             f'| prefill (vision + backbone) | {costs.prefill_s * 1e3:.1f} '
+             f'| {gf["prefill"] / 1e9:.2f} | {costs.weight_bytes["prefill"] / 1e6:.1f} |',
+             f'| denoise (all steps) | {costs.denoise_s * 1e3:.1f} | {gf["denoise"] / 1e9:.2f} '
+             f'| {costs.weight_bytes["denoise"] / 1e6:.1f} |']
+    for batch, sec in sorted(costs.decode_s.items()):
+        lines.append(f'| decode step, batch {batch} | {sec * 1e3:.2f} '
+                     f'| {batch * gf["decode_step_b1"] / 1e9:.3f} '
+                     f'| {costs.weight_bytes["decode_step"] / 1e6:.1f} |')
+    return '\n'.join(lines)

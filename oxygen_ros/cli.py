@@ -1,0 +1,52 @@
+"""`oxygen-ros` command line: one entry point, a sub-command per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _phases(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench.phases import format_phases, measure_phases
+    from .model import get_preset, Pi05Model
+
+    torch.set_num_threads(args.threads) if args.threads else None
+    cfg = get_preset(args.preset)
+    with torch.device(args.device):
+        model = Pi05Model(cfg)
+    model.init_random(args.seed) if args.device != 'meta' else None
+    model.to_precision(getattr(torch, args.dtype)).eval()
+    costs = measure_phases(model, batches=tuple(args.batches), repeats=args.repeats)
+    print(f'preset {args.preset} on {args.device} ({args.dtype}), prefix {cfg.prefix_len} '
+          f'positions, {cfg.num_steps} denoise steps, horizon {cfg.action_horizon}')
+    print(format_phases(costs))
+    for n, k in ((30, 5), (30, 1), (10, 5)):
+        print(f'ideal oxygen/isolated speedup N={n} k={k}: {costs.ideal_speedup(n, k):.2f}x')
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog='oxygen-ros', description=__doc__)
+    sub = parser.add_subparsers(dest='command', required=True)
+
+    phases = sub.add_parser('phases', help='time vision / prefill / denoise / decode steps')
+    phases.add_argument('--preset', default='pi05-cpu')
+    phases.add_argument('--device', default='cpu')
+    phases.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+    phases.add_argument('--batches', type=int, nargs='+', default=[1, 4, 8])
+    phases.add_argument('--repeats', type=int, default=5)
+    phases.add_argument('--threads', type=int, default=0, help='torch threads (0 = default)')
+    phases.add_argument('--seed', type=int, default=0)
+    phases.set_defaults(func=_phases)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""SigLIP vision tower (So400m/14 in π0.5) and PaliGemma's linear projector.
+
+Shapes: N images, C=3 channels, S image side, p patch, Ti = (S/p)² tokens, V vision width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .config import SiglipConfig
+
+LN_EPS = 1e-6
+
+
+class SiglipEmbeddings(nn.Module):
+    def __init__(self, cfg: SiglipConfig):
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(3, cfg.hidden, cfg.patch_size, stride=cfg.patch_size)
+        self.position_embedding = nn.Embedding(cfg.tokens_per_image, cfg.hidden)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Embed images [N, 3, S, S] -> [N, Ti, V] in the patch weights' dtype (float32)."""
+        x = self.patch_embedding(images.to(self.patch_embedding.weight.dtype))  # [N, V, S/p, S/p]
+        x = x.flatten(2).transpose(1, 2)                                        # [N, Ti, V]
+        return x + self.position_embedding.weight[None]
+
+
+class SiglipAttention(nn.Module):
+    def __init__(self, cfg: SiglipConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.out_proj = nn.Linear(cfg.hidden, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        N, T, V = x.shape
+        nh = self.num_heads
+
+        def heads(t):  # [N, T, V] -> [N, nh, T, V/nh]
+            return t.view(N, T, nh, V // nh).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)),
+                                             heads(self.v_proj(x)))
+        return self.out_proj(out.transpose(1, 2).reshape(N, T, V))
+
+
+class SiglipMLP(nn.Module):
+    def __init__(self, cfg: SiglipConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden, cfg.mlp_dim)
+        self.fc2 = nn.Linear(cfg.mlp_dim, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate='tanh'))
+
+
+class SiglipEncoderLayer(nn.Module):
+    def __init__(self, cfg: SiglipConfig):
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(cfg.hidden, eps=LN_EPS)
+        self.self_attn = SiglipAttention(cfg)
+        self.layer_norm2 = nn.LayerNorm(cfg.hidden, eps=LN_EPS)
+        self.mlp = SiglipMLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(_layer_norm(self.layer_norm1, x))
+        return x + self.mlp(_layer_norm(self.layer_norm2, x))
+
+
+class SiglipEncoder(nn.Module):
+    def __init__(self, cfg: SiglipConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(SiglipEncoderLayer(cfg) for _ in range(cfg.depth))
+
+
+class SiglipVisionModel(nn.Module):
+    """Patch + position embeddings, pre-norm encoder, post layer norm; no pooling head."""
+
+    def __init__(self, cfg: SiglipConfig):
+        super().__init__()
+        self.embeddings = SiglipEmbeddings(cfg)
+        self.encoder = SiglipEncoder(cfg)
+        self.post_layernorm = nn.LayerNorm(cfg.hidden, eps=LN_EPS)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Encode images [N, 3, S, S] in [-1, 1] -> features [N, Ti, V]."""
+        x = self.embeddings(images)
+        x = x.to(self.encoder.layers[0].mlp.fc1.weight.dtype) if len(self.encoder.layers) else x
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return _layer_norm(self.post_layernorm, x)
+
+
+class SiglipVisionTower(nn.Module):
+    """Holds `vision_model` so parameter names match PaliGemma's checkpoint layout."""
+
+    def __init__(self, cfg: SiglipConfig):
+        super().__init__()
+        self.vision_model = SiglipVisionModel(cfg)
+
+
+class MultiModalProjector(nn.Module):
+    """Linear map from vision width to the backbone width (not scaled afterwards in π0.5)."""
+
+    def __init__(self, vision_width: int, width: int):
+        super().__init__()
+        self.linear = nn.Linear(vision_width, width)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear(features.to(self.linear.weight.dtype))
+
+
+def _layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """Apply a LayerNorm in float32 (statistics stay accurate under a bf16 model)."""
+    return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(),
+                        norm.bias.float(), norm.eps).to(x.dtype)

@@ -1,0 +1,263 @@
+"""Numerical oracles for the π0.5 model: cached == uncached, batched == alone, masks inert."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oxygen_ros.model import get_preset, Pi05Model
+from oxygen_ros.model.gemma import attention, gated_residual, rope
+from oxygen_ros.model.pi05 import time_embedding
+
+ATOL = 2e-5
+
+
+@pytest.fixture(scope='module')
+def model():
+    torch.manual_seed(0)
+    return Pi05Model(get_preset('tiny')).init_random(seed=3).eval()
+
+
+def make_inputs(cfg, B=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    S = cfg.vision.image_size
+    images = torch.rand(B, cfg.num_cameras, 3, S, S, generator=g) * 2 - 1
+    image_masks = torch.ones(B, cfg.num_cameras, dtype=torch.bool)
+    image_masks[0, 2] = False            # libero-like: third camera masked
+    if B > 1:
+        image_masks[1, 1] = False
+    tokens = torch.randint(3, cfg.backbone.vocab_size, (B, cfg.max_token_len), generator=g)
+    lengths = [5, 11, 17, 2, 20][:B]
+    token_masks = torch.arange(cfg.max_token_len)[None] < torch.tensor(lengths)[:, None]
+    return images, image_masks, tokens, token_masks
+
+
+def joint_forward(model, images, image_masks, tokens, token_masks, x_t, t):
+    """Uncached reference: prefix and suffix in ONE pass with the block-causal mask.
+
+    This is how openpi trains (both towers per layer, Q/K/V concatenated for one softmax);
+    the prefix never attends to the suffix. Returns the velocity [B, H, A].
+    """
+    cfg = model.config
+    prefix, valid = model.embed_prefix(images, image_masks, tokens, token_masks)
+    B, P, _ = prefix.shape
+    Hn = x_t.shape[1]
+    cond = F.silu(model.time_mlp_out(F.silu(model.time_mlp_in(
+        time_embedding(t, cfg.expert.width)))))
+    suffix = model.action_in_proj(x_t)
+    all_valid = torch.cat([valid, torch.ones(B, Hn, dtype=torch.bool)], 1)      # [B, P+H]
+    pos = all_valid.long().cumsum(-1) - 1
+    is_suffix = torch.arange(P + Hn) >= P
+    # query i may see key j if j valid and (j in prefix or i in suffix)
+    mask = all_valid[:, None, :] & (~is_suffix[None, None, :] | is_suffix[None, :, None])
+    for blayer, elayer in zip(model.backbone.layers, model.expert.layers):
+        hp, _ = blayer.input_layernorm(prefix)
+        hs, gs = elayer.input_layernorm(suffix, cond)
+        qp, kp, vp = blayer.self_attn.qkv(hp)
+        qs, ks, vs = elayer.self_attn.qkv(hs)
+        q = rope(torch.cat([qp, qs], 1), pos)
+        k = rope(torch.cat([kp, ks], 1), pos)
+        v = torch.cat([vp, vs], 1)
+        out = attention(q, k, v, mask)
+        prefix = prefix + blayer.self_attn.o_proj(out[:, :P])
+        suffix = gated_residual(suffix, elayer.self_attn.o_proj(out[:, P:]), gs)
+        hp, _ = blayer.post_attention_layernorm(prefix)
+        prefix = prefix + blayer.mlp(hp)
+        hs, gs = elayer.post_attention_layernorm(suffix, cond)
+        suffix = gated_residual(suffix, elayer.mlp(hs), gs)
+    suffix, _ = model.expert.norm(suffix, cond)
+    return model.action_out_proj(suffix)
+
+
+@torch.no_grad()
+def test_sample_actions_equals_uncached_joint_forward(model):
+    cfg = model.config
+    inputs = make_inputs(cfg)
+    noise = torch.randn(3, cfg.action_horizon, cfg.action_dim, generator=torch.Generator()
+                        .manual_seed(1))
+    prefix = model.prefill(*inputs)
+    cached = model.sample_actions(prefix, noise)
+    x_t = noise.clone()
+    for step in range(cfg.num_steps):
+        t = torch.full((3,), 1.0 - step / cfg.num_steps)
+        x_t = x_t - joint_forward(model, *inputs, x_t, t) / cfg.num_steps
+    torch.testing.assert_close(cached, x_t, atol=ATOL, rtol=1e-4)
+    assert cached.abs().mean() > 0.1  # a real signal, not a collapse to zeros
+
+
+@torch.no_grad()
+def test_sample_actions_leaves_cache_untouched(model):
+    prefix = model.prefill(*make_inputs(model.config), extra_len=4)
+    k, v = prefix.kv.k.clone(), prefix.kv.v.clone()
+    model.sample_actions(prefix, torch.randn(3, model.config.action_horizon, 32))
+    assert torch.equal(prefix.kv.k, k) and torch.equal(prefix.kv.v, v)
+
+
+def recompute_logits(model, images, image_masks, tokens, token_masks, generated):
+    """Uncached reference: logits for the next token after `generated`, recomputing everything.
+
+    Generated tokens are appended after the (padded) prefix with causal attention among
+    themselves, positions continuing from the number of valid prefix tokens.
+    """
+    x, valid = model.embed_prefix(images, image_masks, tokens, token_masks)     # [1, P, W]
+    P, n = x.shape[1], len(generated)
+    if n:
+        gen = model.backbone.embed_tokens(torch.tensor([generated]))
+        x = torch.cat([x, gen * math.sqrt(model.config.backbone.width)], 1)
+    all_valid = torch.cat([valid, torch.ones(1, n, dtype=torch.bool)], 1)
+    pos = all_valid.long().cumsum(-1) - 1
+    idx = torch.arange(P + n)
+    causal = (idx[None, :] <= idx[:, None]) | (idx[None, :] < P)               # [T, T]
+    mask = all_valid[:, None, :] & causal[None]
+    for layer in model.backbone.layers:
+        h, _ = layer.input_layernorm(x)
+        q, k, v = layer.self_attn.qkv(h)
+        x = x + layer.self_attn.o_proj(attention(rope(q, pos), rope(k, pos), v, mask))
+        h, _ = layer.post_attention_layernorm(x)
+        x = x + layer.mlp(h)
+    last = (P + n - 1) if n else int(torch.nonzero(valid[0])[-1])
+    h, _ = model.backbone.norm(x[:, last:last + 1])
+    return model.lm_logits(h[:, 0])[0]
+
+
+@torch.no_grad()
+def test_cached_decode_equals_recompute(model):
+    inputs = make_inputs(model.config, B=1, seed=4)
+    prefix = model.prefill(*inputs, extra_len=8)
+    generated = []
+    logits = model.lm_logits(prefix.last_hidden)[0]
+    for j in range(6):
+        torch.testing.assert_close(logits, recompute_logits(model, *inputs, generated),
+                                   atol=1e-4, rtol=1e-4)
+        token = int(logits.argmax())
+        generated.append(token)
+        logits = model.decode_step(prefix.kv, prefix.slots, prefix.valid, prefix.n_valid,
+                                   torch.tensor([j]), torch.tensor([token]))[0]
+    assert generated == model.generate(prefix, 6, eos_id=None)[0]
+
+
+@torch.no_grad()
+def test_ragged_batched_decode_equals_each_row_alone(model):
+    """Rows with different prompt lengths, masks and generated lengths share one decode call."""
+    cfg = model.config
+    B = 4
+    inputs = make_inputs(cfg, B=B, seed=7)
+    batch = model.prefill(*inputs, extra_len=10)
+    # Each row alone: its own storage, its own greedy tokens and logits per step.
+    alone = []
+    for b in range(B):
+        single = model.prefill(*(x[b:b + 1] for x in inputs), extra_len=10)
+        alone.append((single, model.generate(single, 8, eos_id=None)[0]))
+    # Advance rows to different generated lengths first (ragged), then decode all together.
+    offsets = [0, 3, 5, 1]
+    for b, off in enumerate(offsets):
+        for j in range(off):
+            model.decode_step(batch.kv, batch.slots[b:b + 1], batch.valid[b:b + 1],
+                              batch.n_valid[b:b + 1], torch.tensor([j]),
+                              torch.tensor([alone[b][1][j]]))
+    gen_len = torch.tensor(offsets)
+    tokens = torch.tensor([alone[b][1][off] for b, off in enumerate(offsets)])
+    logits = model.decode_step(batch.kv, batch.slots, batch.valid, batch.n_valid, gen_len,
+                               tokens)
+    for b, off in enumerate(offsets):
+        single, toks = alone[b]
+        ref = model.decode_step(single.kv, single.slots, single.valid, single.n_valid,
+                                torch.tensor([off]), torch.tensor([toks[off]]))[0]
+        torch.testing.assert_close(logits[b], ref, atol=1e-4, rtol=1e-4)
+        assert int(logits[b].argmax()) == toks[off + 1]
+
+
+@torch.no_grad()
+def test_generate_batched_stops_each_row_at_eos(model):
+    cfg = model.config
+    inputs = make_inputs(cfg, B=3, seed=9)
+    free = model.generate(model.prefill(*inputs, extra_len=8), 8, eos_id=None)
+    eos = free[1][2]  # a token that row 1 emits at step 2
+    out = model.generate(model.prefill(*inputs, extra_len=8), 8, eos_id=eos)
+    for row_free, row in zip(free, out):
+        stop = row_free.index(eos) + 1 if eos in row_free else 8
+        assert row == row_free[:stop]
+    assert len(out[1]) <= 3
+
+
+@torch.no_grad()
+def test_decode_into_non_contiguous_pool_slots(model):
+    """Prefill into arbitrary slots of a shared pool equals private storage."""
+    cfg = model.config
+    inputs = make_inputs(cfg, B=2, seed=11)
+    from oxygen_ros.model import KVTensors
+    pool = KVTensors.allocate(cfg, num_slots=5, max_len=cfg.prefix_len + 6)
+    shared = model.prefill(*inputs, kv=pool, slots=torch.tensor([4, 1]))
+    private = model.prefill(*inputs, extra_len=6)
+    assert model.generate(shared, 6, eos_id=None) == model.generate(private, 6, eos_id=None)
+    noise = torch.randn(2, cfg.action_horizon, cfg.action_dim)
+    torch.testing.assert_close(model.sample_actions(shared, noise),
+                               model.sample_actions(private, noise), atol=ATOL, rtol=0)
+    untouched = [0, 2, 3]
+    assert pool.k[:, untouched].abs().sum() == 0
+
+
+@torch.no_grad()
+def test_masked_camera_and_padding_are_inert(model):
+    """Content behind masks changes nothing; a masked camera equals a model without it."""
+    cfg = model.config
+    images, image_masks, tokens, token_masks = make_inputs(cfg, B=3, seed=5)
+    noise = torch.randn(3, cfg.action_horizon, cfg.action_dim)
+    base = model.prefill(images, image_masks, tokens, token_masks, extra_len=4)
+    images2, tokens2 = images.clone(), tokens.clone()
+    images2[~image_masks] = torch.rand_like(images2[~image_masks])
+    tokens2[~token_masks] = 7
+    other = model.prefill(images2, image_masks, tokens2, token_masks, extra_len=4)
+    assert torch.equal(model.sample_actions(base, noise), model.sample_actions(other, noise))
+    assert model.generate(base, 4) == model.generate(other, 4)
+
+    # Positions skip masked slots: a 2-camera, shorter-prompt model with the same weights
+    # sees the same sequence as row 0 (third camera masked, 5 prompt tokens).
+    small_cfg = cfg.replace(num_cameras=2, max_token_len=8)
+    small = Pi05Model(small_cfg).eval()
+    small.load_state_dict(model.state_dict())
+    p_small = small.prefill(images[:1, :2], image_masks[:1, :2], tokens[:1, :8],
+                            token_masks[:1, :8], extra_len=4)
+    torch.testing.assert_close(p_small.last_hidden, base.last_hidden[:1], atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(small.sample_actions(p_small, noise[:1]),
+                               model.sample_actions(base.row(0), noise[:1]), atol=ATOL,
+                               rtol=1e-4)
+    assert small.generate(p_small, 4) == model.generate(base.row(0), 4)
+
+
+@torch.no_grad()
+def test_bfloat16_path_keeps_float32_islands(model):
+    cfg = model.config
+    bf = Pi05Model(cfg).eval()
+    bf.load_state_dict(model.state_dict())
+    bf.to_precision(torch.bfloat16)
+    params = dict(bf.named_parameters())
+    assert params['paligemma_with_expert.paligemma.model.vision_tower.vision_model.embeddings'
+                  '.patch_embedding.weight'].dtype == torch.float32
+    assert params['paligemma_with_expert.gemma_expert.model.layers.0.input_layernorm.dense'
+                  '.weight'].dtype == torch.float32
+    assert params['action_out_proj.weight'].dtype == torch.float32
+    assert params['paligemma_with_expert.paligemma.model.language_model.layers.0.mlp.up_proj'
+                  '.weight'].dtype == torch.bfloat16
+    inputs = make_inputs(cfg, seed=2)
+    noise = torch.randn(3, cfg.action_horizon, cfg.action_dim)
+    prefix = bf.prefill(*inputs, extra_len=2)
+    assert prefix.kv.k.dtype == torch.bfloat16
+    actions = bf.sample_actions(prefix, noise)
+    ref = model.sample_actions(model.prefill(*inputs), noise)
+    assert actions.dtype == torch.float32
+    # bf16 is lossy; it must still track float32 closely.
+    assert (actions - ref).abs().mean() < 0.1 * ref.abs().mean()
+
+
+def test_prefill_rejects_wrong_shapes(model):
+    cfg = model.config
+    images, image_masks, tokens, token_masks = make_inputs(cfg)
+    with pytest.raises(ValueError, match='cameras'):
+        model.prefill(images[:, :2], image_masks[:, :2], tokens, token_masks)
+    with pytest.raises(ValueError, match='slots'):
+        from oxygen_ros.model import KVTensors
+        pool = KVTensors.allocate(cfg, 2, cfg.prefix_len - 1)
+        model.prefill(images, image_masks, tokens, token_masks, kv=pool,
+                      slots=torch.tensor([0, 1, 0]))
