@@ -1,0 +1,1 @@
+"""ROS 2 glue: parameters, QoS, subscriptions, publishers and message conversions."""

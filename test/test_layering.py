@@ -1,0 +1,124 @@
+"""Layering: nothing below oxygen_ros/ros imports rclpy or other ROS Python packages.
+
+The engine is tested and benchmarked without ROS; the node is a thin adapter (DESIGN.md,
+"Layers and who may import whom"). Imports are read with ast, never executed.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / 'oxygen_ros'
+ROS_FREE_LAYERS = ['model', 'kv', 'engine', 'bench']
+
+# Top-level module names that mean "this needs a ROS install".
+ROS_MODULES = {'rclpy', 'rcl_interfaces', 'rosidl_runtime_py', 'rosidl_parser',
+               'ament_index_python', 'launch', 'launch_ros', 'std_msgs', 'sensor_msgs',
+               'diagnostic_msgs', 'builtin_interfaces', 'geometry_msgs', 'lifecycle_msgs',
+               'trajectory_msgs', 'rosbag2_py', 'cv_bridge', 'message_filters', 'tf2_ros'}
+# Our own modules that are ROS: the node glue and the generated messages.
+ROS_OWN_MODULES = {'oxygen_ros.ros', 'oxygen_ros.msg'}
+
+# Internal imports each layer must not make (lower layers never import upper ones; model and
+# kv are siblings that share only torch tensors).
+FORBIDDEN_INTERNAL = {
+    'model': {'oxygen_ros.kv', 'oxygen_ros.engine', 'oxygen_ros.bench'},
+    'kv': {'oxygen_ros.model', 'oxygen_ros.engine', 'oxygen_ros.bench'},
+    'engine': {'oxygen_ros.bench'},
+    'bench': set(),
+}
+
+
+def module_name(path):
+    """Return the dotted module name of a file under oxygen_ros/."""
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix('').parts)
+    if parts[-1] == '__init__':
+        parts.pop()
+    return '.'.join(parts)
+
+
+def imported_modules(path):
+    """Yield (line, absolute dotted name) of every import in a file, relative ones resolved."""
+    tree = ast.parse(path.read_text(encoding='utf-8'), filename=str(path))
+    package = module_name(path)
+    if path.name != '__init__.py':
+        package = package.rpartition('.')[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split('.')
+                base_parts = base_parts[:len(base_parts) - (node.level - 1)]
+                base = '.'.join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            yield node.lineno, base
+            # `from oxygen_ros import msg` / `from .. import ros` import a submodule
+            for alias in node.names:
+                yield node.lineno, base + '.' + alias.name
+        elif (isinstance(node, ast.Call) and getattr(node.func, 'attr', getattr(
+                node.func, 'id', None)) in ('import_module', '__import__') and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)):
+            yield node.lineno, node.args[0].value
+
+
+def is_within(name, prefixes):
+    """Return True when dotted `name` is one of `prefixes` or inside one of them."""
+    return any(name == p or name.startswith(p + '.') for p in prefixes)
+
+
+def layer_files(layer):
+    """Return the Python files of one layer directory."""
+    return sorted((PACKAGE_DIR / layer).rglob('*.py'))
+
+
+@pytest.mark.parametrize('layer', ROS_FREE_LAYERS)
+def test_layer_exists(layer):
+    assert (PACKAGE_DIR / layer).is_dir(), 'oxygen_ros/%s/ is missing' % layer
+    assert layer_files(layer), 'oxygen_ros/%s/ has no Python files' % layer
+
+
+@pytest.mark.parametrize('layer', ROS_FREE_LAYERS)
+def test_layer_does_not_import_ros(layer):
+    offences = []
+    for path in layer_files(layer):
+        for line, name in imported_modules(path):
+            if name.split('.')[0] in ROS_MODULES or is_within(name, ROS_OWN_MODULES):
+                offences.append('%s:%d imports %s' % (path.relative_to(PACKAGE_DIR.parent),
+                                                      line, name))
+    assert not offences, 'ROS imports below oxygen_ros/ros:\n' + '\n'.join(offences)
+
+
+@pytest.mark.parametrize('layer', ROS_FREE_LAYERS)
+def test_layer_imports_only_downwards(layer):
+    offences = []
+    for path in layer_files(layer):
+        for line, name in imported_modules(path):
+            if is_within(name, FORBIDDEN_INTERNAL[layer]):
+                offences.append('%s:%d imports %s' % (path.relative_to(PACKAGE_DIR.parent),
+                                                      line, name))
+    assert not offences, 'upward or sideways imports:\n' + '\n'.join(offences)
+
+
+def test_checker_sees_every_import_form(tmp_path, monkeypatch):
+    # the checker itself: absolute, from-, relative and dynamic imports are all seen
+    fake_package = tmp_path / 'oxygen_ros'
+    (fake_package / 'engine').mkdir(parents=True)
+    source = fake_package / 'engine' / 'bad.py'
+    source.write_text('import rclpy.node\n'
+                      'from rclpy import qos\n'
+                      'from ..ros import node\n'
+                      'from .. import msg\n'
+                      'import importlib\n'
+                      'importlib.import_module("rclpy")\n')
+    monkeypatch.setitem(globals(), 'PACKAGE_DIR', fake_package)
+    names = [name for _, name in imported_modules(source)]
+    assert 'rclpy.node' in names
+    assert 'rclpy' in names
+    assert 'oxygen_ros.ros.node' in names
+    assert 'oxygen_ros.msg' in names
+    assert names.count('rclpy') >= 2
