@@ -1,0 +1,268 @@
+"""Baselines behind the Scheduler interface (act / advance_language / step), and make_system.
+
+    isolated   action task (prefill + denoise), then language task with its OWN second prefill
+               and a full N-token decode, sequentially in the same frame (the paper's baseline)
+    shared     one prefill shared by both tasks, but no cross-frame batching: each request
+               decodes to completion in its frame
+    parallel   two model instances in two processes, each with its own prefill, one thread each
+               (the naive parallel baseline: it doubles weights and prefill work)
+    oxygen     shared prefill + cross-frame continuous batching, fixed k (engine.scheduler)
+    oxygen-adaptive  the same with a deadline-adaptive k
+All of them produce the same greedy tokens and the same actions for the same frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from oxygen_ros.engine.budget import AdaptiveBudget, FixedBudget
+from oxygen_ros.engine.frontend import Frontend
+from oxygen_ros.engine.scheduler import _Frame, Scheduler
+from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, TokenDelta, Timings
+from oxygen_ros.engine.workload import LanguagePolicy
+from oxygen_ros.model.config import Pi05Config
+from oxygen_ros.model.pi05 import Pi05Model
+
+logger = logging.getLogger(__name__)
+
+SYSTEMS = ('isolated', 'parallel', 'shared', 'oxygen', 'oxygen-adaptive')
+
+
+class SharedScheduler(Scheduler):
+    """One prefill per frame for both tasks; each request decodes to completion in its frame."""
+
+    system = 'shared'
+
+    def __init__(self, model, frontend, policy, **kwargs):
+        super().__init__(model, frontend, policy, None, **kwargs)
+
+
+class IsolatedScheduler(Scheduler):
+    """The two tasks run as if alone: no shared cache, no batching, sequential."""
+
+    system = 'isolated'
+
+    def __init__(self, model, frontend, policy, **kwargs):
+        super().__init__(model, frontend, policy, None, **kwargs)
+
+    def _action_task(self, frame: _Frame):
+        out = super()._action_task(frame)
+        # The action task owns its cache only while it runs.
+        self._drop_frame(frame)
+        return out
+
+    def _start_request(self, frame: _Frame) -> None:
+        """Language task: a second prefill of the same observation into a slot of its own."""
+        rid = self._take_request_id()
+        holder = f'request {rid}'
+        slot = self._allocate(holder)
+        try:
+            prefix = self.runner.prefill(frame.prepared.tensors, slot)
+        except Exception as err:   # a language failure must not reach the action path
+            self.pool.release(slot, holder)
+            req = self._new_request(frame, None, None, rid)
+            logger.error('request %d: language prefill failed: %r', rid, err)
+            req.finish('error', repr(err))
+            self._ended.append(req)
+            return
+        self._new_request(frame, slot, prefix, rid)
+
+    def language_task(self, obs: Observation) -> FrameResult:
+        """Only the language half of a frame (the parallel baseline's language process)."""
+        frame = self._begin_frame(obs)
+        frame.act_s = self.clock() - frame.started
+        self._frame = frame
+        self.advance_language()
+        return self.last_result
+
+
+# ---- parallel: two processes ---------------------------------------------------------------
+
+def _worker_main(role: str, config: dict, state_dict: dict, dtype: torch.dtype, device: str,
+                 frontend: Frontend, policy: LanguagePolicy, seed: int, threads: int,
+                 inbox, outbox) -> None:
+    """Process body: build a model from config + weights, then serve one frame per message."""
+    torch.set_num_threads(threads)
+    try:
+        model = Pi05Model(Pi05Config.from_dict(config)).to_precision(dtype)
+        model.load_state_dict(state_dict)
+        model.to(device).eval()
+        del state_dict
+        if role == 'action':
+            system = Scheduler(model, frontend, dataclasses.replace(policy, every_n_frames=0,
+                                                                    arrival_rate=None),
+                               None, seed=seed)
+        else:
+            system = IsolatedScheduler(model, frontend, policy, seed=seed)
+    except Exception as err:   # reported to the parent, which raises
+        outbox.put(('error', repr(err)))
+        return
+    outbox.put(('ready', None))
+    while True:
+        obs = inbox.get()
+        if obs is None:
+            return
+        try:
+            if role == 'action':
+                system.act(obs)
+                system.advance_language()    # releases the frame slot; no request starts
+            else:
+                system.language_task(obs)
+            outbox.put(('ok', system.last_result))
+        except Exception as err:   # reported to the parent, which raises
+            outbox.put(('error', repr(err)))
+
+
+class ParallelSystem:
+    """Naive parallel baseline: action and language in two processes, one model each.
+
+    Each process has its own copy of the weights and its own prefill of every observation,
+    and runs one thread.
+    The parent converts nothing but frame numbers; each worker validates and prepares the
+    observation itself (the work a real second process would repeat).
+    """
+
+    system = 'parallel'
+
+    def __init__(self, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy, *,
+                 seed: int = 0, threads: int = 1, timeout_s: float = 600.0):
+        self.frontend = frontend
+        self.policy = policy
+        self.timeout_s = timeout_s
+        self.clock = time.perf_counter
+        ctx = mp.get_context('spawn')
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        device = str(next(model.parameters()).device)
+        self._inbox, self._outbox, self._procs = {}, {}, {}
+        for role in ('action', 'language'):
+            self._inbox[role], self._outbox[role] = ctx.Queue(), ctx.Queue()
+            self._procs[role] = ctx.Process(
+                target=_worker_main, name=f'oxygen-{role}', daemon=True,
+                args=(role, model.config.to_dict(), weights, model.compute_dtype, device,
+                      frontend, policy, seed, threads, self._inbox[role], self._outbox[role]))
+            self._procs[role].start()
+        for role in self._procs:
+            self._receive(role, expect='ready')
+        self._next_frame_index = 0
+        self._pending: tuple[int, float, float] | None = None   # frame, act start, act_s
+        self._action_result: FrameResult | None = None
+        self.last_result: FrameResult | None = None
+
+    def _receive(self, role: str, expect: str = 'ok'):
+        try:
+            kind, payload = self._outbox[role].get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f'parallel {role} process did not answer in '
+                               f'{self.timeout_s:.0f} s') from None
+        if kind != expect:
+            raise RuntimeError(f'parallel {role} process failed: {payload}')
+        return payload
+
+    def act(self, obs: Observation) -> ActionOutput:
+        """Send the frame to both processes; wait for the actions only."""
+        start = self.clock()
+        if self._pending is not None:
+            self.advance_language()     # collect the previous frame's language reply first
+        index = self._next_frame_index if obs.frame_index is None else int(obs.frame_index)
+        self._next_frame_index = index + 1
+        obs = dataclasses.replace(obs, frame_index=index)
+        for role in ('action', 'language'):
+            self._inbox[role].put(obs)
+        try:
+            self._action_result = self._receive('action')
+        except RuntimeError:
+            # Keep the language reply stream aligned with frames before reporting the failure.
+            self._outbox['language'].get(timeout=self.timeout_s)
+            raise
+        act_s = self.clock() - start
+        self._pending = (index, start, act_s)
+        action = self._action_result.action
+        return dataclasses.replace(action, inference_time_s=act_s)
+
+    def advance_language(self) -> list[TokenDelta]:
+        """Wait for the language process's reply for the frame sent by act()."""
+        if self._pending is None:
+            return []
+        start = self.clock()
+        index, _, act_s = self._pending
+        self._pending = None
+        lang = self._receive('language')
+        act = self._action_result
+        total_s = act_s + self.clock() - start
+        a, g = act.timings, lang.timings
+        timings = Timings(prefill_s=a.prefill_s + g.prefill_s, action_s=a.action_s,
+                          decode_s=g.decode_s, total_s=total_s, act_s=act_s,
+                          frontend_s=max(a.frontend_s, g.frontend_s))
+        # The processes overlap, so the frame's model time is the longer of the two.
+        timings.overhead_s = max(total_s - max(a.model_s, g.model_s), 0.0)
+        usage = {key: act.kv_usage[key] + lang.kv_usage[key]
+                 for key in act.kv_usage if key != 'holders'}
+        self.last_result = FrameResult(
+            frame_index=index, action=dataclasses.replace(act.action, inference_time_s=act_s),
+            deltas=lang.deltas, finished=lang.finished, k=lang.k,
+            decode_steps=lang.decode_steps, batch_sizes=lang.batch_sizes,
+            active_requests=lang.active_requests, timings=timings, kv_usage=usage)
+        return lang.deltas
+
+    def step(self, obs: Observation) -> FrameResult:
+        self.act(obs)
+        self.advance_language()
+        return self.last_result
+
+    def close(self) -> None:
+        """Stop both processes (idempotent)."""
+        for role, proc in self._procs.items():
+            if proc.is_alive():
+                self._inbox[role].put(None)
+        for proc in self._procs.values():
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def __enter__(self) -> ParallelSystem:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        procs = getattr(self, '_procs', {})
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.kill()
+
+
+# ---- factory --------------------------------------------------------------------------------
+
+def make_system(name: str, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy, *,
+                k: int = 5, frame_period_s: float | None = None, num_slots: int | None = None,
+                pressure: str = 'evict_oldest', seed: int = 0, debug: bool = False,
+                **adaptive_kw):
+    """Build system `name` (one of SYSTEMS) over one model and frontend.
+
+    k: tokens per request per frame for 'oxygen' (and k_max for 'oxygen-adaptive' unless
+    given in adaptive_kw); frame_period_s: the deadline of 'oxygen-adaptive' (required).
+    """
+    common = dict(num_slots=num_slots, pressure=pressure, seed=seed, debug=debug)
+    if name == 'oxygen':
+        return Scheduler(model, frontend, policy, FixedBudget(k), **common)
+    if name == 'oxygen-adaptive':
+        if frame_period_s is None:
+            raise ValueError('oxygen-adaptive needs frame_period_s (the frame deadline)')
+        adaptive_kw.setdefault('k_max', max(k, policy.max_request_len))
+        return Scheduler(model, frontend, policy, AdaptiveBudget(frame_period_s, **adaptive_kw),
+                         **common)
+    if name == 'shared':
+        return SharedScheduler(model, frontend, policy, **common)
+    if name == 'isolated':
+        return IsolatedScheduler(model, frontend, policy, **common)
+    if name == 'parallel':
+        return ParallelSystem(model, frontend, policy, seed=seed)
+    raise ValueError(f'unknown system {name!r}; expected one of {SYSTEMS}')

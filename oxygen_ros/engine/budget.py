@@ -1,0 +1,157 @@
+"""Decode budget k: how many tokens each live language request may advance in one frame.
+
+One budget unit = one token step of every live request: a batched decode_step, or (for a
+request's very first token) the LM head on the prefix's last hidden state. The scheduler asks
+`choose()` once per frame, after the action path, and reports every step it runs back through
+`observe_decode()` so adaptive budgets learn the cost of a step per batch size.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+class FixedBudget:
+    """The paper's setting: exactly k token steps per request per frame."""
+
+    def __init__(self, k: int):
+        if k < 1:
+            raise ValueError(f'k must be >= 1, got {k}')
+        self.k = k
+
+    @property
+    def k_max(self) -> int:
+        return self.k
+
+    def choose(self, elapsed_s: float, batch_size: int) -> int:
+        """Return k for this frame (elapsed_s: frame time so far; batch_size: live requests)."""
+        return self.k
+
+    def allow_more(self, elapsed_s: float, batch_size: int) -> bool:
+        """Whether another step fits in this frame (a fixed budget never cuts a frame short)."""
+        return True
+
+    def observe_action(self, seconds: float) -> None:
+        """Record the action path time of a frame (unused by a fixed budget)."""
+
+    def observe_decode(self, batch_size: int, seconds: float) -> None:
+        """Record the time of one token step over `batch_size` rows (unused here)."""
+
+    def __str__(self) -> str:
+        return f'FixedBudget(k={self.k})'
+
+
+class StepCostModel:
+    """Online estimate d(B) of one token step's time for batch size B.
+
+    Per batch size: max(EMA of measured steps, latest step). The max makes the estimate jump
+    up at once when steps get slower (a deadline at risk) and drift down slowly when they get
+    faster (slack is only given back once it is confirmed). For a size never seen:
+    between two measured sizes, linear interpolation; below the smallest, the smallest's cost
+    (a step never gets cheaper with more rows, so that is an upper bound); above the largest,
+    linear extrapolation along the last segment, or, with one measured size b0 only,
+    d(b0)·B/b0 (pessimistic: assumes cost grows with rows, as on a compute-bound CPU).
+    """
+
+    def __init__(self, ema: float = 0.3, prior_s: float | None = None):
+        self.ema = ema                        # weight of the newest sample
+        self.prior_s = prior_s                # cost assumed before any measurement (None: none)
+        self._ema: dict[int, float] = {}      # batch size -> EMA seconds per step
+        self._cost: dict[int, float] = {}     # batch size -> max(EMA, latest) seconds
+
+    def observe(self, batch_size: int, seconds: float) -> None:
+        old = self._ema.get(batch_size)
+        ema = seconds if old is None else old + self.ema * (seconds - old)
+        self._ema[batch_size] = ema
+        self._cost[batch_size] = max(ema, seconds)
+
+    def estimate(self, batch_size: int) -> float | None:
+        """Seconds per step at `batch_size`, or None when nothing is known yet."""
+        if batch_size in self._cost:
+            return self._cost[batch_size]
+        if not self._cost:
+            return self.prior_s
+        sizes = sorted(self._cost)
+        if batch_size < sizes[0]:
+            return self._cost[sizes[0]]
+        if len(sizes) == 1:
+            return self._cost[sizes[0]] * batch_size / sizes[0]
+        i = bisect.bisect_left(sizes, batch_size)
+        lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
+        slope = max((self._cost[hi] - self._cost[lo]) / (hi - lo), 0.0)
+        return max(self._cost[lo] + slope * (batch_size - lo), self._cost[sizes[0]])
+
+    def known(self) -> dict[int, float]:
+        return dict(self._cost)
+
+
+class AdaptiveBudget:
+    """Choose k each frame so the frame ends by its deadline, without starving language.
+
+    Per frame, after the action path:  k = floor((deadline - elapsed) / d(B)),  clamped to
+    [0, k_max], where deadline = frame_period_s · (1 - margin) and d(B) comes from the online
+    cost model at the current number of live requests B (an upper bound on every step's batch
+    this frame). Guarantees:
+      * slack ≥ one step  ->  k ≥ 1 (follows from the floor);
+      * no slack          ->  k = 0, except that after `max_starved_frames` consecutive frames
+        with k = 0 the next frame gets k = 1, so language progresses at a minimum rate of one
+        token per (max_starved_frames + 1) frames while the action path alone overruns;
+      * nothing measured  ->  k = 1 (a probe that teaches the cost model).
+    `allow_more()` re-checks the clock before each further step, so a frame whose steps run
+    slower than estimated stops early instead of overrunning by k steps.
+    """
+
+    def __init__(self, frame_period_s: float, k_max: int = 16, margin: float = 0.05,
+                 ema: float = 0.3, prior_step_s: float | None = None,
+                 max_starved_frames: int = 4):
+        if frame_period_s <= 0 or k_max < 1 or not 0 <= margin < 1:
+            raise ValueError(f'bad AdaptiveBudget({frame_period_s}, k_max={k_max}, '
+                             f'margin={margin})')
+        self.frame_period_s = frame_period_s
+        self.k_max = k_max
+        self.margin = margin
+        self.max_starved_frames = max_starved_frames
+        self.cost = StepCostModel(ema, prior_step_s)
+        self.action_s: float | None = None   # EMA of the action path (reporting, planning)
+        self._ema = ema
+        self._starved = 0                    # consecutive frames with k = 0
+        self.last_k = 0
+
+    @property
+    def deadline_s(self) -> float:
+        return self.frame_period_s * (1.0 - self.margin)
+
+    def choose(self, elapsed_s: float, batch_size: int) -> int:
+        """Return k for this frame; elapsed_s = frame time so far (action path included)."""
+        step = self.cost.estimate(max(batch_size, 1))
+        if step is None:
+            k = 1
+        else:
+            slack = self.deadline_s - elapsed_s
+            # 1 ns of tolerance: a slack of exactly n steps must give n despite rounding.
+            k = 0 if slack <= 0 else min(self.k_max, int((slack + 1e-9) // max(step, 1e-9)))
+        if k == 0:
+            self._starved += 1
+            if self._starved > self.max_starved_frames:
+                k = 1
+        if k > 0:
+            self._starved = 0
+        self.last_k = k
+        return k
+
+    def allow_more(self, elapsed_s: float, batch_size: int) -> bool:
+        """Whether one more step at `batch_size` still ends before the deadline."""
+        step = self.cost.estimate(max(batch_size, 1)) or 0.0
+        return elapsed_s + step <= self.deadline_s
+
+    def observe_action(self, seconds: float) -> None:
+        old = self.action_s
+        self.action_s = seconds if old is None else old + self._ema * (seconds - old)
+
+    def observe_decode(self, batch_size: int, seconds: float) -> None:
+        self.cost.observe(batch_size, seconds)
+
+    def __str__(self) -> str:
+        known = ', '.join(f'{b}:{s * 1e3:.2f}ms' for b, s in sorted(self.cost.known().items()))
+        return (f'AdaptiveBudget(period={self.frame_period_s * 1e3:.1f}ms, k_max={self.k_max}, '
+                f'last_k={self.last_k}, d(B)={{{known}}})')

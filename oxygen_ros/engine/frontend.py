@@ -1,0 +1,122 @@
+"""Frontend: Observation (numpy) -> model input tensors, model actions -> robot units, ids -> text.
+
+One object per robot setup, built from the model config, a robot name, a tokenizer and norm
+stats. It is the engine's only contact with the model-I/O helpers (robots, tokenizer,
+normalize), so the scheduler never sees cameras, joints or strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oxygen_ros.engine.types import Observation
+from oxygen_ros.model.config import Pi05Config
+from oxygen_ros.model.normalize import NormStats
+from oxygen_ros.model.pi05 import Pi05Model
+from oxygen_ros.model.robots import collate, get_robot, ModelInputs, RobotAdapter
+from oxygen_ros.model.tokenizer import PaligemmaTokenizer, train_tiny_tokenizer
+
+
+@dataclasses.dataclass
+class PreparedObservation:
+    """One observation in model form (batch of one row)."""
+
+    inputs: ModelInputs                 # numpy row (kept: aloha's delta actions need its state)
+    tensors: dict[str, torch.Tensor]    # prefill kwargs: images [1, C, 3, S, S], image_masks
+    #                                     [1, C], tokens [1, Lt], token_masks [1, Lt]
+
+
+class Frontend:
+    """Converts between robot observations/actions and the model's tensors, and ids and text."""
+
+    def __init__(self, adapter: RobotAdapter, device: str | torch.device = 'cpu'):
+        self.adapter = adapter
+        self.tokenizer: PaligemmaTokenizer = adapter.tokenizer
+        self.device = torch.device(device)
+
+    @classmethod
+    def from_config(cls, config: Pi05Config, robot: str, tokenizer: PaligemmaTokenizer,
+                    norm_stats: dict[str, NormStats], device: str | torch.device = 'cpu'
+                    ) -> Frontend:
+        """Frontend for `robot` ('libero', 'droid', 'aloha') with the model's sizes."""
+        adapter = RobotAdapter.from_config(get_robot(robot), config, norm_stats, tokenizer)
+        return cls(adapter, device)
+
+    @property
+    def robot(self) -> str:
+        return self.adapter.spec.name
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    # ---- observation side --------------------------------------------------------------------
+
+    def prepare(self, obs: Observation) -> PreparedObservation:
+        """Validate and convert one observation (raises ValueError with a reason when bad)."""
+        inputs = self.adapter.prepare(obs.images, obs.state, obs.instruction)
+        return PreparedObservation(inputs, collate([inputs], self.device))
+
+    def robot_actions(self, normalized: np.ndarray, prepared: PreparedObservation) -> np.ndarray:
+        """Model actions float32 [H, A] (normalised) -> robot actions float32 [H, robot dim]."""
+        return self.adapter.postprocess(normalized, prepared.inputs)
+
+    # ---- text side ---------------------------------------------------------------------------
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of plain text (no BOS, no padding), for prompt templates fed as forced tokens."""
+        # PaligemmaTokenizer only exposes prompt-shaped encoding; plain text goes through its
+        # SentencePiece processor directly.
+        return list(self.tokenizer._sp.encode(text)) if text else []
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def decode_delta(self, ids: list[int], n_old: int, final: bool) -> str:
+        """Text added by ids[n_old:]; deltas of one stream concatenate to decode(ids)."""
+        return self.tokenizer.decode_delta(ids, n_old, final=final)
+
+
+def identity_norm_stats(robot: str) -> dict[str, NormStats]:
+    """Norm stats that leave values in [-1, 1] unchanged (random-weight demos and tests)."""
+    spec = get_robot(robot)
+
+    def stats(dim: int) -> NormStats:
+        return NormStats(mean=np.zeros(dim), std=np.ones(dim), q01=-np.ones(dim),
+                         q99=np.ones(dim))
+    return {'state': stats(spec.state_dim), 'actions': stats(spec.action_dim)}
+
+
+def random_setup(config: Pi05Config, robot: str = 'libero', seed: int = 0,
+                 tokenizer_dir: str | os.PathLike | None = None,
+                 device: str | torch.device = 'cpu', dtype: torch.dtype = torch.float32
+                 ) -> tuple[Pi05Model, Frontend]:
+    """Build a random-weight model and a frontend with a tiny trained tokenizer (no downloads).
+
+    The tokenizer vocab is at most 1024 (a small corpus cannot fill more); ids the model emits
+    beyond it decode as unknown, which is fine for demos, tests and benchmarks.
+    """
+    model = Pi05Model(config).init_random(seed).to(device).to_precision(dtype).eval()
+    out_dir = Path(tokenizer_dir or Path.home() / '.cache' / 'oxygen_ros' / 'tokenizers')
+    vocab = min(config.backbone.vocab_size, 1024)
+    tok_path = train_tiny_tokenizer(out_dir, vocab)
+    tokenizer = PaligemmaTokenizer(tok_path, max_len=config.max_token_len)
+    frontend = Frontend.from_config(config, robot, tokenizer, identity_norm_stats(robot), device)
+    return model, frontend
+
+
+def random_observation(robot: str, frame_index: int, seed: int = 0, image_size: int = 224,
+                       instruction: str = 'pick up the red block') -> Observation:
+    """Make a synthetic observation for `robot`, a pure function of (seed, frame_index)."""
+    spec = get_robot(robot)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, frame_index, 7]))
+    images = {cam: rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8)
+              for cam in spec.camera_names}
+    state = rng.uniform(-1, 1, spec.state_dim).astype(np.float32)
+    return Observation(images=images, state=state, instruction=instruction,
+                       stamp=frame_index * 0.1, frame_index=frame_index)

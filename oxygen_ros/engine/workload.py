@@ -1,0 +1,126 @@
+"""Language request policy and the paper's reference workloads (libero / droid / aloha)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+def frame_rng(seed: int, frame_index: int, stream: int = 0) -> np.random.Generator:
+    """Return a generator that depends only on (seed, frame_index, stream), not call order.
+
+    Every system (oxygen, baselines, processes) derives per-frame randomness this way, so they
+    see the same noise and the same request arrivals whatever else they do.
+    """
+    return np.random.default_rng(np.random.SeedSequence([seed, frame_index, stream]))
+
+
+@dataclasses.dataclass(frozen=True)
+class LanguagePolicy:
+    """When language requests start and how long they may run.
+
+    Arrivals are a pure function of (seed, frame_index), so a rerun or another system sees
+    the same requests. A frame starts at most one request (the request adopts that frame's
+    KV slot); with Poisson arrivals, requests that arrive in the same frame queue for the next
+    frames (up to `max_queue`; further ones are refused and reported).
+    """
+
+    max_new_tokens: int = 10            # N, generated tokens per request (EOS may stop earlier)
+    every_n_frames: int = 1             # start one request every n frames; 0 = never
+    arrival_rate: float | None = None   # Poisson: mean requests per frame (overrides every_n)
+    length_choices: tuple[int, ...] = ()  # if set, each request draws N from these (seeded)
+    seed: int = 0                       # seeds arrivals and drawn lengths
+    eos_id: int | None = 1              # stop token; None disables EOS (the paper's setting)
+    prompt_template: str = ''           # '' = continue the action prefix exactly (the paper);
+    # otherwise fed as forced tokens after the prefix; '{instruction}' is replaced by the task
+    max_queue: int = 4                  # Poisson arrivals waiting for a frame, beyond = refused
+
+    def __post_init__(self):
+        lengths = self.length_choices or (self.max_new_tokens,)
+        if min(lengths) < 1:
+            raise ValueError(f'request lengths must be >= 1, got {lengths}')
+        if self.every_n_frames < 0:
+            raise ValueError(f'every_n_frames must be >= 0, got {self.every_n_frames}')
+        if self.arrival_rate is not None and not self.arrival_rate >= 0:
+            raise ValueError(f'arrival_rate must be >= 0, got {self.arrival_rate}')
+
+    @property
+    def max_request_len(self) -> int:
+        """Largest N any request can have (sizes the KV slots)."""
+        return max(self.length_choices or (self.max_new_tokens,))
+
+    def arrivals(self, frame_index: int) -> int:
+        """Return the number of requests arriving at this frame."""
+        if self.arrival_rate is not None:
+            return int(frame_rng(self.seed, frame_index, 1).poisson(self.arrival_rate))
+        if self.every_n_frames == 0:
+            return 0
+        return int(frame_index % self.every_n_frames == 0)
+
+    def request_len(self, frame_index: int) -> int:
+        """Return N of a request started at this frame."""
+        if not self.length_choices:
+            return self.max_new_tokens
+        pick = frame_rng(self.seed, frame_index, 2).integers(len(self.length_choices))
+        return int(self.length_choices[pick])
+
+    def prompt_text(self, instruction: str) -> str:
+        """Return the text fed as forced tokens after the prefix ('' for none)."""
+        if not self.prompt_template:
+            return ''
+        return self.prompt_template.replace('{instruction}', instruction)
+
+    def requests_per_frame(self) -> float:
+        """Return the mean arrivals per frame (for pool sizing)."""
+        if self.arrival_rate is not None:
+            return min(self.arrival_rate, 1.0)
+        return 0.0 if self.every_n_frames == 0 else 1.0 / self.every_n_frames
+
+
+def default_num_slots(policy: LanguagePolicy, k: int) -> int:
+    """Pool capacity: ceil(N/k) + 1 live requests + 1 frame being acted on + 1 spare.
+
+    A request of N tokens at k tokens per frame lives ceil(N/k) frames; with one request per
+    frame that many overlap, plus the one starting now. The frame slot is what the action path
+    allocates before it knows whether a request will adopt it; the spare absorbs the frame
+    where a request finishes after the next frame's slot was taken.
+    """
+    if policy.requests_per_frame() == 0:
+        return 2
+    return math.ceil(policy.max_request_len / max(k, 1)) + 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A reference robot setup from the OxyGen paper (all cameras 224² in the real model)."""
+
+    name: str
+    robot: str                  # robot adapter name in oxygen_ros.model.robots
+    num_cameras: int            # cameras the robot actually sends
+    state_dim: int              # robot state vector length
+    action_dim: int             # robot action vector length
+    horizon: int                # H, action rows per chunk
+
+
+WORKLOADS: dict[str, Workload] = {
+    'libero': Workload('libero', 'libero', num_cameras=2, state_dim=8, action_dim=7, horizon=10),
+    'droid': Workload('droid', 'droid', num_cameras=2, state_dim=8, action_dim=8, horizon=10),
+    'aloha': Workload('aloha', 'aloha', num_cameras=3, state_dim=14, action_dim=14, horizon=10),
+}
+
+
+def get_workload(name: str) -> Workload:
+    """Return the reference workload called `name`."""
+    try:
+        return WORKLOADS[name]
+    except KeyError:
+        raise ValueError(f'unknown workload {name!r}; '
+                         f'expected one of {sorted(WORKLOADS)}') from None
+
+
+def frame_noise(seed: int, frame_index: int, horizon: int, action_dim: int) -> np.ndarray:
+    """Flow-matching start noise float32 [H, A] for a frame; identical in every system."""
+    return frame_rng(seed, frame_index, 0).standard_normal((horizon, action_dim)).astype(
+        np.float32)

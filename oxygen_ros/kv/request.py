@@ -1,0 +1,101 @@
+"""RequestState σ: one language request continuing the KV cache of the frame it started at.
+
+Token ranges of a request in its slot (storage index, not RoPE position):
+
+    [0 .............. P)[P ......... P+F)[P+F ........... P+F+G-1)
+     prefix of frame t    forced tokens     generated tokens fed back
+     (n_valid real)       (prompt template)  (the last one is never fed)
+
+F = len(forced), G = tokens generated so far. `gen_len` = K/V entries written after the prefix
+= the storage offset the next decode step writes at. RoPE positions continue from n_valid, so
+padding in the prefix costs no positions (the model handles that from n_valid).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+FINISH_REASONS = ('eos', 'length', 'evicted', 'error', 'refused')
+
+
+@dataclasses.dataclass
+class RequestState:
+    """Mutable state of one language request; the scheduler owns it, the pool owns its slot."""
+
+    request_id: int                 # unique, increasing in start order
+    slot: int | None                # pool slot holding its K/V (None once released / refused)
+    origin_frame: int               # frame whose prefix this request continues
+    n_valid: int                    # real prefix positions (RoPE offset of the first token)
+    prefix_len: int                 # P, storage offset of the first generated K/V entry
+    max_new_tokens: int             # N: stop with 'length' after this many generated tokens
+    eos_id: int | None = None       # stop with 'eos' after emitting this token (None: never)
+    forced: list[int] = dataclasses.field(default_factory=list)   # prompt template ids to feed
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # generated so far
+    gen_len: int = 0                # K/V entries written after the prefix
+    finished: bool = False
+    finish_reason: str = ''         # '' while running, else one of FINISH_REASONS
+    num_reported: int = 0           # tokens already handed out in deltas
+    error: str = ''                 # exception text ('error') or refusal reason ('refused')
+
+    @property
+    def tokens_left(self) -> int:
+        return 0 if self.finished else self.max_new_tokens - len(self.token_ids)
+
+    @property
+    def kv_entries_needed(self) -> int:
+        """Most K/V entries this request can write: forced + N - 1 (last token never fed)."""
+        return len(self.forced) + max(self.max_new_tokens - 1, 0)
+
+    @property
+    def needs_prefix_token(self) -> bool:
+        """True when the next token comes from the prefix logits, not from a decode step."""
+        return not self.forced and not self.token_ids and not self.finished
+
+    def age(self, frame_index: int) -> int:
+        """Frames since this request started."""
+        return frame_index - self.origin_frame
+
+    def next_input_token(self) -> int:
+        """Token to feed at the next decode step: a forced one, else the last generated one."""
+        assert not self.finished and not self.needs_prefix_token, 'nothing to feed'
+        if self.gen_len < len(self.forced):
+            return self.forced[self.gen_len]
+        return self.token_ids[-1]
+
+    def accept_prefix_token(self, token_id: int) -> None:
+        """Record the first token, argmax of the prefix logits (no K/V written)."""
+        assert self.needs_prefix_token
+        self._emit(token_id)
+
+    def accept_decode_step(self, token_id: int) -> None:
+        """Record one decode step: its input's K/V was written, `token_id` is argmax of logits.
+
+        While forced tokens remain to be fed, the logits are not a generated token and
+        `token_id` is ignored.
+        """
+        assert not self.finished
+        self.gen_len += 1
+        if self.gen_len >= len(self.forced):
+            self._emit(token_id)
+
+    def _emit(self, token_id: int) -> None:
+        self.token_ids.append(int(token_id))
+        if self.eos_id is not None and token_id == self.eos_id:
+            self.finish('eos')
+        elif len(self.token_ids) >= self.max_new_tokens:
+            self.finish('length')
+
+    def finish(self, reason: str, error: str = '') -> None:
+        """Mark finished; the scheduler releases the slot (the pool is not touched here)."""
+        assert reason in FINISH_REASONS, f'unknown finish reason {reason!r}'
+        if self.finished:
+            return
+        self.finished = True
+        self.finish_reason = reason
+        self.error = error
+
+    def take_new_tokens(self) -> list[int]:
+        """Return the generated tokens not reported yet, and mark them reported."""
+        new = self.token_ids[self.num_reported:]
+        self.num_reported = len(self.token_ids)
+        return new

@@ -1,0 +1,127 @@
+"""Decode budgets and language policies, with fake costs (no model, no clocks)."""
+
+import math
+
+import pytest
+
+from oxygen_ros.engine.budget import AdaptiveBudget, FixedBudget, StepCostModel
+from oxygen_ros.engine.workload import (default_num_slots, frame_noise, get_workload,
+                                        LanguagePolicy)
+
+
+def test_fixed_budget():
+    budget = FixedBudget(3)
+    assert budget.choose(10.0, 7) == 3 and budget.allow_more(10.0, 7)
+    with pytest.raises(ValueError):
+        FixedBudget(0)
+
+
+def test_step_cost_model_interpolates_and_extrapolates():
+    cost = StepCostModel(ema=0.5)
+    assert cost.estimate(3) is None
+    cost.observe(2, 0.010)
+    assert cost.estimate(2) == pytest.approx(0.010)
+    assert cost.estimate(1) == pytest.approx(0.010)        # fewer rows: never assumed cheaper
+    assert cost.estimate(4) == pytest.approx(0.020)        # one point: linear in rows
+    cost.observe(4, 0.014)
+    assert cost.estimate(3) == pytest.approx(0.012)        # interpolation
+    assert cost.estimate(6) == pytest.approx(0.018)        # extrapolation, last slope
+    cost.observe(2, 0.020)                                 # slower: believed at once
+    assert cost.estimate(2) == pytest.approx(0.020)
+    cost.observe(2, 0.010)                                 # faster: EMA drifts down
+    assert cost.estimate(2) == pytest.approx(0.0125)
+
+
+def simulate(budget, frames, action_s, step_cost, batch_size=3):
+    """Run `frames` frames against a fake cost model; return [(k, steps run, frame time)]."""
+    out = []
+    for _ in range(frames):
+        elapsed = action_s
+        budget.observe_action(action_s)
+        k = budget.choose(elapsed, batch_size)
+        steps = 0
+        while steps < k and (steps == 0 or budget.allow_more(elapsed, batch_size)):
+            cost = step_cost(batch_size)
+            elapsed += cost
+            budget.observe_decode(batch_size, cost)
+            steps += 1
+        out.append((k, steps, elapsed))
+    return out
+
+
+def test_adaptive_fits_deadline_and_uses_slack():
+    period = 0.100
+    budget = AdaptiveBudget(period, k_max=50, margin=0.05)
+    runs = simulate(budget, 10, action_s=0.040, step_cost=lambda b: 0.004 + 0.002 * b)
+    assert runs[0][0] == 1                                 # probe: nothing measured yet
+    for k, steps, elapsed in runs[1:]:
+        assert elapsed <= period * 0.95 + 1e-12
+        # Slack is 55 ms, a step 10 ms: it must use the slack, not just one token.
+        assert k == math.floor((0.095 - 0.040) / 0.010) == 5 and steps == k
+
+
+def test_adaptive_reacts_when_decode_gets_slower():
+    budget = AdaptiveBudget(0.100, k_max=50, margin=0.0)
+    cost = {'per_step': 0.010}
+    simulate(budget, 5, 0.040, lambda b: cost['per_step'])
+    assert budget.last_k == 6
+    cost['per_step'] = 0.020                               # e.g. the GPU got shared
+    runs = simulate(budget, 8, 0.040, lambda b: cost['per_step'])
+    assert runs[-1][0] == 3                                # (100 - 40) / 20
+    # allow_more() stops the first slow frame early; later frames fit outright.
+    assert all(elapsed <= 0.100 + 1e-9 for _, _, elapsed in runs[1:])
+    assert runs[0][1] < runs[0][0] or runs[0][2] <= 0.100 + 1e-9
+
+
+def test_adaptive_never_starves_language():
+    budget = AdaptiveBudget(0.100, k_max=8, max_starved_frames=3)
+    budget.observe_decode(1, 0.010)
+    # The action path alone overruns the period: no slack at all.
+    ks = [budget.choose(0.150, 1) for _ in range(12)]
+    assert ks == [0, 0, 0, 1] * 3                          # one token every 4 frames
+    # Slack of exactly one step gives one token.
+    assert budget.choose(0.095 - 0.010, 1) == 1
+
+
+def test_adaptive_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        AdaptiveBudget(0.0)
+    with pytest.raises(ValueError):
+        AdaptiveBudget(0.1, k_max=0)
+
+
+def test_policy_arrivals_are_pure_and_seeded():
+    every3 = LanguagePolicy(every_n_frames=3)
+    assert [every3.arrivals(f) for f in range(7)] == [1, 0, 0, 1, 0, 0, 1]
+    assert LanguagePolicy(every_n_frames=0).arrivals(0) == 0
+    poisson = LanguagePolicy(arrival_rate=0.5, seed=4)
+    counts = [poisson.arrivals(f) for f in range(2000)]
+    assert counts[:50] == [poisson.arrivals(f) for f in range(50)]     # order-independent
+    assert 0.4 < sum(counts) / len(counts) < 0.6
+    assert counts != [LanguagePolicy(arrival_rate=0.5, seed=5).arrivals(f) for f in range(2000)]
+
+
+def test_policy_lengths_template_and_sizing():
+    mixed = LanguagePolicy(length_choices=(5, 10, 30), seed=1)
+    lengths = {mixed.request_len(f) for f in range(100)}
+    assert lengths == {5, 10, 30} and mixed.max_request_len == 30
+    assert LanguagePolicy(prompt_template='Say: {instruction}').prompt_text('go') == 'Say: go'
+    assert LanguagePolicy().prompt_text('go') == ''
+    # ceil(N/k) + 1 requests + 1 frame slot + 1 spare
+    assert default_num_slots(LanguagePolicy(max_new_tokens=30), 5) == 6 + 3
+    assert default_num_slots(LanguagePolicy(max_new_tokens=10), 3) == 4 + 3
+    with pytest.raises(ValueError):
+        LanguagePolicy(max_new_tokens=0)
+
+
+def test_noise_depends_on_seed_and_frame_only():
+    a = frame_noise(0, 5, 4, 32)
+    assert a.shape == (4, 32) and a.dtype.name == 'float32'
+    assert (a == frame_noise(0, 5, 4, 32)).all()
+    assert not (a == frame_noise(0, 6, 4, 32)).all() and not (a == frame_noise(1, 5, 4, 32)).all()
+
+
+def test_reference_workloads():
+    assert get_workload('libero').action_dim == 7 and get_workload('aloha').state_dim == 14
+    with pytest.raises(ValueError):
+        get_workload('mars')

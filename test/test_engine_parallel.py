@@ -1,0 +1,33 @@
+"""The naive parallel baseline: two processes, same tokens and actions as isolated."""
+
+import numpy as np
+
+from oxygen_ros.engine import LanguagePolicy, make_system, random_observation, random_setup
+from oxygen_ros.model import get_preset
+
+CFG = get_preset('tiny').replace(max_token_len=64)
+
+
+def obs(frame):
+    return random_observation('libero', frame, seed=1, image_size=CFG.vision.image_size,
+                              instruction=('pick up the red block', 'push')[frame % 2])
+
+
+def test_parallel_matches_isolated(tmp_path):
+    model, frontend = random_setup(CFG, 'libero', seed=2, tokenizer_dir=tmp_path)
+    policy = LanguagePolicy(max_new_tokens=5, eos_id=None)
+    isolated = make_system('isolated', model, frontend, policy)
+    reference = [isolated.step(obs(f)) for f in range(3)]
+    with make_system('parallel', model, frontend, policy) as parallel:
+        results = [parallel.step(obs(f)) for f in range(3)]
+        procs = list(parallel._procs.values())
+        assert all(p.is_alive() for p in procs)
+    assert not any(p.is_alive() for p in procs)              # closed cleanly
+    for got, want in zip(results, reference):
+        assert got.frame_index == want.frame_index
+        np.testing.assert_allclose(got.action.actions, want.action.actions, atol=1e-5, rtol=0)
+        assert [f.token_ids for f in got.finished] == [f.token_ids for f in want.finished]
+        assert [d.text for d in got.deltas] == [d.text for d in want.deltas]
+        t = got.timings
+        assert t.prefill_s > 0 and t.decode_s > 0 and 0 <= t.overhead_s < t.total_s
+        assert got.kv_usage['slots_total'] == 2 + 2         # one pool per process
