@@ -27,6 +27,13 @@ def _phases(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record_demo(args: argparse.Namespace) -> int:
+    # rclpy is imported only by this sub-command (the rest of the CLI runs without ROS).
+    from .ros.recorder import record_demo_main
+
+    return record_demo_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='oxygen-ros', description=__doc__)
     sub = parser.add_subparsers(dest='command', required=True)
@@ -40,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     phases.add_argument('--threads', type=int, default=0, help='torch threads (0 = default)')
     phases.add_argument('--seed', type=int, default=0)
     phases.set_defaults(func=_phases)
+
+    from .bench.cli import add_bench_parser
+    add_bench_parser(sub)
+
+    from .bag.cli import add_record_demo_parser, add_replay_parser
+    add_replay_parser(sub)
+    add_record_demo_parser(sub, _record_demo)
     return parser
 
 

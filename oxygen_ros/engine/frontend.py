@@ -72,7 +72,7 @@ class Frontend:
         """Ids of plain text (no BOS, no padding), for prompt templates fed as forced tokens."""
         # PaligemmaTokenizer only exposes prompt-shaped encoding; plain text goes through its
         # SentencePiece processor directly.
-        return list(self.tokenizer._sp.encode(text)) if text else []
+        return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)

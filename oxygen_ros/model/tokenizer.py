@@ -90,6 +90,10 @@ class PaligemmaTokenizer:
         """Id written into padded prompt positions: always 0, as openpi pads."""
         return PAD_ID
 
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Encode plain text (no prompt formatting, no padding)."""
+        return list(self._sp.encode(text, add_bos=add_bos)) if text else []
+
     def prompt_ids(self, text: str, state: np.ndarray | None = None) -> list[int]:
         """Token ids of the full prompt, BOS first, before truncation and padding."""
         if not isinstance(text, str):
