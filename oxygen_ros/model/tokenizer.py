@@ -69,6 +69,8 @@ class PaligemmaTokenizer:
         self.model_path = path
         self.max_len = max_len
         self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        self.truncations = 0                 # prompts cut to max_len so far
+        self._warned_texts: set[str] = set()  # instructions already warned about
 
     @property
     def vocab_size(self) -> int:
@@ -118,8 +120,12 @@ class PaligemmaTokenizer:
         """
         ids = self.prompt_ids(text, state)
         if len(ids) > self.max_len:
-            logger.warning(
-                'prompt has %d tokens but max_len is %d: truncated %d tokens '
+            # The same instruction comes every frame: warn once per text, count every time.
+            self.truncations += 1
+            log = logger.debug if text in self._warned_texts else logger.warning
+            if len(self._warned_texts) < 256:
+                self._warned_texts.add(text)
+            log('prompt has %d tokens but max_len is %d: truncated %d tokens '
                 '(raise max_token_len if this happens often)',
                 len(ids), self.max_len, len(ids) - self.max_len)
             ids = ids[:self.max_len]
