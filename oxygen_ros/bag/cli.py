@@ -1,0 +1,223 @@
+"""`oxygen-ros replay` and `oxygen-ros record-demo`: arguments, summaries, exit codes.
+
+Errors are one line on stderr and exit code 2 (no traceback); Ctrl-C prints the summary of
+what was written and exits with 130. The record-demo handler itself lives with the rclpy
+code (oxygen_ros.ros.recorder); oxygen_ros.cli passes it in, so this module stays ROS-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from typing import Callable
+
+from oxygen_ros.bag.errors import BagError
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def _add_param_arguments(parser: argparse.ArgumentParser) -> None:
+    """Node parameters that may be given on the command line (they override --config)."""
+    group = parser.add_argument_group('node parameters (override --config)')
+    group.add_argument('--config', help="the node's ROS 2 parameter file (config/<robot>.yaml)")
+    group.add_argument('--node-name', default='oxygen_node',
+                       help='node whose ros__parameters to read (default %(default)s)')
+    group.add_argument('--robot', help='libero, droid or aloha')
+    group.add_argument('--namespace', help='node namespace for relative topic names')
+    group.add_argument('--camera-names', nargs='+', metavar='NAME')
+    group.add_argument('--camera-topics', nargs='+', metavar='TOPIC')
+    group.add_argument('--instruction-topic')
+    group.add_argument('--joint-states-topic')
+    group.add_argument('--joint-names', nargs='+', metavar='NAME')
+    group.add_argument('--control-rate', type=float, dest='control_rate_hz', metavar='HZ')
+
+
+def _param_overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+# Node parameter names (oxygen_ros.ros.params) set from the command line.
+_TOPIC_PARAMS = ('robot', 'camera_names', 'camera_topics', 'joint_names', 'control_rate_hz')
+_ENGINE_PARAMS = ('checkpoint', 'preset', 'device', 'dtype', 'seed', 'decode_budget',
+                  'tokens_per_request', 'request_every_n_frames', 'language_prompt',
+                  'kv_capacity', 'denoise_steps', 'stale_frame_timeout_s', 'tokenizer')
+# ReplayParams fields (not node parameters).
+_REPLAY_OPTIONS = ('namespace', 'instruction_topic', 'joint_states_topic',
+                   'instruction_override', 'on_bad_input')
+
+
+def add_replay_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        'replay', help='run the engine over a recorded bag; write its outputs to a new bag',
+        description='Replay a rosbag2 (sqlite3 or MCAP) through the engine at the control rate '
+                    'and write a new bag (MCAP) with the input topics plus actions, '
+                    'language/tokens, language/narration and /diagnostics.')
+    parser.add_argument('bag', help='input rosbag2 directory (or .mcap file)')
+    parser.add_argument('--out', required=True, help='output bag directory (must not exist)')
+    parser.add_argument('--rate', default='recorded',
+                        help="'recorded' (real time, default), 'max' (as fast as possible) or "
+                             'a speed factor such as 2')
+    parser.add_argument('--checkpoint', help='openpi checkpoint dir (default: random weights)')
+    parser.add_argument('--preset', help='model preset for random weights (e.g. pi05-cpu)')
+    parser.add_argument('--device')
+    parser.add_argument('--dtype', choices=['float32', 'bfloat16'])
+    parser.add_argument('--tokenizer', help='SentencePiece model (default: the checkpoint\'s)')
+    parser.add_argument('--seed', type=int)
+    parser.add_argument('--k', dest='decode_budget',
+                        help="tokens per request per frame, or 'adaptive'")
+    parser.add_argument('--tokens', type=int, dest='tokens_per_request', metavar='N',
+                        help='tokens per language request')
+    parser.add_argument('--request-every', type=int, dest='request_every_n_frames',
+                        metavar='FRAMES', help='start a language request every n frames')
+    parser.add_argument('--prompt-template', dest='language_prompt',
+                        help='language prompt template ({instruction} is replaced)')
+    parser.add_argument('--instruction', dest='instruction_override', metavar='TEXT',
+                        help="replace the bag's instructions with this text")
+    parser.add_argument('--kv-capacity', type=int)
+    parser.add_argument('--denoise-steps', type=int)
+    parser.add_argument('--stale-timeout', type=float, dest='stale_frame_timeout_s',
+                        metavar='S')
+    parser.add_argument('--on-bad-input', choices=['error', 'skip'],
+                        help="undecodable or malformed input: stop with an error (default) or "
+                             "skip the tick as the node does")
+    parser.add_argument('--storage', default='mcap', choices=['mcap', 'sqlite3'])
+    parser.add_argument('--copy', default='inputs', choices=['inputs', 'all', 'none'],
+                        help='input topics to copy into the output (default %(default)s)')
+    parser.add_argument('--overwrite', action='store_true', help='replace an existing --out bag')
+    parser.add_argument('--threads', type=int, default=0, help='torch threads (0 = default)')
+    parser.add_argument('--quiet', action='store_true', help='no progress bar')
+    _add_param_arguments(parser)
+    parser.set_defaults(func=replay_main)
+    return parser
+
+
+def add_record_demo_parser(sub, handler: Callable[[argparse.Namespace], int]
+                           ) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        'record-demo', help="record the node's input topics (demo publisher) to a bag",
+        description="Run the node demo's stand-in robot (scikit-image sample photos with "
+                    'slight motion, joint states, an instruction) and record its topics over '
+                    'DDS with an rclpy subscriber to a rosbag2, as input for `oxygen-ros '
+                    'replay`. With --no-publish, record what others publish instead.')
+    parser.add_argument('--duration', type=float, required=True, metavar='S')
+    parser.add_argument('--out', required=True, help='output bag directory (must not exist)')
+    parser.add_argument('--instruction', default='pick up the red block', metavar='TEXT')
+    parser.add_argument('--no-publish', dest='publish', action='store_false',
+                        help='record what others publish (a robot, the node demo) instead')
+    parser.add_argument('--image-size', type=int, default=224, metavar='PIXELS',
+                        help='side of the square demo images (default %(default)s)')
+    parser.add_argument('--camera-hz', type=float, default=15.0)
+    parser.add_argument('--state-hz', type=float, default=50.0)
+    parser.add_argument('--storage', default='mcap', choices=['mcap', 'sqlite3'])
+    parser.add_argument('--overwrite', action='store_true')
+    _add_param_arguments(parser)
+    parser.set_defaults(func=handler)
+    return parser
+
+
+def params_from_args(args: argparse.Namespace, engine: bool = True):
+    """Build ReplayParams from --config plus the command-line overrides."""
+    from oxygen_ros.bag.config import load_params
+
+    names = _TOPIC_PARAMS + (_ENGINE_PARAMS if engine else ())
+    return load_params(args.config, _param_overrides(args, names), node_name=args.node_name,
+                       **_param_overrides(args, _REPLAY_OPTIONS))
+
+
+def error(command: str, err: BaseException) -> int:
+    print(f'oxygen-ros {command}: error: {err}', file=sys.stderr)
+    return EXIT_ERROR
+
+
+def replay_main(args: argparse.Namespace) -> int:
+    """Run `oxygen-ros replay`; return the exit code."""
+    _setup_logging()
+    try:
+        params = params_from_args(args)
+        if args.threads:
+            import torch
+            torch.set_num_threads(args.threads)
+        from oxygen_ros.bag.replay import Replay
+        replay = Replay(args.bag, args.out, params, rate=args.rate, storage=args.storage,
+                        overwrite=args.overwrite, copy=args.copy, progress=not args.quiet,
+                        node_name=args.node_name)
+    except BagError as err:
+        return error('replay', err)
+    except KeyboardInterrupt:
+        print('oxygen-ros replay: interrupted', file=sys.stderr)
+        return EXIT_INTERRUPTED
+    try:
+        with _stop_on_sigint(replay):
+            summary = replay.run()
+    except BagError as err:
+        _print_partial(replay.summary)
+        return error('replay', err)
+    except KeyboardInterrupt:
+        _print_partial(replay.summary)
+        print('oxygen-ros replay: interrupted', file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(summary.format())
+    if not summary.deterministic:
+        print('  note: adaptive k reads the wall clock; tokens may differ between replays')
+    return 0
+
+
+@contextlib.contextmanager
+def _stop_on_sigint(replay):
+    """First Ctrl-C: stop after the current tick; second: stop at once.
+
+    Why not the default KeyboardInterrupt: raised inside a C extension it can make CPython
+    (3.11) end the process with SIGINT even after it was handled, losing the exit code.
+    """
+    def on_sigint(signum, frame):
+        if replay.stop_requested:
+            raise KeyboardInterrupt
+        replay.request_stop()
+        print('oxygen-ros replay: stopping after this tick (Ctrl-C again to abort)',
+              file=sys.stderr)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _print_partial(summary) -> None:
+    if summary.status != 'running' and summary.ticks:
+        print(summary.format())
+        print(f'  {summary.out} is closed and readable with everything written so far')
+
+
+class _RepeatFilter(logging.Filter):
+    """Let each distinct warning through once (per-frame warnings would bury the progress bar)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = f'{record.name}:{record.msg}'
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+def _setup_logging() -> None:
+    """Warnings to stderr, each distinct one once (unless logging is configured already)."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter('%(levelname)s %(name)s: %(message)s'))
+    handler.addFilter(_RepeatFilter())
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)

@@ -1,0 +1,484 @@
+"""Replay a recording through the engine: bag in, bag out with the node's output topics.
+
+Time axis: ticks at control_rate_hz from the bag's first message to its last, in bag log time
+(the time of receipt, the clock `ros2 bag play` publishes). Each tick builds its observation
+with the node's own code (oxygen_ros.ros.inputs: latest message per input, staleness judged
+on time of receipt, first camera's header stamp) from the messages with log time <= tick; a
+tick the node would skip (input missing or stale, no instruction) is skipped and counted.
+Outputs are written at the tick's time, so a replayed bag lines up with its inputs.
+
+Determinism: flow-matching noise and language arrivals depend only on (seed, frame index) and
+decoding is greedy, so the same bag, parameters and seed give the same actions and tokens,
+whatever the pacing (`rate`), except with an adaptive decode budget (it reads the wall clock:
+actions stay identical, the tokens' split over frames may not).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+from pathlib import Path
+import time
+from typing import Callable
+
+from oxygen_ros.bag import messages
+from oxygen_ros.bag.config import ReplayParams
+from oxygen_ros.bag.errors import BagError
+from oxygen_ros.bag.reader import InputBag, TopicSpec
+from oxygen_ros.bag.typestore import (ACTION_CHUNK, COMPRESSED_IMAGE, DIAGNOSTIC_ARRAY, IMAGE,
+                                      JOINT_STATE, LANGUAGE_CHUNK, make_typestore, STRING)
+from oxygen_ros.bag.writer import OutputBag
+from oxygen_ros.engine.types import FrameResult, Observation
+from oxygen_ros.ros import conversions, diagnostics, inputs
+from oxygen_ros.ros.engine_setup import build_engine as build_node_engine
+
+logger = logging.getLogger(__name__)
+
+CAMERA_TYPES = (IMAGE, COMPRESSED_IMAGE)
+COMPLETE_REASONS = ('eos', 'length')   # as the node: narration only for requests that completed
+COPY_MODES = ('inputs', 'all', 'none')
+DIAGNOSTICS_TOPIC = '/diagnostics'
+
+
+def parse_rate(rate: str | float | None) -> float | None:
+    """'max' -> None (no pacing); 'recorded' -> 1.0; a number -> that multiple of real time."""
+    if rate in ('max', None):
+        return None
+    if rate == 'recorded':
+        return 1.0
+    try:
+        factor = float(rate)
+    except (TypeError, ValueError):
+        factor = float('nan')
+    if not factor > 0 or math.isinf(factor):
+        raise BagError(f"rate {rate!r}; expected 'recorded', 'max' or a speed factor > 0")
+    return factor
+
+
+class ObservationBuilder:
+    """The node's latest-message buffer and observation assembly, fed from a bag.
+
+    decode(raw, conn) deserializes one message (InputBag.deserialize).
+    """
+
+    def __init__(self, params: ReplayParams, decode: Callable, start_ns: int):
+        self.params = params
+        self.decode = decode
+        self.started_s = start_ns * 1e-9
+        settings = params.settings
+        self.buffer = inputs.LatestBuffer()
+        self.first_size: dict[str, tuple[int, int]] = {}      # camera -> (H, W) of 1st frame
+        self.keys: dict[str, str] = {}                        # topic -> buffer key
+        self.topics: dict[str, str] = {}                      # buffer key -> topic
+        self.cameras = []                                     # (name, InputSource)
+        for name, topic, _ in params.cameras():
+            key = f'camera:{name}'
+            self.keys[topic] = key
+            self.cameras.append((name, inputs.InputSource(
+                key, f'camera {name!r} ({topic})', self._image_converter(name))))
+        joints_topic = params.resolve(params.joint_states_topic)
+        self.keys[joints_topic] = 'joint_states'
+        self.topics = {key: topic for topic, key in self.keys.items()}
+        names = list(settings.joint_names)
+        self.joints = inputs.InputSource(
+            'joint_states', f'joint states ({joints_topic})',
+            lambda msg: conversions.joint_state_to_vector(msg.name, msg.position, names))
+        self.instruction_topic = params.resolve(params.instruction_topic)
+        self.instruction: inputs.Instruction | None = None
+        if params.instruction_override:
+            self.instruction = inputs.sanitize_instruction(params.instruction_override,
+                                                           settings.max_instruction_chars)
+
+    def _image_converter(self, camera: str):
+        def convert(msg):
+            if hasattr(msg, 'format'):    # sensor_msgs/CompressedImage
+                image = conversions.compressed_to_rgb(msg.format, msg.data)
+            else:
+                image = conversions.image_to_rgb(msg.encoding, msg.height, msg.width, msg.step,
+                                                 msg.data, msg.is_bigendian)
+            size = image.shape[:2]
+            first = self.first_size.setdefault(camera, size)
+            if size != first:
+                raise conversions.InputError(
+                    f'image size {size[1]}x{size[0]} (WxH); expected {first[1]}x{first[0]} '
+                    'like the first frame of this camera')
+            return image
+        return convert
+
+    def update(self, conn, time_ns: int, raw: bytes) -> None:
+        """Take a message of an input topic (raises BagError when it cannot be decoded)."""
+        msg = self.decode(raw, conn)
+        if conn.topic == self.instruction_topic:
+            if not self.params.instruction_override:
+                self.instruction = inputs.sanitize_instruction(
+                    str(msg.data), self.params.settings.max_instruction_chars)
+                if self.instruction.notes:
+                    logger.warning('%s: instruction %s', conn.topic,
+                                   ', '.join(self.instruction.notes))
+            return
+        self.buffer.put(self.keys[conn.topic], msg, time_ns * 1e-9)
+
+    def build(self, tick_ns: int) -> inputs.ObservationResult:
+        return inputs.build_observation(
+            self.buffer, self.cameras, self.joints, self.instruction, tick_ns * 1e-9,
+            self.params.settings.stale_frame_timeout_s, self.started_s)
+
+    def stamp_ns(self, tick_ns: int) -> int:
+        """Return the observation stamp in ns (first camera's header stamp, else its receipt)."""
+        for _, source in self.cameras:
+            entry = self.buffer.get(source.key)
+            if entry is not None:
+                stamp = messages.stamp_to_ns(entry.msg.header.stamp)
+                return stamp if stamp > 0 else round(entry.received_s * 1e9)
+        return tick_ns
+
+
+@dataclasses.dataclass
+class ReplaySummary:
+    """What a replay did; `status` is 'running', 'complete', 'interrupted' or 'error'."""
+
+    bag: str
+    out: str
+    status: str = 'running'
+    error: str = ''
+    ticks: int = 0                       # ticks run (frames + skipped)
+    frames: int = 0                      # engine frames (one action chunk each)
+    skipped_ticks: int = 0               # ticks without an observation (as the node skips)
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)   # reason -> ticks
+    actions: int = 0
+    tokens: int = 0
+    token_messages: int = 0
+    narrations: int = 0
+    finished: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> requests
+    diagnostics: int = 0
+    input_messages: int = 0              # messages read from the bag
+    copied_messages: int = 0             # of them, copied to the output
+    bad_messages: int = 0                # skipped as undecodable (on_bad_input='skip')
+    bag_time_s: float = 0.0              # bag time covered by the ticks run
+    wall_s: float = 0.0
+    deterministic: bool = True
+
+    @property
+    def speed(self) -> float:
+        """Bag time per wall time (2.0 = twice as fast as real time)."""
+        return self.bag_time_s / self.wall_s if self.wall_s > 0 else float('inf')
+
+    def format(self) -> str:
+        reasons = '; '.join(f'{n}x {why}' for why, n in sorted(self.skipped.items()))
+        finished = ', '.join(f'{r} {n}' for r, n in sorted(self.finished.items()))
+        lines = [
+            f'replay {self.status}: {self.bag} -> {self.out}',
+            f'  frames {self.frames} of {self.ticks} ticks'
+            + (f' ({self.skipped_ticks} skipped: {reasons})' if self.skipped_ticks else ''),
+            f'  action chunks {self.actions}; tokens {self.tokens} in {self.token_messages} '
+            f'messages; narrations {self.narrations}'
+            + (f' (finished: {finished})' if finished else '')
+            + f'; diagnostics {self.diagnostics}',
+            f'  input messages {self.input_messages} ({self.copied_messages} copied'
+            + (f', {self.bad_messages} undecodable skipped' if self.bad_messages else '') + ')',
+            f'  bag time {self.bag_time_s:.2f} s in {self.wall_s:.2f} s wall: '
+            f'{self.speed:.2f}x real time',
+        ]
+        if self.error:
+            lines.append(f'  error: {self.error}')
+        return '\n'.join(lines)
+
+
+class _Diagnostics:
+    """The node's /diagnostics statuses, computed on the bag's clock."""
+
+    def __init__(self, params: ReplayParams, node_name: str, description: dict):
+        self.params = params
+        self.node_name = node_name
+        self.now_s = 0.0
+        self.loop = diagnostics.LoopStats(clock=lambda: self.now_s)
+        self.finished: collections.Counter = collections.Counter()
+        self.next_ns: int | None = None
+        self.model = {'mode': f'replay of {params.settings.robot} bag', **description}
+
+    def record(self, tick_ns: int, result: FrameResult | None) -> None:
+        """Record one tick (result None: no engine call; action None: language only)."""
+        self.now_s = tick_ns * 1e-9
+        period = self.params.settings.period_s
+        if result is None:
+            self.loop.record(self.now_s, 0.0, period, None, None, 0)
+            return
+        tokens = sum(len(d.token_ids) for d in result.deltas)
+        action = result.action
+        self.loop.record(self.now_s, result.timings.total_s, period,
+                         result.timings.act_s if action else None,
+                         action.inference_time_s if action else None, tokens)
+        self.finished.update(f.finish_reason for f in result.finished)
+
+    def due(self, tick_ns: int) -> bool:
+        period_ns = int(self.params.diagnostics_period_s * 1e9)
+        if self.next_ns is None:
+            self.next_ns = tick_ns + period_ns
+        if tick_ns < self.next_ns:
+            return False
+        self.next_ns = tick_ns + period_ns
+        return True
+
+    def statuses(self, system, last: FrameResult | None, obs: inputs.ObservationResult,
+                 instruction) -> list:
+        engine = None
+        if last is not None:
+            engine = {'k': last.k, 'active_requests': last.active_requests,
+                      'kv_usage': last.kv_usage, 'finished': dict(self.finished),
+                      'budget': str(getattr(system, 'budget', ''))}
+        return diagnostics.build_statuses(
+            self.node_name, 'active', self.model, self.loop.snapshot(),
+            self.params.settings.control_rate_hz, engine, obs.inputs, obs.problems,
+            instruction)
+
+
+class Replay:
+    """One replay of `bag` into `out`; run() returns (and `summary` holds) a ReplaySummary.
+
+    system: an engine with step(obs) -> FrameResult (default: built from the parameters).
+    rate: 'max' (as fast as possible), 'recorded' (real time) or a speed factor.
+    copy: input topics written to the output: the ones read ('inputs'), 'all' or 'none'.
+    on_frame(obs, result): called after every engine call (tests, live views); obs is None
+    on a tick without an observation that only advanced live language requests.
+    The output bag is closed properly however the replay ends (error, Ctrl-C); its metadata
+    (custom_data) records the status.
+    """
+
+    def __init__(self, bag: str | Path, out: str | Path, params: ReplayParams, *,
+                 system=None, rate: str | float | None = 'max', storage: str = 'mcap',
+                 overwrite: bool = False, copy: str = 'inputs', progress: bool = False,
+                 on_frame: Callable[[Observation, FrameResult], None] | None = None,
+                 node_name: str = 'oxygen_node'):
+        if copy not in COPY_MODES:
+            raise BagError(f'copy {copy!r}; expected one of {COPY_MODES}')
+        self.bag_path = Path(bag)
+        self.out_path = Path(out)
+        if self.out_path.resolve() == self.bag_path.resolve():
+            raise BagError(f'output {out} is the input bag; expected another path')
+        if self.out_path.exists() and not overwrite:   # say so before loading a model
+            raise BagError(f'output {out} exists; expected a new path (or --overwrite)')
+        self.params = params
+        self.system = system
+        self.speed = parse_rate(rate)
+        self.storage = storage
+        self.overwrite = overwrite
+        self.copy = copy
+        self.progress = progress
+        self.on_frame = on_frame
+        self.node_name = node_name
+        self.store = make_typestore()
+        self.summary = ReplaySummary(str(bag), str(out))
+        self.description: dict = {}          # what the node reports about its engine
+        self.stop_requested = False          # set by request_stop() (e.g. a SIGINT handler)
+        self._last: FrameResult | None = None
+
+    def request_stop(self) -> None:
+        """Stop before the next tick, as Ctrl-C does (safe to call from a signal handler)."""
+        self.stop_requested = True
+
+    def _check_stop(self) -> None:
+        if self.stop_requested:
+            raise KeyboardInterrupt('replay stopped on request')
+
+    def topic_specs(self) -> list[TopicSpec]:
+        """Return the input topics with the types they must have."""
+        p = self.params
+        specs = [TopicSpec(topic, CAMERA_TYPES, f'camera {name!r}')
+                 for name, topic, _ in p.cameras()]
+        specs.append(TopicSpec(p.resolve(p.joint_states_topic), (JOINT_STATE,), 'joint states'))
+        specs.append(TopicSpec(p.resolve(p.instruction_topic), (STRING,), 'instruction',
+                               required=not p.instruction_override))
+        return specs
+
+    def run(self) -> ReplaySummary:
+        summary, p = self.summary, self.params
+        with InputBag(self.bag_path, self.store) as bag:
+            input_conns = [c for spec in self.topic_specs() for c in bag.connections(spec)]
+            read = input_conns if self.copy != 'all' else list(bag.reader.connections)
+            if self.system is None:
+                self.system, self.description = build_engine(p.settings)
+            summary.deterministic = p.settings.decode_budget is not None
+            start_ns = bag.start_ns
+            n_ticks = int((bag.end_ns - start_ns) // p.period_ns) + 1
+            builder = ObservationBuilder(p, bag.deserialize, start_ns)
+            out = OutputBag(self.out_path, self.store, self.storage, self.overwrite)
+            out.open()
+            progress = None
+            wall_start = time.perf_counter()
+            try:    # from here on the output is closed properly, whatever happens
+                out.set_custom_data('oxygen_ros.replay.source', str(self.bag_path))
+                out.set_custom_data('oxygen_ros.replay.settings', repr(p.settings))
+                progress = _progress_bar(n_ticks, self.progress)
+                self._loop(bag, out, builder, input_conns, read, start_ns, n_ticks, progress,
+                           wall_start)
+                summary.status = 'complete'
+            except KeyboardInterrupt:
+                summary.status = 'interrupted'
+                raise
+            except BaseException as err:
+                summary.status = 'error'
+                summary.error = str(err) or type(err).__name__
+                raise
+            finally:
+                summary.wall_s = time.perf_counter() - wall_start
+                out.set_custom_data('oxygen_ros.replay.status', summary.status)
+                if summary.error:
+                    out.set_custom_data('oxygen_ros.replay.error', summary.error)
+                out.set_custom_data('oxygen_ros.replay.frames', summary.frames)
+                out.close()
+                if progress is not None:
+                    progress.close()
+        return summary
+
+    def _loop(self, bag: InputBag, out: OutputBag, builder: ObservationBuilder,
+              input_conns: list, read: list, start_ns: int, n_ticks: int, progress,
+              wall_start: float) -> None:
+        p, summary = self.params, self.summary
+        inputs_ids = {c.id for c in input_conns}
+        definitions: dict[int, tuple[str, str]] = {}
+        diag = _Diagnostics(p, self.node_name, self.description)
+        tick = 0
+
+        def run_ticks_before(limit_ns: float) -> None:
+            nonlocal tick
+            while tick < n_ticks:
+                tick_ns = start_ns + round(tick * p.period_ns)
+                if tick_ns >= limit_ns:
+                    return
+                self._pace(tick_ns - start_ns, wall_start)
+                self._check_stop()
+                self._tick(tick_ns, builder, out, diag)
+                tick += 1
+                summary.ticks += 1
+                summary.bag_time_s = (tick_ns - start_ns) * 1e-9
+                progress.update(1)
+                if summary.ticks % 10 == 0:
+                    progress.set_postfix(frames=summary.frames, tokens=summary.tokens,
+                                         refresh=False)
+
+        for conn, time_ns, raw in bag.messages(read):
+            self._check_stop()
+            run_ticks_before(time_ns)
+            summary.input_messages += 1
+            if conn.id in inputs_ids:
+                try:
+                    builder.update(conn, time_ns, raw)
+                except BagError as err:
+                    if p.on_bad_input == 'error':
+                        raise
+                    summary.bad_messages += 1
+                    logger.warning('%s (message skipped)', err)
+            if self.copy != 'none':
+                if conn.id not in definitions:
+                    definitions[conn.id] = bag.definition(conn)
+                msgdef, digest = definitions[conn.id]
+                qos = getattr(conn.ext, 'offered_qos_profiles', ())
+                out.write_raw(conn.topic, conn.msgtype, time_ns, raw, msgdef, digest, qos)
+                summary.copied_messages += 1
+        run_ticks_before(math.inf)
+
+    def _pace(self, bag_offset_ns: int, wall_start: float) -> None:
+        """Sleep until the wall clock reaches the tick's bag time (scaled by the speed)."""
+        if self.speed is None:
+            return
+        delay = wall_start + bag_offset_ns * 1e-9 / self.speed - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+    def _tick(self, tick_ns: int, builder: ObservationBuilder, out: OutputBag,
+              diag: _Diagnostics) -> None:
+        """One control tick, as the node's: act and write the chunk, then advance language."""
+        p, summary, system = self.params, self.summary, self.system
+        built = builder.build(tick_ns)
+        obs, problems = built.observation, dict(built.problems)
+        bad = {s.detail for s in built.inputs if s.state == 'bad'}
+        if bad and p.on_bad_input == 'error':
+            key, why = next((k, w) for k, w in problems.items() if w in bad)
+            raise BagError(f'{why} (at bag time {tick_ns * 1e-9:.3f} s)',
+                           builder.topics.get(key, ''))
+        stamp_ns = builder.stamp_ns(tick_ns) if obs is not None else tick_ns
+        action = None
+        if obs is not None:
+            try:
+                action = system.act(obs)
+            except ValueError as err:     # the robot adapter rejected the observation
+                if p.on_bad_input == 'error':
+                    raise BagError(f'observation at bag time {tick_ns * 1e-9:.3f} s rejected '
+                                   f'by the engine: {err}') from None
+                problems['observation'] = f'observation rejected: {err}'
+                obs = None
+            else:
+                out.write(p.resolve('actions'), ACTION_CHUNK, tick_ns, messages.action_chunk(
+                    self.store, action, stamp_ns, p.settings.frame_id))
+                summary.frames += 1
+                summary.actions += 1
+        if obs is None:
+            summary.skipped_ticks += 1
+            for why in problems.values():
+                why = _reason_kind(why)
+                summary.skipped[why] = summary.skipped.get(why, 0) + 1
+        result = None
+        if obs is not None or getattr(system, 'active', None):
+            # With no new frame, live requests still advance (as in the node).
+            system.advance_language()
+            result = system.last_result
+            self._write_language(out, tick_ns, stamp_ns, result)
+            self._last = result
+            if self.on_frame is not None:
+                self.on_frame(obs, result)
+        diag.record(tick_ns, result)
+        if diag.due(tick_ns):
+            statuses = diag.statuses(system, self._last, built, builder.instruction)
+            out.write(DIAGNOSTICS_TOPIC, DIAGNOSTIC_ARRAY, tick_ns,
+                      messages.diagnostic_array(self.store, tick_ns, statuses, self.node_name))
+            summary.diagnostics += 1
+
+    def _write_language(self, out: OutputBag, tick_ns: int, stamp_ns: int,
+                        result: FrameResult) -> None:
+        p, summary, store = self.params, self.summary, self.store
+        for delta in result.deltas:
+            out.write(p.resolve('language/tokens'), LANGUAGE_CHUNK, tick_ns,
+                      messages.language_chunk(store, delta, stamp_ns, p.settings.frame_id))
+            summary.token_messages += 1
+            summary.tokens += len(delta.token_ids)
+        for finished in result.finished:
+            reason = finished.finish_reason
+            summary.finished[reason] = summary.finished.get(reason, 0) + 1
+            if reason in COMPLETE_REASONS:
+                out.write(p.resolve('language/narration'), STRING, tick_ns,
+                          messages.narration(store, finished))
+                summary.narrations += 1
+
+
+def _reason_kind(why: str) -> str:
+    """Strip the changing numbers ('waiting 1.3 s', 'last message 0.7 s ago') off a reason."""
+    for marker in (' (waiting ', ', last message '):
+        why = why.split(marker)[0]
+    return why
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit='tick', disable=not enabled, dynamic_ncols=True,
+                desc='replay')
+
+
+def build_engine(settings) -> tuple[object, dict]:
+    """Build exactly the engine the node builds from these settings: (system, description)."""
+    from oxygen_ros.model.checkpoint import CheckpointError
+    from oxygen_ros.ros.engine_setup import EngineSetupError
+
+    try:
+        engine = build_node_engine(settings, warmup=False)
+    except (EngineSetupError, CheckpointError, FileNotFoundError, ValueError) as err:
+        raise BagError(f'engine: {err}') from None
+    return engine.system, dict(engine.description)
+
+
+def run_replay(bag: str | Path, out: str | Path, params: ReplayParams, **kwargs
+               ) -> ReplaySummary:
+    """Replay `bag` into `out` (see Replay); return the summary."""
+    return Replay(bag, out, params, **kwargs).run()

@@ -1,0 +1,147 @@
+"""The `oxygen-ros bench` sub-command: parse options, run the plan, write the report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import signal
+import sys
+import time
+
+from .plan import PAPER_ARRIVAL_RATES, PAPER_NS, PAPER_STEPS, PARTS, SYSTEM_NAMES
+
+BENCH_EPILOG = """\
+examples:
+  oxygen-ros bench --quick                      # seconds: tiny preset, every code path
+  oxygen-ros bench --parts nk                   # the libero N x k sweep (S=10), CPU preset
+  oxygen-ros bench                              # every sweep + memory (the README numbers)
+  oxygen-ros bench --preset pi05 --device cuda --dtype bfloat16 --parts nk memory
+"""
+
+
+def add_bench_parser(sub) -> argparse.ArgumentParser:
+    """Register `bench` on the top-level sub-parsers."""
+    bench = sub.add_parser('bench', help='side-by-side benchmark of oxygen and the baselines',
+                           epilog=BENCH_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument('--quick', action='store_true',
+                       help='CI smoke run: tiny preset, few frames, every sweep in miniature')
+    bench.add_argument('--preset', default=None, help='model preset (default pi05-cpu; '
+                       'tiny with --quick)')
+    bench.add_argument('--device', default='cpu')
+    bench.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+    bench.add_argument('--threads', type=int, default=2,
+                       help='torch threads of the benchmark process (default 2)')
+    bench.add_argument('--workloads', nargs='+', default=None,
+                       choices=['libero', 'droid', 'aloha'],
+                       help='first one runs the N x k, S, arrivals and mixed sweeps')
+    bench.add_argument('--parts', nargs='+', default=None, choices=PARTS,
+                       help=f'what to run (default all: {" ".join(PARTS)})')
+    bench.add_argument('--systems', nargs='+', default=None, choices=SYSTEM_NAMES)
+    bench.add_argument('--ns', type=int, nargs='+', default=None,
+                       help=f'tokens per request N (default {" ".join(map(str, PAPER_NS))})')
+    bench.add_argument('--ks', type=int, nargs='+', default=None,
+                       help='restrict k (always k | N; default: every divisor)')
+    bench.add_argument('--steps', type=int, nargs='+', default=None,
+                       help=f'S values of the steps sweep (default '
+                       f'{" ".join(map(str, PAPER_STEPS))})')
+    bench.add_argument('--arrival-rates', type=float, nargs='+', default=None,
+                       help=f'Poisson requests per frame (default '
+                       f'{" ".join(map(str, PAPER_ARRIVAL_RATES))})')
+    bench.add_argument('--frames', type=int, default=None,
+                       help='measured frames per N x k group (default 20; quick 3)')
+    bench.add_argument('--extra-frames', type=int, default=None,
+                       help='measured frames per group of the other sweeps (default 12)')
+    bench.add_argument('--parallel', choices=['all', 'headline', 'none'], default=None,
+                       help='N x k groups that run the 2-process baseline (default all)')
+    bench.add_argument('--control-hz', type=float, default=None,
+                       help='frame deadline for misses and oxygen-adaptive '
+                       '(default: 1 / (1.25 (P + D)))')
+    bench.add_argument('--memory-frames', type=int, default=None)
+    bench.add_argument('--seed', type=int, default=0)
+    bench.add_argument('--out', default='bench-results', help='output folder')
+    bench.add_argument('--no-progress', action='store_true')
+    bench.add_argument('--replot', metavar='DIR', default=None,
+                       help='only redraw summary and plots from DIR/result.json')
+    bench.set_defaults(func=run_bench_command)
+    return bench
+
+
+def options_from_args(args: argparse.Namespace):
+    """Build BenchOptions from the command line (quick or full defaults, then overrides)."""
+    from .plan import full_options, quick_options
+    from .run import BenchOptions
+
+    plan_changes = {name: tuple(value) for name, value in (
+        ('workloads', args.workloads), ('parts', args.parts), ('systems', args.systems),
+        ('ns', args.ns), ('ks', args.ks), ('steps', args.steps),
+        ('arrival_rates', args.arrival_rates)) if value}
+    if args.frames:
+        plan_changes['frames'] = args.frames
+    if args.extra_frames:
+        plan_changes['extra_frames'] = args.extra_frames
+    if args.parallel:
+        plan_changes['parallel'] = args.parallel
+    if args.ns and 'headline_n' not in plan_changes:
+        plan_changes['headline_n'] = max(args.ns)
+    plan = (quick_options if args.quick else full_options)(**plan_changes)
+    if plan.headline_n % plan.headline_k:
+        plan = dataclasses.replace(plan, headline_k=1)
+    base = BenchOptions.quick_defaults() if args.quick else BenchOptions()
+    changes = dict(plan=plan, device=args.device, dtype=args.dtype, threads=args.threads,
+                   seed=args.seed, control_hz=args.control_hz, progress=not args.no_progress)
+    if args.preset:
+        changes['preset'] = args.preset
+    if args.memory_frames:
+        changes['memory_frames'] = args.memory_frames
+    return dataclasses.replace(base, **changes)
+
+
+def _raise_system_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    if args.replot:
+        from pathlib import Path
+
+        from .run import load_result
+
+        paths = write_report(load_result(Path(args.replot) / 'result.json'), args.replot)
+        print(f'redrew {", ".join(str(p) for p in paths.values())}')
+        return 0
+    # A plain SIGTERM (timeout, kill) would skip the `finally` blocks that stop the parallel
+    # baseline's worker processes, leaving them orphaned; turn it into an exception instead.
+    previous = signal.signal(signal.SIGTERM, _raise_system_exit)
+    try:
+        return _run_and_report(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_and_report(args: argparse.Namespace) -> int:
+    from .report import evaluate_targets, write_report
+    from .run import run_benchmark
+
+    opts = options_from_args(args)
+    command = ('oxygen-ros ' + ' '.join(shlex.quote(a) for a in sys.argv[1:])
+               if sys.argv[1:2] == ['bench'] else 'oxygen-ros bench (called from Python)')
+    start = time.perf_counter()
+
+    def checkpoint(partial):
+        partial.environment['command'] = command
+        write_report(partial, args.out)
+
+    result = run_benchmark(opts, checkpoint)
+    result.environment['command'] = command
+    paths = write_report(result, args.out)
+    print(paths['summary'].read_text())
+    for target in evaluate_targets(result):
+        print(f'[{"met" if target["met"] else "MISSED"}] {target["target"]}: '
+              f'{target["measured"]}')
+    print(f'wrote {", ".join(str(p) for p in paths.values())} '
+          f'in {time.perf_counter() - start:.0f} s')
+    return 0

@@ -1,0 +1,120 @@
+"""Peak memory of one system, measured in a fresh process so systems never share a peak.
+
+Run as `python -m oxygen_ros.bench.memory --system oxygen --n 30 --k 5 ...`; prints one JSON
+line. What it reports:
+  runtime_mb        resident memory after importing torch and the engine, before the model
+  peak_rss_mb       peak resident memory while serving frames (the high-water mark is reset
+                    after the model is built, so weight-init transients do not count)
+  above_runtime_mb  peak_rss_mb - runtime_mb: weights + KV cache + activations + allocator
+  cuda_peak_mb      torch.cuda.max_memory_allocated while serving (CUDA only)
+For 'parallel' the two worker processes are what is measured (the parent only drives them):
+peak_rss_mb is their sum and above_runtime_mb subtracts one runtime per worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import sys
+
+
+def read_status_kb(field: str, pid: int | str = 'self') -> int:
+    """Read a `Vm*` field of /proc/<pid>/status in KiB (0 where /proc is not available)."""
+    try:
+        with open(f'/proc/{pid}/status') as status:
+            for line in status:
+                if line.startswith(field + ':'):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak_rss(pid: int | str = 'self') -> None:
+    """Reset the resident high-water mark VmHWM to the current RSS (Linux 4.0+)."""
+    try:
+        with open(f'/proc/{pid}/clear_refs', 'w') as refs:
+            refs.write('5')
+    except OSError:
+        pass
+
+
+def probe(args: argparse.Namespace) -> dict:
+    """Build the model and the system, serve frames, return the peaks (MiB)."""
+    import torch
+
+    from ..engine import LanguagePolicy, random_observation, random_setup
+    from ..model import get_preset
+    from .plan import SystemSpec
+    from .run import make_bench_system
+
+    torch.set_num_threads(args.threads)
+    runtime_kb = read_status_kb('VmRSS')
+    cfg = get_preset(args.preset).replace(num_steps=args.steps)
+    dtype = getattr(torch, args.dtype)
+    robot = args.workload
+    model, frontend = random_setup(cfg, robot, seed=args.seed, device=args.device, dtype=dtype)
+    spec = SystemSpec(args.system, args.k if args.system in ('oxygen', 'oxygen-adaptive')
+                      else None)
+    policy = LanguagePolicy(max_new_tokens=args.n, eos_id=None, seed=args.seed)
+    system = make_bench_system(spec, model, frontend, policy, args.period, args.seed)
+    workers = multiprocessing.active_children() if args.system == 'parallel' else []
+    cuda = args.device.startswith('cuda')
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for pid in ['self'] + [w.pid for w in workers]:
+        reset_peak_rss(pid)
+    try:
+        for frame in range(args.frames):
+            system.step(random_observation(robot, frame, seed=args.seed,
+                                           image_size=cfg.vision.image_size))
+        if workers:
+            worker_kb = [read_status_kb('VmHWM', w.pid) for w in workers]
+            peak_kb = sum(worker_kb)
+            above_kb = sum(kb - runtime_kb for kb in worker_kb)
+        else:
+            peak_kb = read_status_kb('VmHWM')
+            above_kb = peak_kb - runtime_kb
+    finally:
+        close = getattr(system, 'close', None)
+        if close is not None:
+            close()
+    cuda_mb = math.nan
+    if cuda and not workers:
+        cuda_mb = torch.cuda.max_memory_allocated() / 2**20
+    return {'system': args.system, 'k': spec.k, 'n_tokens': args.n, 'processes': len(workers) or 1,
+            'runtime_mb': runtime_kb / 1024, 'peak_rss_mb': peak_kb / 1024,
+            'above_runtime_mb': above_kb / 1024, 'cuda_peak_mb': cuda_mb,
+            'kv_pool_mb': getattr(getattr(system, 'pool', None), 'total_bytes', math.nan) / 2**20,
+            'threads': args.threads}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--system', required=True)
+    parser.add_argument('--preset', default='pi05-cpu')
+    parser.add_argument('--workload', default='libero')
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--dtype', default='float32')
+    parser.add_argument('--steps', type=int, default=10)
+    parser.add_argument('--n', type=int, default=30)
+    parser.add_argument('--k', type=int, default=5)
+    parser.add_argument('--period', type=float, default=0.5, help='oxygen-adaptive deadline (s)')
+    parser.add_argument('--frames', type=int, default=10)
+    parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--seed', type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    result = probe(build_parser().parse_args(argv))
+    sys.stdout.write(json.dumps(result) + '\n')
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

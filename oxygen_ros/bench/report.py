@@ -1,0 +1,445 @@
+"""Benchmark output: CSV of every run, a markdown summary with the targets, PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use('Agg')   # files only, no display; must precede pyplot
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from .plan import divisors  # noqa: E402
+from .run import BenchResult, save_result  # noqa: E402
+
+PLOTS = ('tradeoff.png', 'speedup_heatmap.png', 'action_hz_vs_n.png', 'memory.png')
+SYSTEM_STYLE = {   # colour, marker per system (oxygen k=... share the oxygen colour)
+    'action-only': ('black', 's'), 'isolated': ('tab:red', 'o'), 'parallel': ('tab:purple', 'v'),
+    'shared': ('tab:orange', 'D'), 'oxygen': ('tab:blue', 'o'),
+    'oxygen-adaptive': ('tab:green', '^'),
+}
+TARGET_RATIO_OVER_IDEAL = 0.95
+TARGET_ACT_OVER_ACTION_ONLY = 1.05
+TARGET_OVERHEAD_PCT_K1 = 2.0
+TARGET_MEMORY_OVER_ACTION_ONLY = 1.15
+GPU_TARGET_HEADLINE, GPU_TARGET_BEST = 2.98, 3.7
+NOISY_OTHER_LOAD_PCT = 10.0   # CPU share of other processes above which the summary warns
+
+
+# ---- files ------------------------------------------------------------------------------------
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """Rows with the union of their keys as columns (first-seen order)."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [key for key in row if key not in columns]
+    with open(path, 'w', newline='') as out:
+        writer = csv.DictWriter(out, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def component_rows(result: BenchResult) -> list[dict]:
+    """Component model per S and decode batch: used values, and both measurements."""
+    rows = []
+    runs = {'used': result.phases, **result.phase_runs}
+    for when, phases in runs.items():
+        for steps, costs in sorted(phases.items()):
+            for batch, seconds in sorted(costs.decode_s.items()):
+                rows.append({'measured': when, 'steps': steps,
+                             'prefill_ms': 1e3 * costs.prefill_s,
+                             'vision_ms': 1e3 * costs.vision_s,
+                             'denoise_ms': 1e3 * costs.denoise_s, 'batch': batch,
+                             'decode_step_ms': 1e3 * seconds,
+                             'deadline_ms': 1e3 * result.periods[steps]})
+    return rows
+
+
+def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
+    """Write runs.csv, memory.csv, components.csv, result.json, summary.md, plots; return paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {'runs': out / 'runs.csv', 'components': out / 'components.csv',
+             'summary': out / 'summary.md', 'result': out / 'result.json'}
+    save_result(result, paths['result'])
+    write_csv(result.rows, paths['runs'])
+    write_csv(component_rows(result), paths['components'])
+    if result.memory:
+        paths['memory'] = out / 'memory.csv'
+        write_csv(result.memory, paths['memory'])
+    paths.update(write_plots(result, out))
+    paths['summary'].write_text(summary_markdown(result, paths))
+    return paths
+
+
+# ---- markdown -----------------------------------------------------------------------------
+
+def fmt(value, digits: int = 2) -> str:
+    if value is None or value == '':
+        return '–'
+    if isinstance(value, bool):
+        return 'yes' if value else '**NO**'
+    if isinstance(value, float):
+        return '–' if math.isnan(value) else f'{value:.{digits}f}'
+    return str(value)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+    lines += ['| ' + ' | '.join(fmt(v) if not isinstance(v, str) else v for v in row) + ' |'
+              for row in rows]
+    return '\n'.join(lines)
+
+
+def _rows(result: BenchResult, sweep: str, **match) -> list[dict]:
+    return [r for r in result.rows if r['sweep'] == sweep
+            and all(r[key] == value for key, value in match.items())]
+
+
+def headline_rows(result: BenchResult) -> list[dict]:
+    plan = result.options.plan
+    return _rows(result, 'nk', n_tokens=plan.headline_n)
+
+
+def evaluate_targets(result: BenchResult) -> list[dict]:
+    """Each target of the benchmark issue with its measured value and whether it is met."""
+    plan = result.options.plan
+    targets = []
+    oxygen_nk = _rows(result, 'nk', system='oxygen')
+    for key, stat in (('speedup_over_ideal', 'H / mean frame latency, the paper'),
+                      ('speedup_p50_over_ideal', 'H / p50 frame latency, robust to noise')):
+        if not oxygen_nk:
+            break
+        worst = min(oxygen_nk, key=lambda r: r[key])
+        met = sum(r[key] >= TARGET_RATIO_OVER_IDEAL for r in oxygen_nk)
+        targets.append({
+            'target': f'oxygen/isolated ≥ {TARGET_RATIO_OVER_IDEAL:.0%} of ideal at every '
+                      f'(N, k) ({stat})',
+            'measured': f'min {worst[key]:.1%} at N={worst["n_tokens"]} k={worst["k"]}; '
+                        f'{met}/{len(oxygen_nk)} (N, k) met',
+            'met': met == len(oxygen_nk)})
+    head = [r for r in headline_rows(result)
+            if r['system'] == 'oxygen' and r['k'] == plan.headline_k]
+    if head and not math.isnan(head[0]['act_p50_over_action_only']):
+        r = head[0]
+        targets.append({
+            'target': f'obs-to-action latency N={plan.headline_n} k={plan.headline_k} ≤ '
+                      f'{TARGET_ACT_OVER_ACTION_ONLY:.2f} × action-only (p50)',
+            'measured': f'p50 {r["act_p50_over_action_only"]:.3f}×, '
+                        f'p99 {r["act_p99_over_action_only"]:.3f}×',
+            'met': r['act_p50_over_action_only'] <= TARGET_ACT_OVER_ACTION_ONLY})
+    k1 = [r for r in oxygen_nk if r['k'] == 1]
+    if k1:
+        worst = max(k1, key=lambda r: r['overhead_pct'])
+        targets.append({
+            'target': f'manager overhead at k=1 ≤ {TARGET_OVERHEAD_PCT_K1:g}% of frame time',
+            'measured': f'max {worst["overhead_pct"]:.2f}% (N={worst["n_tokens"]})',
+            'met': worst['overhead_pct'] <= TARGET_OVERHEAD_PCT_K1})
+    mem = {r['system']: r for r in result.memory}
+    if 'oxygen' in mem and 'action-only' in mem:
+        key = 'cuda_peak_mb' if result.options.device.startswith('cuda') else 'above_runtime_mb'
+        ratio = mem['oxygen'][key] / mem['action-only'][key]
+        total = mem['oxygen']['peak_rss_mb'] / mem['action-only']['peak_rss_mb']
+        targets.append({
+            'target': f'peak memory oxygen ≤ {TARGET_MEMORY_OVER_ACTION_ONLY:.2f} × action-only',
+            'measured': f'{ratio:.3f}× ({key.replace("_mb", "")}); {total:.3f}× whole-process '
+                        'RSS',
+            'met': ratio <= TARGET_MEMORY_OVER_ACTION_ONLY})
+    checked = [r for r in result.rows if r['tokens_identical'] != '']
+    oxygen_checked = [r for r in checked if r['system'].startswith('oxygen')]
+    bad = [r for r in checked if r['tokens_identical'] is not True]
+    targets.append({
+        'target': 'tokens identical to isolated, every run',
+        'measured': f'{len(checked) - len(bad)}/{len(checked)} runs identical '
+                    f'({sum(r["requests_compared"] for r in oxygen_checked)} oxygen requests '
+                    'compared)' + (f'; mismatch in {", ".join(r["label"] + " " + r["sweep"] for r in bad)}'  # noqa: E501
+                                   if bad else ''),
+        'met': not bad and bool(oxygen_checked)})
+    if result.options.device.startswith('cuda') and head:
+        best = max(oxygen_nk, key=lambda r: r['speedup'])
+        targets.append({
+            'target': f'GPU: speedup ≥ {GPU_TARGET_HEADLINE} at N=30 k=5, ≥ {GPU_TARGET_BEST} '
+                      'best',
+            'measured': f'{head[0]["speedup"]:.2f}× at N={plan.headline_n} k={plan.headline_k}; '
+                        f'best {best["speedup"]:.2f}× (N={best["n_tokens"]} k={best["k"]})',
+            'met': head[0]['speedup'] >= GPU_TARGET_HEADLINE
+            and best['speedup'] >= GPU_TARGET_BEST})
+    return targets
+
+
+def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
+    opts, env = result.options, result.environment
+    command = env.get('command', '')
+    plan = opts.plan
+    parts = [f'# oxygen_ros benchmark ({"quick" if opts.quick else "full"})', '']
+    if command:
+        parts += ['```', command, '```', '']
+    parts += [f'Preset `{opts.preset}` (random weights) on {env.get("gpu", env["cpu"])} '
+              f'({env["cores"]} cores), {opts.device} {opts.dtype}, torch {env["torch"]}, '
+              f'{opts.threads} torch threads (parallel baseline: 1 per process; memory probes: '
+              f'1). Load average {env["loadavg_start"]:.2f} at start, '
+              f'{env.get("loadavg_end", math.nan):.2f} at end. Systems of one table ran side '
+              'by side on the same frames, noise and requests, frame by frame in turn; '
+              'warm-up frames excluded; EOS disabled (every request is N tokens, as in the '
+              'paper). Action frequency = H / mean frame latency (frame = act + language).', '',
+              'Time per part: ' + ', '.join(f'{name} {sec:.0f} s'
+                                            for name, sec in result.part_seconds.items()), '']
+    busiest = max((r.get('other_load_pct', 0.0) for r in result.rows), default=0.0)
+    if busiest > NOISY_OTHER_LOAD_PCT:
+        parts += [f'**Warning: other processes used up to {busiest:.0f}% of the CPUs while '
+                  'systems were measured (column other_load_pct).** Means and p99s carry that '
+                  'noise; the p50-based columns are the robust ones. Rerun on a quiet machine '
+                  'for the paper-definition numbers.', '']
+    parts += ['## Targets', '',
+              table(['target', 'measured', 'met'],
+                    [[t['target'], t['measured'], t['met']] for t in evaluate_targets(result)]),
+              '']
+    parts += ['## Component model (phases.py: median of repeats, before and after the sweeps; '
+              'used = the lower of the two)', '']
+    batches = sorted(next(iter(result.phases.values())).decode_s)
+    header = ['S', 'measured', 'prefill P (ms)', 'denoise D (ms)', 'deadline (ms)'] + [
+        f'd({b}) ms' for b in batches]
+    runs = {'used': result.phases, **result.phase_runs}
+    parts += [table(header, [[s, when, 1e3 * c.prefill_s, 1e3 * c.denoise_s,
+                              1e3 * result.periods[s]]
+                             + [1e3 * v for _, v in sorted(c.decode_s.items())]
+                             for s in sorted(result.phases)
+                             for when, c in ((w, r[s]) for w, r in runs.items())]), '',
+              'Ideal speedup of oxygen over isolated: (2P + D + N·d(1)) / (P + D + k·d(N/k)). '
+              'Deadline: control period for deadline misses and oxygen-adaptive.', '']
+    nk = _rows(result, 'nk', system='oxygen')
+    if nk:
+        iso = {r['n_tokens']: r for r in _rows(result, 'nk', system='isolated')}
+        parts += [f'## {plan.workloads[0]}: N × k sweep, S={plan.default_steps}', '',
+                  table(['N', 'k', 'oxygen Hz', 'isolated Hz', 'speedup', 'ideal',
+                         'measured/ideal', 'speedup p50', 'p50/ideal', 'overhead %', 'tok/s',
+                         'act p50 ms', 'tokens identical', 'other load %'],
+                        [[r['n_tokens'], r['k'], r['action_hz'],
+                          iso[r['n_tokens']]['action_hz'], r['speedup'], r['ideal_speedup'],
+                          r['speedup_over_ideal'], r['speedup_p50'],
+                          r['speedup_p50_over_ideal'], r['overhead_pct'], r['tokens_per_s'],
+                          r['act_ms_p50'], r['tokens_identical'], r.get('other_load_pct')]
+                         for r in nk]), '',
+                  'speedup = oxygen Hz / isolated Hz with Hz = H / mean frame latency (the '
+                  'paper); speedup p50 uses the median frame instead.', '']
+    for n in sorted({r['n_tokens'] for r in _rows(result, 'nk')}):
+        rows = _rows(result, 'nk', n_tokens=n)
+        if n != plan.headline_n and len(plan.ns) > 2:
+            continue
+        parts += [f'### All systems, {plan.workloads[0]} N={n}, S={plan.default_steps}', '',
+                  system_table(rows), '']
+    for sweep, key, title in (('steps', 'steps', 'S (denoise steps)'),
+                              ('arrivals', 'arrival_rate', 'arrivals (Poisson, requests/frame)'),
+                              ('mixed', 'lengths', 'mixed request lengths'),
+                              ('workloads', 'workload', 'workloads')):
+        rows = _rows(result, sweep)
+        if not rows:
+            continue
+        parts += [f'## Sweep: {title}', '']
+        for value in sorted({r[key] for r in rows}, key=str):
+            sub = [r for r in rows if r[key] == value]
+            parts += [f'### {key} = {value} (N={sub[0]["n_tokens"]})', '', system_table(sub), '']
+    if result.memory:
+        key = 'cuda_peak' if opts.device.startswith('cuda') else 'above_runtime'
+        parts += [f'## Peak memory ({plan.workloads[0]} N={plan.headline_n}, fresh process per '
+                  'system)', '',
+                  table(['system', 'processes', 'peak RSS MB', 'above runtime MB', 'CUDA peak MB',
+                         'KV pool MB', f'{key} / action-only'],
+                        [[m['label'], m['processes'], m['peak_rss_mb'], m['above_runtime_mb'],
+                          m['cuda_peak_mb'], m['kv_pool_mb'], m[f'{key}_vs_action_only']]
+                         for m in result.memory]), '',
+                  'Above runtime = peak RSS while serving minus the RSS of the imported runtime '
+                  '(weights + KV + activations); for parallel, the sum over its two worker '
+                  'processes.', '']
+    parts += ['## Files', ''] + [f'- `{p.name}`' for p in paths.values()] + ['']
+    return '\n'.join(parts)
+
+
+def system_table(rows: list[dict]) -> str:
+    return table(['system', 'action Hz', 'frame p50/p99 ms', 'act p50/p99 ms', 'tok/s',
+                  'req done p50 s', 'deadline miss %', 'overhead %', 'speedup', 'ideal',
+                  'tokens identical'],
+                 [[r['label'], r['action_hz'],
+                   f'{r["frame_ms_p50"]:.0f}/{r["frame_ms_p99"]:.0f}',
+                   f'{r["act_ms_p50"]:.0f}/{r["act_ms_p99"]:.0f}', r['tokens_per_s'],
+                   r['completion_s_p50'], r['deadline_miss_pct'], r['overhead_pct'],
+                   r['speedup'], r['ideal_speedup'], r['tokens_identical']] for r in rows])
+
+
+# ---- plots --------------------------------------------------------------------------------
+
+def write_plots(result: BenchResult, out: Path) -> dict[str, Path]:
+    """Draw the four plots of the issue from whatever rows the run produced."""
+    paths = {}
+    for name, draw in (('tradeoff', plot_tradeoff), ('speedup_heatmap', plot_heatmap),
+                       ('action_hz_vs_n', plot_hz_vs_n), ('memory', plot_memory)):
+        fig = draw(result)
+        if fig is None:
+            continue
+        paths[name] = out / f'{name}.png'
+        fig.savefig(paths[name], dpi=120, bbox_inches='tight')
+        plt.close(fig)
+    return paths
+
+
+def _subtitle(result: BenchResult) -> str:
+    o = result.options
+    return f'preset {o.preset}, {o.device} {o.dtype}, {o.threads} threads'
+
+
+def plot_tradeoff(result: BenchResult):
+    """Plot action Hz vs tokens/s: baselines as lines over N, oxygen as a line over k per N."""
+    rows = _rows(result, 'nk')
+    if not rows:
+        return None
+    plan = result.options.plan
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    ns = sorted({r['n_tokens'] for r in rows})
+    oxygen_colours = plt.get_cmap('Blues')(np.linspace(0.45, 1.0, len(ns)))
+    for i, n in enumerate(ns):
+        sub = sorted((r for r in rows if r['system'] == 'oxygen' and r['n_tokens'] == n),
+                     key=lambda r: r['k'])
+        if not sub:
+            continue
+        ax.plot([r['tokens_per_s'] for r in sub], [r['action_hz'] for r in sub], marker='o',
+                color=oxygen_colours[i], label=f'oxygen N={n} (labels: k)', zorder=3)
+        for r in sub:
+            ax.annotate(str(r['k']), (r['tokens_per_s'], r['action_hz']),
+                        textcoords='offset points', xytext=(4, 4), fontsize=7,
+                        color=oxygen_colours[i])
+    for system, (colour, marker) in SYSTEM_STYLE.items():
+        sub = sorted((r for r in rows if r['system'] == system), key=lambda r: r['n_tokens'])
+        if not sub or system in ('oxygen', 'action-only'):
+            continue
+        ax.plot([r['tokens_per_s'] for r in sub], [r['action_hz'] for r in sub], marker=marker,
+                color=colour, linestyle='--', label=f'{system} (N = {ns[0]}..{ns[-1]})')
+    action_only = [r['action_hz'] for r in rows if r['system'] == 'action-only']
+    if action_only:
+        ax.axhline(float(np.mean(action_only)), color='black', linestyle=':', linewidth=1.2,
+                   label='action-only (upper bound)')
+    ax.set_xlabel('language tokens / s')
+    ax.set_ylabel('action frequency (Hz) = H / mean frame latency')
+    ax.set_title(f'Action rate vs language throughput, {plan.workloads[0]}, '
+                 f'S={plan.default_steps}, one request per frame\n{_subtitle(result)}',
+                 fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def plot_heatmap(result: BenchResult):
+    rows = _rows(result, 'nk', system='oxygen')
+    if not rows:
+        return None
+    plan = result.options.plan
+    ns = sorted({r['n_tokens'] for r in rows})
+    ks = sorted({r['k'] for r in rows})
+    grid = np.full((len(ns), len(ks)), np.nan)
+    ideal = np.full_like(grid, np.nan)
+    for r in rows:
+        i, j = ns.index(r['n_tokens']), ks.index(r['k'])
+        grid[i, j], ideal[i, j] = r['speedup'], r['ideal_speedup']
+    fig, ax = plt.subplots(figsize=(1.1 * len(ks) + 2.5, 0.8 * len(ns) + 2))
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap='YlGnBu', aspect='auto', origin='lower',
+                      vmin=min(1.0, np.nanmin(grid)), vmax=max(np.nanmax(grid), np.nanmax(ideal)))
+    vmid = (np.nanmin(grid) + np.nanmax(grid)) / 2
+    for i, n in enumerate(ns):
+        for j, k in enumerate(ks):
+            if k not in divisors(n) or np.isnan(grid[i, j]):
+                continue
+            colour = 'white' if grid[i, j] > vmid else 'black'
+            ax.text(j, i, f'{grid[i, j]:.2f}×\n({ideal[i, j]:.2f})', ha='center', va='center',
+                    fontsize=8, color=colour)
+    ax.set_xticks(range(len(ks)), [str(k) for k in ks])
+    ax.set_yticks(range(len(ns)), [str(n) for n in ns])
+    ax.set_xlabel('k (tokens per request per frame)')
+    ax.set_ylabel('N (tokens per request)')
+    ax.set_title(f'oxygen / isolated action frequency, {plan.workloads[0]} S={plan.default_steps}'
+                 f'\nmeasured (ideal from component model); {_subtitle(result)}', fontsize=10)
+    fig.colorbar(image, ax=ax, label='measured speedup')
+    return fig
+
+
+def plot_hz_vs_n(result: BenchResult):
+    rows = _rows(result, 'nk')
+    if not rows:
+        return None
+    plan = result.options.plan
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    k = plan.headline_k
+    for system, (colour, marker) in SYSTEM_STYLE.items():
+        sub = [r for r in rows if r['system'] == system and (system != 'oxygen' or r['k'] == k)]
+        if not sub:
+            continue
+        sub.sort(key=lambda r: r['n_tokens'])
+        label = f'oxygen k={k}' if system == 'oxygen' else system
+        ax.plot([r['n_tokens'] for r in sub], [r['action_hz'] for r in sub], marker=marker,
+                color=colour, label=label, linestyle='--' if system == 'action-only' else '-')
+    best = {}
+    for r in rows:
+        if r['system'] == 'oxygen' and r['action_hz'] > best.get(r['n_tokens'], (0,))[0]:
+            best[r['n_tokens']] = (r['action_hz'], r['k'])
+    if best:
+        ns = sorted(best)
+        ax.plot(ns, [best[n][0] for n in ns], color='tab:blue', linestyle=':', marker='.',
+                label='oxygen, best k')
+    ax.set_xlabel('N (tokens per request)')
+    ax.set_ylabel('action frequency (Hz)')
+    ax.set_ylim(bottom=0)
+    ax.set_xticks(sorted({r['n_tokens'] for r in rows}))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f'Action frequency vs request length, {plan.workloads[0]} '
+                 f'S={plan.default_steps}\n{_subtitle(result)}', fontsize=10)
+    return fig
+
+
+def plot_memory(result: BenchResult):
+    """Peak memory per system: whole process(es) on the left, above the runtime on the right."""
+    if not result.memory:
+        return None
+    cuda = result.options.device.startswith('cuda')
+    mem = result.memory
+    x = np.arange(len(mem))
+    labels = [m['label'] for m in mem]
+    colours = [SYSTEM_STYLE[m['system']][0] for m in mem]
+    plan = result.options.plan
+    if cuda:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        _bars_with_ratio(ax, x, [m['cuda_peak_mb'] for m in mem], colours,
+                         [m['cuda_peak_vs_action_only'] for m in mem])
+        ax.set_ylabel('peak CUDA memory allocated (MB)')
+        ax.set_xticks(x, labels, rotation=20)
+        axes = [ax]
+    else:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        runtime = [m['peak_rss_mb'] - m['above_runtime_mb'] for m in mem]
+        axes[0].bar(x, runtime, color='0.85', label='runtime (torch + libraries)')
+        _bars_with_ratio(axes[0], x, [m['above_runtime_mb'] for m in mem], colours,
+                         [m['peak_rss_vs_action_only'] for m in mem], bottom=runtime)
+        axes[0].set_ylabel('peak resident memory, all processes (MB)')
+        axes[0].set_title('whole process (grey: runtime per process)', fontsize=9)
+        _bars_with_ratio(axes[1], x, [m['above_runtime_mb'] for m in mem], colours,
+                         [m['above_runtime_vs_action_only'] for m in mem])
+        axes[1].set_ylabel('peak RSS above runtime (MB)')
+        axes[1].set_title('above runtime: weights + KV cache + activations', fontsize=9)
+        for ax in axes:
+            ax.set_xticks(x, labels, rotation=20)
+    fig.suptitle(f'Peak memory, {plan.workloads[0]} N={plan.headline_n}, a fresh process per '
+                 f'system (labels: MB, ratio to action-only)\n{_subtitle(result)}', fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _bars_with_ratio(ax, x, values, colours, ratios, bottom=None):
+    base = bottom or [0.0] * len(values)
+    bars = ax.bar(x, values, bottom=base, color=colours)
+    for bar, value, low, ratio in zip(bars, values, base, ratios):
+        ax.text(bar.get_x() + bar.get_width() / 2, low + value, f'{low + value:.0f}\n'
+                f'({ratio:.2f}×)', ha='center', va='bottom', fontsize=8)
+    ax.set_ylim(top=max(lo + v for lo, v in zip(base, values)) * 1.2)

@@ -1,0 +1,497 @@
+"""Runs a benchmark plan: component model, side-by-side groups, memory probes.
+
+Per group, every system is built over the same model and steps through the same frames; per
+frame the systems take turns (the starting system rotates), so slow moments of a shared
+machine hit every system alike. Warm-up frames are run but not measured. After the measured
+frames, requests still running are decoded to the end (untimed) so every request's tokens can
+be compared with the isolated baseline's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import multiprocessing
+import os
+from pathlib import Path
+import platform
+import resource
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from ..engine import (Frontend, identity_norm_stats, LanguagePolicy, make_system,
+                      random_observation, random_setup, Scheduler)
+from ..engine.workload import get_workload
+from ..model import get_preset, Pi05Model
+from .measure import compare_tokens, max_action_diff, summarize, SystemLog
+from .phases import measure_phases, PhaseCosts
+from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
+
+# Deadline of oxygen-adaptive and of the deadline-miss count when no control rate is given:
+# the action path (P + D) plus this share of it for language.
+DEFAULT_LANGUAGE_SLACK = 0.25
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    """Everything that decides what is measured and where it goes."""
+
+    plan: PlanOptions = dataclasses.field(default_factory=PlanOptions)
+    preset: str = 'pi05-cpu'
+    device: str = 'cpu'
+    dtype: str = 'float32'
+    threads: int = 2                 # torch threads of this process (parallel workers: 1 each)
+    seed: int = 0
+    control_hz: float | None = None  # frame deadline; None: (P + D) · (1 + slack)
+    phase_repeats: int = 7
+    memory_frames: int = 4           # measured frames of a memory probe (after its warm-up)
+    progress: bool = True
+    quick: bool = False
+
+    @classmethod
+    def quick_defaults(cls, **changes) -> BenchOptions:
+        return dataclasses.replace(cls(plan=quick_options(), preset='tiny', quick=True,
+                                       phase_repeats=3, memory_frames=2), **changes)
+
+
+@dataclasses.dataclass
+class BenchResult:
+    """Rows of every run, memory probes, the component model per S, and where time went."""
+
+    rows: list[dict]
+    memory: list[dict]
+    phases: dict[int, PhaseCosts]
+    periods: dict[int, float]        # S -> frame deadline used (s)
+    part_seconds: dict[str, float]
+    environment: dict
+    options: BenchOptions
+    phase_runs: dict[str, dict[int, PhaseCosts]] = dataclasses.field(default_factory=dict)
+    # 'before' / 'after' the sweeps; `phases` holds their per-phase minimum
+
+
+def environment(opts: BenchOptions) -> dict:
+    """Describe what the numbers depend on: versions, threads, CPU, device, machine load."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open('/proc/cpuinfo') as info:
+            cpu = next(line.split(':', 1)[1].strip() for line in info
+                       if line.startswith('model name'))
+    except (OSError, StopIteration):
+        pass
+    env = {'torch': torch.__version__, 'python': platform.python_version(), 'cpu': cpu,
+           'cores': os.cpu_count(), 'torch_threads': torch.get_num_threads(),
+           'device': opts.device, 'dtype': opts.dtype, 'preset': opts.preset,
+           'loadavg_start': os.getloadavg()[0] if hasattr(os, 'getloadavg') else math.nan}
+    if opts.device.startswith('cuda'):
+        env['gpu'] = torch.cuda.get_device_name(torch.device(opts.device))
+    return env
+
+
+class OtherLoad:
+    """CPU time used by other processes while a block of work ran, in % of all cores.
+
+    Machine busy time comes from /proc/stat; this process's own time (and its children's,
+    including live parallel workers) is subtracted. A few % is background; tens of % means the
+    measured frames competed with other work for the cores.
+    """
+
+    def __init__(self):
+        self._start = self._snapshot()
+
+    @staticmethod
+    def _machine_busy_s() -> float:
+        try:
+            with open('/proc/stat') as stat:
+                fields = [float(v) for v in stat.readline().split()[1:]]
+        except OSError:
+            return math.nan
+        idle = fields[3] + fields[4]   # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf('SC_CLK_TCK')
+
+    @staticmethod
+    def _own_cpu_s() -> float:
+        own = 0.0
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+            usage = resource.getrusage(who)
+            own += usage.ru_utime + usage.ru_stime
+        for child in multiprocessing.active_children():   # not reaped yet: not in RUSAGE
+            try:
+                with open(f'/proc/{child.pid}/stat') as stat:
+                    fields = stat.read().rpartition(')')[2].split()
+                own += (float(fields[11]) + float(fields[12])) / os.sysconf('SC_CLK_TCK')
+            except (OSError, IndexError, ValueError):
+                pass
+        return own
+
+    def _snapshot(self) -> tuple[float, float, float]:
+        return self._machine_busy_s(), self._own_cpu_s(), time.perf_counter()
+
+    def percent(self) -> float:
+        busy, own, wall = self._snapshot()
+        busy0, own0, wall0 = self._start
+        cores = os.cpu_count() or 1
+        return max(0.0, 100 * ((busy - busy0) - (own - own0)) / ((wall - wall0) * cores))
+
+
+def action_only_policy(policy: LanguagePolicy) -> LanguagePolicy:
+    """Return the same policy with no language requests at all."""
+    return dataclasses.replace(policy, every_n_frames=0, arrival_rate=None)
+
+
+def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
+                      policy: LanguagePolicy, period_s: float, seed: int):
+    """Build one system of a group ('action-only' is a Scheduler with no requests)."""
+    if spec.name == 'action-only':
+        return Scheduler(model, frontend, action_only_policy(policy), None, seed=seed)
+    kwargs = {'seed': seed}
+    if spec.name == 'oxygen':
+        kwargs['k'] = spec.k
+    if spec.name == 'oxygen-adaptive':
+        kwargs.update(frame_period_s=period_s, k=spec.k or policy.max_request_len)
+    return make_system(spec.name, model, frontend, policy, **kwargs)
+
+
+def drain(system, log: SystemLog) -> None:
+    """Decode requests still running after the measured frames to the end (untimed).
+
+    An adaptive budget may choose k = 0 for a few calls in a row (it then forces k = 1), so the
+    bound is generous; running into it means language stopped progressing.
+    """
+    if not isinstance(system, Scheduler):
+        return
+    for _ in range(64 * (system.pool.max_gen_len + 2)):
+        if not system.active:
+            return
+        system.advance_language()
+        log.record_finished(system.last_result.finished, -1)
+    raise RuntimeError(f'{system.system}: requests still running after draining:\n{system}')
+
+
+class ModelCache:
+    """One random-weight model per S (same seed: same weights) and a frontend per robot."""
+
+    def __init__(self, opts: BenchOptions):
+        self.opts = opts
+        self._models: dict[int, Pi05Model] = {}
+        self._frontends: dict[str, Frontend] = {}
+
+    def model(self, steps: int) -> Pi05Model:
+        if steps not in self._models:
+            cfg = get_preset(self.opts.preset).replace(num_steps=steps)
+            model, frontend = random_setup(cfg, 'libero', seed=self.opts.seed,
+                                           device=self.opts.device,
+                                           dtype=getattr(torch, self.opts.dtype))
+            self._models[steps] = model
+            self._frontends.setdefault('libero', frontend)
+        return self._models[steps]
+
+    def frontend(self, steps: int, robot: str) -> Frontend:
+        model = self.model(steps)
+        if robot not in self._frontends:
+            tokenizer = self._frontends['libero'].tokenizer
+            self._frontends[robot] = Frontend.from_config(
+                model.config, robot, tokenizer, identity_norm_stats(robot), self.opts.device)
+        return self._frontends[robot]
+
+
+def decode_batches(groups: list[Group]) -> list[int]:
+    """Decode batch sizes the component model needs: 1, and ceil(N/k) of every fixed-k run."""
+    sizes = {1}
+    for group in groups:
+        for spec in group.systems:
+            if spec.name == 'oxygen':
+                sizes.add(-(-group.n_tokens // spec.k))
+    return sorted(sizes)
+
+
+def ideal_speedup(costs: PhaseCosts, group: Group, spec: SystemSpec) -> float:
+    """Component-model speedup of `spec` over isolated (nan where the model does not apply)."""
+    if group.arrival_rate is not None or group.lengths:
+        return math.nan
+    n = group.n_tokens
+    if spec.name == 'isolated':
+        return 1.0
+    if spec.name == 'oxygen':
+        return costs.ideal_speedup(n, spec.k)
+    if spec.name == 'shared':
+        return costs.ideal_speedup(n, n)     # one prefill, N steps at batch 1
+    if spec.name == 'action-only':
+        isolated = 2 * costs.prefill_s + costs.denoise_s + n * costs.decode_at(1)
+        return isolated / (costs.prefill_s + costs.denoise_s)
+    return math.nan
+
+
+def apply_component_model(row: dict, costs: PhaseCosts, group: Group, spec: SystemSpec) -> None:
+    """Set the ideal speedup of a row and the measured / ideal ratios (mean and p50 based)."""
+    ideal = ideal_speedup(costs, group, spec)
+    row['ideal_speedup'] = ideal
+    row['speedup_over_ideal'] = row['speedup'] / ideal
+    row['speedup_p50_over_ideal'] = row['speedup_p50'] / ideal
+
+
+def combine_phases(first: PhaseCosts, second: PhaseCosts) -> PhaseCosts:
+    """Per phase the smaller of two medians: the less disturbed measurement of each."""
+    return dataclasses.replace(
+        first, vision_s=min(first.vision_s, second.vision_s),
+        prefill_s=min(first.prefill_s, second.prefill_s),
+        denoise_s=min(first.denoise_s, second.denoise_s),
+        decode_s={b: min(first.decode_s[b], second.decode_s[b]) for b in first.decode_s})
+
+
+def run_group(group: Group, models: ModelCache, costs: PhaseCosts, period_s: float,
+              opts: BenchOptions, bar: tqdm) -> list[dict]:
+    """Run one group side by side; return one row per system."""
+    model = models.model(group.steps)
+    frontend = models.frontend(group.steps, get_workload(group.workload).robot)
+    horizon = get_workload(group.workload).horizon
+    policy = group.policy(opts.seed)
+    systems = {spec: make_bench_system(spec, model, frontend, policy, period_s, opts.seed)
+               for spec in group.systems}
+    logs = {spec: SystemLog() for spec in group.systems}
+    first_frame = {spec: group.max_warmup - group.warmup(spec) for spec in group.systems}
+    order = list(group.systems)
+    load = OtherLoad()
+    try:
+        for frame in range(group.total_frames):
+            obs = random_observation(group.workload, frame, seed=opts.seed,
+                                     image_size=model.config.vision.image_size)
+            measured = frame >= group.max_warmup
+            rotation = frame % len(order)
+            for spec in order[rotation:] + order[:rotation]:
+                if frame < first_frame[spec]:
+                    continue
+                cpu_start = time.process_time()
+                result = systems[spec].step(obs)
+                cpu_s = time.process_time() - cpu_start
+                if spec.name == 'parallel':
+                    cpu_s = math.nan   # the work happens in the worker processes
+                logs[spec].record(frame, result, cpu_s, measured)
+                bar.update(1)
+        other_load_pct = load.percent()   # measured frames + warm-up, before draining
+        for spec, system in systems.items():
+            drain(system, logs[spec])
+    finally:
+        for system in systems.values():
+            close = getattr(system, 'close', None)
+            if close is not None:
+                close()
+    rows = group_rows(group, logs, horizon, costs, period_s, opts)
+    for row in rows:
+        row['other_load_pct'] = other_load_pct
+    return rows
+
+
+def group_rows(group: Group, logs: dict[SystemSpec, SystemLog], horizon: int,
+               costs: PhaseCosts, period_s: float, opts: BenchOptions) -> list[dict]:
+    """Metrics of every system plus the comparisons with isolated and action-only."""
+    metrics = {spec: summarize(log, horizon, period_s) for spec, log in logs.items()}
+    isolated = next(s for s in logs if s.name == 'isolated')
+    action_only = next((s for s in logs if s.name == 'action-only'), None)
+    rows = []
+    for spec, log in logs.items():
+        m = metrics[spec]
+        row = {'sweep': group.sweep, 'workload': group.workload, 'preset': opts.preset,
+               'device': opts.device, 'dtype': opts.dtype, 'threads': opts.threads,
+               'steps': group.steps, 'n_tokens': group.n_tokens,
+               'k': spec.k if spec.name == 'oxygen' else '',
+               'arrival_rate': '' if group.arrival_rate is None else group.arrival_rate,
+               'lengths': '/'.join(map(str, group.lengths)), 'system': spec.name,
+               'label': spec.label, 'frames': group.frames, 'warmup': group.warmup(spec)}
+        row.update(m)
+        iso = metrics[isolated]
+        row['speedup'] = m['action_hz'] / iso['action_hz']
+        row['speedup_p50'] = m['action_hz_p50'] / iso['action_hz_p50']
+        apply_component_model(row, costs, group, spec)
+        if action_only is not None:
+            ref = metrics[action_only]
+            row['act_p50_over_action_only'] = m['act_ms_p50'] / ref['act_ms_p50']
+            row['act_p99_over_action_only'] = m['act_ms_p99'] / ref['act_ms_p99']
+            row['hz_over_action_only'] = m['action_hz'] / ref['action_hz']
+        else:
+            row.update(act_p50_over_action_only=math.nan, act_p99_over_action_only=math.nan,
+                       hz_over_action_only=math.nan)
+        check = compare_tokens(logs[isolated].requests, log.requests)
+        row['tokens_identical'] = '' if check.identical is None else check.identical
+        row['requests_compared'] = check.compared
+        row['token_mismatches'] = ' '.join(map(str, check.mismatched))
+        row['action_max_diff'] = max_action_diff(logs[isolated].actions, log.actions)
+        rows.append(row)
+    return rows
+
+
+def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict]:
+    """Peak memory of each system of `group` in fresh processes (1 torch thread each)."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [package_root, env.get('PYTHONPATH')]))
+    frames = group.max_warmup + opts.memory_frames
+
+    def one(spec: SystemSpec) -> dict:
+        cmd = [sys.executable, '-m', 'oxygen_ros.bench.memory', '--system', spec.name,
+               '--preset', opts.preset, '--workload', group.workload, '--device', opts.device,
+               '--dtype', opts.dtype, '--steps', str(group.steps), '--n', str(group.n_tokens),
+               '--k', str(spec.k or group.n_tokens), '--period', f'{period_s:.6f}',
+               '--frames', str(frames), '--threads', '1', '--seed', str(opts.seed)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f'memory probe {spec.label} failed:\n{done.stderr[-3000:]}')
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result.update(label=spec.label, workload=group.workload, preset=opts.preset,
+                      device=opts.device, dtype=opts.dtype, steps=group.steps)
+        return result
+
+    # On CUDA the probes would share one GPU's memory and clocks: one at a time.
+    workers = 1 if opts.device.startswith('cuda') else max(1, (os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        rows = list(pool.map(one, group.systems))
+    ref = next((r for r in rows if r['system'] == 'action-only'), None)
+    for row in rows:
+        for key in ('peak_rss_mb', 'above_runtime_mb', 'cuda_peak_mb'):
+            row[key.replace('_mb', '_vs_action_only')] = (
+                row[key] / ref[key] if ref and ref[key] else math.nan)
+    return rows
+
+
+def memory_group(opts: BenchOptions) -> Group:
+    """Return the headline setting with every allowed system: what the memory bars show."""
+    plan = opts.plan
+    n, k = plan.headline_n, plan.headline_k
+    specs = [SystemSpec('action-only'), SystemSpec('isolated'), SystemSpec('parallel'),
+             SystemSpec('shared'), SystemSpec('oxygen', k), SystemSpec('oxygen-adaptive', n)]
+    specs = tuple(s for s in specs if s.name in plan.systems)
+    return Group('memory', plan.workloads[0], plan.default_steps, n, specs, opts.memory_frames)
+
+
+def period_for(costs: PhaseCosts, opts: BenchOptions) -> float:
+    if opts.control_hz:
+        return 1.0 / opts.control_hz
+    return (costs.prefill_s + costs.denoise_s) * (1 + DEFAULT_LANGUAGE_SLACK)
+
+
+def run_benchmark(opts: BenchOptions,
+                  checkpoint: Callable[[BenchResult], None] | None = None) -> BenchResult:
+    """Run every part of the plan; nothing is written here (see report.write_report).
+
+    `checkpoint` gets the result after the sweeps, before the memory probes (so a run cut
+    short by a time limit still leaves its sweep results behind).
+    """
+    torch.set_num_threads(opts.threads)
+    with quiet_loggers(QUIET_LOGGERS):
+        return _run_benchmark(opts, checkpoint)
+
+
+# The synthetic prompt (task + 256-bin state) is longer than small presets' prompt slots, so
+# its truncation is expected; refusals and evictions under Poisson arrivals are expected and
+# counted in the CSV (columns refused, evicted). One log line each would bury the progress bar.
+QUIET_LOGGERS = ('oxygen_ros.model.tokenizer', 'oxygen_ros.engine')
+
+
+@contextlib.contextmanager
+def quiet_loggers(names, level=logging.ERROR):
+    """Raise the level of the named loggers for the duration of the block."""
+    loggers = [logging.getLogger(name) for name in names]
+    saved = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(level)
+    try:
+        yield
+    finally:
+        for logger, old in zip(loggers, saved):
+            logger.setLevel(old)
+
+
+def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
+    env = environment(opts)
+    groups = build_groups(opts.plan)
+    part_seconds: dict[str, float] = {}
+    models = ModelCache(opts)
+    phases: dict[int, PhaseCosts] = {}
+    periods: dict[int, float] = {}
+    step_values = sorted({g.steps for g in groups} | {opts.plan.default_steps})
+    batches = tuple(decode_batches(groups))
+    phase_runs: dict[str, dict[int, PhaseCosts]] = {'before': {}, 'after': {}}
+
+    def measure_all_phases(when: str) -> None:
+        start = time.perf_counter()
+        for steps in step_values:
+            phase_runs[when][steps] = measure_phases(models.model(steps), batches=batches,
+                                                     repeats=opts.phase_repeats)
+        part_seconds[f'phases {when}'] = time.perf_counter() - start
+
+    measure_all_phases('before')
+    for steps in step_values:
+        periods[steps] = period_for(phase_runs['before'][steps], opts)
+    rows: list[dict] = []
+    row_keys: list[tuple[Group, SystemSpec]] = []
+    total = sum(g.system_frames() for g in groups)
+    with tqdm(total=total, unit='frame', disable=not opts.progress, dynamic_ncols=True,
+              file=sys.stderr) as bar:
+        for group in groups:
+            bar.set_description(group.title)
+            start = time.perf_counter()
+            rows += run_group(group, models, phase_runs['before'][group.steps],
+                              periods[group.steps], opts, bar)
+            row_keys += [(group, spec) for spec in group.systems]
+            part_seconds[group.sweep] = part_seconds.get(group.sweep, 0.0) + (
+                time.perf_counter() - start)
+    # The component model is measured before and after the sweeps; each phase keeps the lower
+    # median, so a burst of other work during one measurement does not skew the ideal.
+    measure_all_phases('after')
+    for steps in step_values:
+        phases[steps] = combine_phases(phase_runs['before'][steps], phase_runs['after'][steps])
+    for row, (group, spec) in zip(rows, row_keys):
+        apply_component_model(row, phases[group.steps], group, spec)
+    memory: list[dict] = []
+    result = BenchResult(rows, memory, phases, periods, part_seconds, env, opts, phase_runs)
+    if checkpoint is not None and 'memory' in opts.plan.parts:
+        checkpoint(result)
+    if 'memory' in opts.plan.parts:
+        start = time.perf_counter()
+        group = memory_group(opts)
+        memory += probe_memory(opts, group, periods[group.steps])
+        part_seconds['memory'] = time.perf_counter() - start
+    env['loadavg_end'] = os.getloadavg()[0] if hasattr(os, 'getloadavg') else math.nan
+    return result
+
+
+def save_result(result: BenchResult, path: str | Path) -> None:
+    """Everything needed to redraw the report, as JSON (no pickles)."""
+    payload = {
+        'rows': result.rows, 'memory': result.memory,
+        'phases': {str(s): dataclasses.asdict(c) for s, c in result.phases.items()},
+        'phase_runs': {when: {str(s): dataclasses.asdict(c) for s, c in runs.items()}
+                       for when, runs in result.phase_runs.items()},
+        'periods': {str(s): p for s, p in result.periods.items()},
+        'part_seconds': result.part_seconds, 'environment': result.environment,
+        'options': dataclasses.asdict(result.options)}
+    Path(path).write_text(json.dumps(payload, indent=1))
+
+
+def load_result(path: str | Path) -> BenchResult:
+    """Inverse of save_result."""
+    data = json.loads(Path(path).read_text())
+    opts = data['options']
+    opts['plan'] = PlanOptions(**{key: tuple(v) if isinstance(v, list) else v
+                                  for key, v in opts['plan'].items()})
+
+    def costs_by_steps(saved: dict) -> dict[int, PhaseCosts]:
+        out = {}
+        for steps, costs in saved.items():
+            costs['decode_s'] = {int(b): v for b, v in costs['decode_s'].items()}
+            out[int(steps)] = PhaseCosts(**costs)
+        return out
+
+    return BenchResult(data['rows'], data['memory'], costs_by_steps(data['phases']),
+                       {int(s): p for s, p in data['periods'].items()}, data['part_seconds'],
+                       data['environment'], BenchOptions(**opts),
+                       {when: costs_by_steps(runs)
+                        for when, runs in data.get('phase_runs', {}).items()})

@@ -1,0 +1,169 @@
+"""Build the node's engine (model + frontend + scheduler) from its Settings; no rclpy.
+
+Kept free of ROS so the tests (and a replay tool) can build exactly the engine the node runs
+and feed it the same observations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from oxygen_ros.engine import (Frontend, identity_norm_stats, LanguagePolicy, make_system,
+                               random_observation, random_setup)
+from oxygen_ros.engine.workload import default_num_slots
+from oxygen_ros.model.checkpoint import (CheckpointError, config_from_json, CONFIG_FILE,
+                                         load_pi05)
+from oxygen_ros.model.config import get_preset
+from oxygen_ros.model.robots import get_robot
+from oxygen_ros.model.tokenizer import PaligemmaTokenizer
+from oxygen_ros.ros.params import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class EngineSetupError(RuntimeError):
+    """The engine could not be built; str(err) says what to fix."""
+
+
+@dataclasses.dataclass
+class Engine:
+    """One engine instance and what the node reports about it."""
+
+    system: object                 # engine Scheduler: act / advance_language / last_result
+    frontend: Frontend
+    description: dict              # for diagnostics: source, preset, device, dtype, ...
+    warnings: list[str]            # things that work but deserve a look (e.g. tiny tokenizer)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {'float32': torch.float32, 'bfloat16': torch.bfloat16}[name]
+
+
+def _check_device(device: str) -> None:
+    if device.startswith('cuda') and not torch.cuda.is_available():
+        raise EngineSetupError(f"device {device!r}: CUDA is not available to this torch "
+                               f"({torch.__version__}); use device 'cpu'")
+
+
+def policy_for(settings: Settings, eos_id: int) -> LanguagePolicy:
+    """Build the language request policy the node's parameters describe."""
+    return LanguagePolicy(max_new_tokens=settings.tokens_per_request,
+                          every_n_frames=settings.request_every_n_frames, seed=settings.seed,
+                          eos_id=eos_id, prompt_template=settings.language_prompt)
+
+
+def slots_needed(every_n_frames: int, tokens_per_request: int, k: int | None) -> int:
+    """KV slots the engine sizes itself with for this request rate, N and k (None: adaptive)."""
+    policy = LanguagePolicy(max_new_tokens=tokens_per_request, every_n_frames=every_n_frames)
+    return default_num_slots(policy, k or 1)
+
+
+def _random_weights(settings: Settings, device: str, dtype: torch.dtype):
+    config = get_preset(settings.preset)
+    if settings.denoise_steps:
+        config = config.replace(num_steps=settings.denoise_steps)
+    model, frontend = random_setup(config, settings.robot, seed=settings.seed, device=device,
+                                   dtype=dtype)
+    warnings = []
+    if settings.tokenizer:
+        tokenizer = PaligemmaTokenizer(settings.tokenizer, max_len=config.max_token_len)
+        frontend = Frontend.from_config(config, settings.robot, tokenizer,
+                                        identity_norm_stats(settings.robot), device)
+    else:
+        warnings.append('random weights with the tiny offline tokenizer: narration is noise')
+    return model, frontend, {'source': f'random weights (preset {settings.preset}, '
+                                       f'seed {settings.seed})'}, warnings
+
+
+def _checkpoint(settings: Settings, device: str, dtype: torch.dtype):
+    path = Path(settings.checkpoint).expanduser()
+    config = None
+    if settings.denoise_steps:
+        try:
+            config = config_from_json(json.loads((path / CONFIG_FILE).read_text()))
+        except (OSError, json.JSONDecodeError) as err:
+            raise EngineSetupError(
+                f'checkpoint {path}: cannot read {CONFIG_FILE}: {err}') from None
+        config = config.replace(num_steps=settings.denoise_steps)
+    loaded = load_pi05(path, config=config, device=device, dtype=dtype)
+    spec = get_robot(settings.robot)
+    stats = loaded.norm_stats
+    if spec.asset_id in stats:
+        norm_stats, asset = stats[spec.asset_id], spec.asset_id
+    elif len(stats) == 1:
+        asset, norm_stats = next(iter(stats.items()))
+    else:
+        raise EngineSetupError(
+            f'checkpoint {path}: no norm stats for robot {settings.robot!r} (looked for '
+            f'assets/{spec.asset_id}/norm_stats.json; found {sorted(stats) or "none"})')
+    warnings = []
+    if settings.tokenizer:
+        tokenizer_path = Path(settings.tokenizer).expanduser()
+    elif loaded.tokenizer_path is not None:
+        tokenizer_path = loaded.tokenizer_path
+    else:
+        raise EngineSetupError(f'checkpoint {path} has no tokenizer.model and parameter '
+                               "'tokenizer' is empty: give the PaliGemma SentencePiece model")
+    tokenizer = PaligemmaTokenizer(tokenizer_path, max_len=loaded.config.max_token_len)
+    frontend = Frontend.from_config(loaded.config, settings.robot, tokenizer, norm_stats, device)
+    return loaded.model, frontend, {'source': f'checkpoint {path}', 'norm_stats': asset,
+                                    'tokenizer': str(tokenizer_path)}, warnings
+
+
+def warm_up(model, frontend: Frontend, settings: Settings) -> None:
+    """Run one throwaway frame (own 2-slot scheduler) so the first real tick is not slow.
+
+    The first torch calls allocate and pick kernels (CUDA: initialise the context); doing it
+    here keeps it out of the control loop and leaves the node's scheduler untouched, so frame
+    and request numbering start at 0.
+    """
+    policy = LanguagePolicy(max_new_tokens=2, every_n_frames=1, eos_id=frontend.eos_id)
+    system = make_system('oxygen', model, frontend, policy, k=2, num_slots=2, seed=settings.seed)
+    obs = random_observation(settings.robot, 0, settings.seed,
+                             image_size=model.config.vision.image_size)
+    system.step(obs)
+    system.step(random_observation(settings.robot, 1, settings.seed,
+                                   image_size=model.config.vision.image_size))
+
+
+def build_engine(settings: Settings, warmup: bool = True) -> Engine:
+    """Load weights (checkpoint or random preset) and build the scheduler the node drives.
+
+    Raises EngineSetupError (or CheckpointError / FileNotFoundError / ValueError from the
+    loaders) with a message that names the file or parameter at fault.
+    """
+    _check_device(settings.device)
+    dtype = _dtype(settings.dtype)
+    try:
+        if settings.checkpoint:
+            model, frontend, description, warnings = _checkpoint(settings, settings.device,
+                                                                 dtype)
+        else:
+            model, frontend, description, warnings = _random_weights(settings, settings.device,
+                                                                     dtype)
+    except (CheckpointError, FileNotFoundError, EngineSetupError):
+        raise
+    except (ValueError, OSError, RuntimeError) as err:
+        # Loader errors (bad safetensors header, tokenizer/vocab mismatch, ...) carry their own
+        # reason; say which step failed.
+        raise EngineSetupError(f'loading the model failed: {err}') from err
+    if warmup:
+        warm_up(model, frontend, settings)
+    policy = policy_for(settings, frontend.eos_id)
+    k = settings.decode_budget
+    system = make_system('oxygen' if k is not None else 'oxygen-adaptive', model, frontend,
+                         policy, k=k or 1, frame_period_s=settings.period_s,
+                         num_slots=settings.kv_capacity or None, seed=settings.seed)
+    config = model.config
+    description.update({
+        'robot': settings.robot, 'device': settings.device, 'dtype': settings.dtype,
+        'prefix_len': config.prefix_len, 'horizon': config.action_horizon,
+        'denoise_steps': config.num_steps, 'tokens_per_request': settings.tokens_per_request,
+        'kv_slots': system.pool.num_slots,
+    })
+    return Engine(system, frontend, description, warnings)

@@ -1,0 +1,207 @@
+"""Latest robot inputs (cameras, joint state, instruction) and the observation built from them.
+
+Subscription callbacks only store the newest message with its time of receipt; the control tick
+converts what it uses (so a 30 Hz camera under a 10 Hz control loop costs one conversion per
+tick) and gets either an Observation or the list of reasons why there is none.
+
+Staleness is judged on the node clock at receipt, not on header stamps: camera clocks are often
+unsynchronised, and with use_sim_time both sides follow /clock, so bag replays stay consistent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import unicodedata
+from typing import Any, Callable
+
+import numpy as np
+
+from oxygen_ros.engine.types import Observation
+from oxygen_ros.ros.conversions import InputError
+
+
+# --- instruction ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """A task text as the model will see it, plus what was changed to make it safe."""
+
+    text: str                 # cleaned, at most max_chars characters ('' = no task)
+    received_chars: int       # length of the raw text as received
+    truncated: bool           # cut to max_chars
+    invalid_chars: int        # U+FFFD (bytes that were not UTF-8) and lone surrogates removed
+    control_chars: int        # control / format characters replaced by spaces
+
+    @property
+    def notes(self) -> list[str]:
+        """Human-readable list of the changes made to the received text."""
+        notes = []
+        if self.truncated:
+            notes.append(f'truncated from {self.received_chars} to {len(self.text)} characters')
+        if self.invalid_chars:
+            notes.append(f'{self.invalid_chars} invalid (non-UTF-8) characters removed')
+        if self.control_chars:
+            notes.append(f'{self.control_chars} control characters replaced by spaces')
+        return notes
+
+
+def sanitize_instruction(raw: str, max_chars: int) -> Instruction:
+    """Make an instruction safe for the tokenizer and bounded in length.
+
+    NFC-normalises, drops replacement characters (rclpy decodes bytes that are not UTF-8 as
+    U+FFFD) and lone surrogates, turns control characters into spaces, collapses whitespace and
+    truncates to `max_chars` (on a word boundary when one is near).
+    """
+    invalid = raw.count('\ufffd') + sum(1 for c in raw if '\ud800' <= c <= '\udfff')
+    text = ''.join(c for c in raw if c != '\ufffd' and not '\ud800' <= c <= '\udfff')
+    text = unicodedata.normalize('NFC', text)
+    control = 0
+    chars = []
+    for c in text:
+        if unicodedata.category(c) in ('Cc', 'Cf', 'Zl', 'Zp') and c not in ' ':
+            control += c not in '\t\n\r'   # ordinary whitespace is not worth reporting
+            chars.append(' ')
+        else:
+            chars.append(c)
+    text = ' '.join(''.join(chars).split())
+    truncated = len(text) > max_chars
+    if truncated:
+        cut = text[:max_chars]
+        space = cut.rfind(' ')
+        text = (cut[:space] if space >= max_chars * 0.8 else cut).rstrip()
+    return Instruction(text, len(raw), truncated, invalid, control)
+
+
+# --- latest message buffer ----------------------------------------------------------------------
+@dataclasses.dataclass
+class Received:
+    """A message with its time of receipt (node clock, seconds) and its cached conversion."""
+
+    msg: Any
+    received_s: float
+    converted: Any = None        # conversion result, computed once by the consumer
+    error: str | None = None     # conversion failure, computed once by the consumer
+    count: int = 0               # messages received on this input so far (this one included)
+
+
+class LatestBuffer:
+    """Thread-safe newest message per input name; older messages are simply replaced."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._latest: dict[str, Received] = {}
+
+    def put(self, name: str, msg: Any, received_s: float) -> None:
+        with self._lock:
+            old = self._latest.get(name)
+            self._latest[name] = Received(msg, received_s, count=(old.count if old else 0) + 1)
+
+    def get(self, name: str) -> Received | None:
+        with self._lock:
+            return self._latest.get(name)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._latest.clear()
+
+
+def convert_once(entry: Received, convert: Callable[[Any], Any]) -> Any:
+    """Return entry's converted value, converting on first use; raise InputError if bad."""
+    if entry.converted is None and entry.error is None:
+        try:
+            entry.converted = convert(entry.msg)
+        except InputError as err:
+            entry.error = str(err)
+    if entry.error is not None:
+        raise InputError(entry.error)
+    return entry.converted
+
+
+# --- observation ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class InputSource:
+    """One input the observation needs: where it comes from and how to convert it."""
+
+    key: str                        # buffer name: 'camera:<name>' or 'joint_states'
+    label: str                      # for messages, e.g. "camera 'image' (/camera/image)"
+    convert: Callable[[Any], Any]   # message -> numpy value (raises InputError)
+
+
+@dataclasses.dataclass
+class InputStatus:
+    """State of one input at a tick, for diagnostics."""
+
+    label: str
+    state: str              # 'ok', 'never received', 'stale', 'bad'
+    age_s: float | None     # seconds since the newest message (None: never received)
+    count: int              # messages received
+    detail: str = ''        # the reason when not ok
+
+
+@dataclasses.dataclass
+class ObservationResult:
+    """What a tick gets from its inputs: an Observation, or the reasons there is none."""
+
+    observation: Observation | None
+    problems: dict[str, str]            # key -> reason (empty when observation is not None)
+    inputs: list[InputStatus]           # every camera and the joint state, in order
+    header_stamp: Any = None            # the first camera's header stamp message, exact to
+    #                                     the nanosecond (Observation.stamp is a float); None
+    #                                     when the camera left it at zero
+
+
+def build_observation(buffer: LatestBuffer, cameras: list[tuple[str, InputSource]],
+                      joints: InputSource, instruction: Instruction | None, now_s: float,
+                      stale_timeout_s: float, started_s: float,
+                      instruction_topic: str = 'instruction') -> ObservationResult:
+    """Assemble the observation of this tick from the newest inputs.
+
+    cameras: (observation camera name, source) pairs. started_s: when the node began waiting
+    (how long a never-seen input has been missing). The observation stamp is the header stamp
+    of the first camera, or its receipt time when the camera leaves the stamp at zero.
+    """
+    problems: dict[str, str] = {}
+    statuses: list[InputStatus] = []
+    values: dict[str, Any] = {}
+    stamp = header_stamp = None
+    for name, source in cameras + [(None, joints)]:
+        entry = buffer.get(source.key)
+        if entry is None:
+            waited = max(now_s - started_s, 0.0)
+            why = f'{source.label}: never received (waiting {waited:.1f} s)'
+            problems[source.key] = why
+            statuses.append(InputStatus(source.label, 'never received', None, 0, why))
+            continue
+        age = now_s - entry.received_s
+        status = InputStatus(source.label, 'ok', age, entry.count)
+        statuses.append(status)
+        if age > stale_timeout_s:
+            status.state = 'stale'
+            status.detail = (f'{source.label}: stale, last message {age:.2f} s ago '
+                             f'(stale_frame_timeout_s {stale_timeout_s:g})')
+            problems[source.key] = status.detail
+            continue
+        try:
+            values[source.key] = convert_once(entry, source.convert)
+        except InputError as err:
+            status.state = 'bad'
+            status.detail = f'{source.label}: {err}'
+            problems[source.key] = status.detail
+            continue
+        if name is not None and stamp is None:
+            header = getattr(entry.msg, 'header', None)
+            stamp_s = (header.stamp.sec + header.stamp.nanosec * 1e-9) if header else 0.0
+            stamp = stamp_s if stamp_s > 0 else entry.received_s
+            header_stamp = header.stamp if stamp_s > 0 else None
+    if instruction is None:
+        problems['instruction'] = (f'instruction: none received yet on {instruction_topic} '
+                                   '(std_msgs/String, reliable + transient local)')
+    elif not instruction.text:
+        problems['instruction'] = 'instruction: empty, so there is no task (no actions)'
+    if problems:
+        return ObservationResult(None, problems, statuses)
+    images = {name: values[source.key] for name, source in cameras}
+    state = np.asarray(values[joints.key], dtype=np.float64)   # [state_dim] robot units
+    obs = Observation(images=images, state=state, instruction=instruction.text,
+                      stamp=float(stamp or now_s))
+    return ObservationResult(obs, {}, statuses, header_stamp)

@@ -1,0 +1,638 @@
+"""`oxygen_node`: a thin lifecycle adapter over one engine Scheduler.
+
+Cameras, joint states and an instruction in; an action chunk every tick, and language tokens
+on their own topic, out.
+
+Callback groups (run by a MultiThreadedExecutor):
+  control      the hard-rate tick: observation -> act -> publish ActionChunk -> decode ->
+               publish LanguageChunks / narration. Alone in its group, so input callbacks and
+               diagnostics never wait for the model and the tick never waits for them.
+  inputs       camera / joint state / instruction subscriptions: store the newest message.
+  diagnostics  1 Hz /diagnostics, alive in every lifecycle state (a failed configure shows).
+  default      lifecycle and parameter services, autostart (model loading runs here, so the
+               executor keeps serving the other groups while weights load).
+
+Publishers are plain (not lifecycle) publishers created in on_configure: only the control
+timer publishes outputs, and it exists only while active, so nothing is published while
+inactive; /diagnostics deliberately keeps publishing in every state.
+
+Time: stamps and input staleness use the node clock, so with use_sim_time the node follows
+/clock (`ros2 bag play --clock`) and the control timer ticks in sim time. Diagnostics and
+autostart run on a steady clock, so they work before /clock starts or while it is paused.
+ActionChunk.header.stamp is the observation's (first camera's) header stamp; LanguageChunk
+carries the stamp of the tick that produced it (equal to that tick's ActionChunk stamp), or
+the node clock when a tick had no new frame.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+import traceback
+
+import rclpy
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.clock import Clock, ClockType
+from rclpy.executors import MultiThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.parameter import Parameter
+from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
+                                SetParametersResult)
+
+from diagnostic_msgs.msg import DiagnosticArray
+from sensor_msgs.msg import CompressedImage, Image, JointState
+from std_msgs.msg import String
+
+from oxygen_ros.engine import AdaptiveBudget, FixedBudget
+from oxygen_ros.msg import ActionChunk, LanguageChunk
+from oxygen_ros.ros import qos
+from oxygen_ros.ros.conversions import (action_chunk_msg, compressed_to_rgb, image_to_rgb,
+                                        joint_state_to_vector, language_chunk_msg,
+                                        seconds_to_stamp)
+from oxygen_ros.ros.diagnostics import (build_statuses, ERROR, LoopStats, OK, ProblemLog,
+                                        to_diagnostic_array, WARN)
+from oxygen_ros.ros.inputs import (build_observation, Instruction, InputSource, LatestBuffer,
+                                   sanitize_instruction)
+from oxygen_ros.ros.params import (check_value, NODE_NAME, PARAMS, PARAMS_BY_NAME,
+                                   parse_decode_budget, ROBOT_IO, robot_defaults,
+                                   RUNTIME_PARAMS, Settings)
+
+try:   # Jazzy+ names the event classes event_handler; Humble only has qos_event.
+    from rclpy.event_handler import SubscriptionEventCallbacks
+except ImportError:   # pragma: no cover - Humble
+    from rclpy.qos_event import SubscriptionEventCallbacks
+try:
+    from rclpy.executors import ExternalShutdownException
+except ImportError:   # pragma: no cover - older rclpy raise KeyboardInterrupt only
+    ExternalShutdownException = KeyboardInterrupt
+
+COMPLETE_REASONS = ('eos', 'length')   # narration is published for these finish reasons
+JOINT_STATES_KEY = 'joint_states'
+
+
+def _descriptor(spec) -> ParameterDescriptor:
+    desc = ParameterDescriptor(description=spec.description, read_only=spec.read_only)
+    if spec.int_range is not None:
+        desc.integer_range = [IntegerRange(from_value=spec.int_range[0],
+                                           to_value=spec.int_range[1], step=1)]
+    if spec.float_range is not None:
+        desc.floating_point_range = [FloatingPointRange(from_value=spec.float_range[0],
+                                                        to_value=spec.float_range[1],
+                                                        step=0.0)]
+    if spec.configure_time and not spec.read_only:
+        desc.additional_constraints = 'changes only while unconfigured (cleanup first)'
+    return desc
+
+
+class EngineLogBridge(logging.Handler):
+    """Forwards the engine's Python log records to the node's throttled problem log."""
+
+    LEVELS = {logging.WARNING: WARN, logging.ERROR: ERROR, logging.CRITICAL: ERROR}
+
+    def __init__(self, problems: ProblemLog, info: callable):
+        super().__init__(logging.INFO)
+        self.problems = problems
+        self.info = info
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = f'{record.name}: {record.getMessage()}'
+            if record.levelno < logging.WARNING:
+                self.info(text)
+            else:
+                # Key on the format string: the same warning with other numbers is one problem.
+                self.problems.event(f'{record.name}:{record.msg}',
+                                    self.LEVELS.get(record.levelno, ERROR), text)
+        except Exception:   # noqa: BLE001 - logging must never break the caller
+            self.handleError(record)
+
+
+class _BridgeAttachment:
+    """Attach bridges to the 'oxygen_ros' logger; stop propagation while any is attached."""
+
+    lock = threading.Lock()
+    attached: list = []
+    propagate = True
+
+    @classmethod
+    def attach(cls, bridge: logging.Handler) -> None:
+        logger = logging.getLogger('oxygen_ros')
+        with cls.lock:
+            if not cls.attached:
+                # The bridges print records through the ROS logger; without this they would
+                # print twice (Python's last-resort handler writes warnings to stderr too).
+                cls.propagate = logger.propagate
+                logger.propagate = False
+                if logger.level == logging.NOTSET or logger.level > logging.INFO:
+                    logger.setLevel(logging.INFO)
+            cls.attached.append(bridge)
+            logger.addHandler(bridge)
+
+    @classmethod
+    def detach(cls, bridge: logging.Handler) -> None:
+        logger = logging.getLogger('oxygen_ros')
+        with cls.lock:
+            if bridge in cls.attached:
+                cls.attached.remove(bridge)
+                logger.removeHandler(bridge)
+                if not cls.attached:
+                    logger.propagate = cls.propagate
+
+
+class OxygenNode(LifecycleNode):
+    """Lifecycle node running the π0.5 engine at a fixed control rate."""
+
+    def __init__(self, node_name: str = NODE_NAME, **kwargs):
+        super().__init__(node_name, **kwargs)
+        self._lifecycle = 'unconfigured'
+        self._config_error = ''
+        self._declaring = False
+        self._param_errors: dict[str, str] = {}   # startup overrides that were rejected
+        self._problems = ProblemLog(self._log)
+        self._stats = LoopStats()
+        self._buffer = LatestBuffer()
+        self._engine = None
+        self._settings: Settings | None = None
+        self._instruction: Instruction | None = None
+        self._input_status: list = []
+        self._input_problems: dict[str, str] = {}
+        self._engine_summary: dict | None = None
+        self._finished = collections.Counter()
+        self._pending: dict = {}                    # engine changes for the next tick
+        self._pending_lock = threading.Lock()
+        self._subscriptions_made: list = []
+        self._publishers_made: list = []
+        self._control_timer = None
+        self._tick_lock = threading.Lock()   # held by a running tick (cleanup waits for it)
+        self._started_s = 0.0
+        # Tests set a deque here: (kind 'action' | 'tokens', tick number, monotonic time) of
+        # every publish call.
+        self.publish_trace: collections.deque | None = None
+
+        self._control_group = MutuallyExclusiveCallbackGroup()
+        self._input_group = MutuallyExclusiveCallbackGroup()
+        self._diagnostics_group = MutuallyExclusiveCallbackGroup()
+
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        self._declare_parameters()
+        self._period_s = 1.0 / self._value('control_rate_hz')
+        self._stale_timeout_s = self._value('stale_frame_timeout_s')
+        self._max_instruction_chars = self._value('max_instruction_chars')
+
+        self._bridge = EngineLogBridge(self._problems, self.get_logger().info)
+        _BridgeAttachment.attach(self._bridge)
+        self._diagnostics_pub = self.create_publisher(DiagnosticArray, '/diagnostics',
+                                                      qos.DIAGNOSTICS)
+        steady = Clock(clock_type=ClockType.STEADY_TIME)
+        self._diagnostics_timer = self.create_timer(
+            1.0, self._publish_diagnostics, callback_group=self._diagnostics_group,
+            clock=steady)
+        self._autostart_timer = None
+        if self._value('autostart'):
+            # A timer, not a call: configure must run inside the executor so diagnostics and
+            # inputs keep being served while the model loads.
+            self._autostart_timer = self.create_timer(0.01, self._autostart, clock=steady)
+
+    # ---- parameters -----------------------------------------------------------------------
+
+    def _declare_parameters(self) -> None:
+        """Declare every parameter; a rejected override is recorded, not raised."""
+        self._declaring = True
+        robot = self._declare(PARAMS_BY_NAME['robot'])
+        # Camera and joint defaults follow the robot given at startup.
+        defaults = robot_defaults(robot if robot in ROBOT_IO else 'libero')
+        for spec in PARAMS:
+            if spec.name != 'robot':
+                self._declare(spec, defaults.get(spec.name, spec.default))
+        self._declaring = False
+
+    def _declare(self, spec, default=None):
+        default = spec.default if default is None else default
+        try:
+            return self.declare_parameter(spec.name, default, _descriptor(spec)).value
+        except Exception as err:   # noqa: BLE001 - rclpy raises several exception types
+            reason = str(err).strip() or type(err).__name__
+        # Keep the node alive and visible: declare the default, and configure refuses with the
+        # reason until the parameter is set to a valid value.
+        value = self.declare_parameter(spec.name, default, _descriptor(spec),
+                                       ignore_override=True).value
+        self._param_errors[spec.name] = reason
+        self._problems.note(ERROR, f'parameter {spec.name}: startup value rejected: {reason}')
+        return value
+
+    def _value(self, name: str):
+        return self.get_parameter(name).value
+
+    def _on_set_parameters(self, params: list[Parameter]) -> SetParametersResult:
+        reasons = []
+        for param in params:
+            spec = PARAMS_BY_NAME.get(param.name)
+            if spec is None:
+                continue
+            try:
+                why = check_value(param.name, param.value)
+            except TypeError:
+                why = f'wrong type {type(param.value).__name__}'
+            if why:
+                reasons.append(f'{param.name}: {why}')
+            elif spec.configure_time and self._lifecycle not in ('unconfigured', 'finalized'):
+                reasons.append(f'{param.name}: can only change while unconfigured (node is '
+                               f'{self._lifecycle}): deactivate, cleanup, set it, configure')
+        changes = {p.name: p.value for p in params if p.name in RUNTIME_PARAMS}
+        if not reasons and self._engine is not None:
+            why = self._check_fits(changes)
+            if why:
+                reasons.append(why)
+        if reasons:
+            reason = '; '.join(reasons)
+            if not self._declaring:   # startup values are reported by _declare
+                self.get_logger().warning(f'parameter change rejected: {reason}')
+            return SetParametersResult(successful=False, reason=reason)
+        for param in params:
+            self._param_errors.pop(param.name, None)
+        if changes and not self._declaring:
+            self._apply_runtime(changes)
+        return SetParametersResult(successful=True)
+
+    def _check_fits(self, changes: dict) -> str:
+        """Reject a budget / request-rate change the KV pool cannot hold (reason or '')."""
+        if not {'decode_budget', 'request_every_n_frames'} & changes.keys():
+            return ''
+        from oxygen_ros.ros.engine_setup import slots_needed
+
+        s = self._settings
+        every = changes.get('request_every_n_frames', self._value('request_every_n_frames'))
+        k = parse_decode_budget(changes.get('decode_budget', self._value('decode_budget')))
+        old_k = parse_decode_budget(self._value('decode_budget'))
+        need = slots_needed(every, s.tokens_per_request, k)
+        before = slots_needed(self._value('request_every_n_frames'), s.tokens_per_request, old_k)
+        slots = self._engine.system.pool.num_slots
+        if need > slots and need > before:
+            return (f'decode_budget={k or "adaptive"} with request_every_n_frames={every} needs '
+                    f'{need} KV slots (ceil(N/k) + 3) but the pool has {slots}: raise '
+                    'kv_capacity and reconfigure, or choose a larger k')
+        return ''
+
+    def _apply_runtime(self, changes: dict) -> None:
+        if 'control_rate_hz' in changes:
+            self._period_s = 1.0 / changes['control_rate_hz']
+            if self._control_timer is not None:
+                self.destroy_timer(self._control_timer)
+                self._control_timer = self.create_timer(self._period_s, self._on_tick,
+                                                        callback_group=self._control_group)
+        if 'stale_frame_timeout_s' in changes:
+            self._stale_timeout_s = changes['stale_frame_timeout_s']
+        if 'max_instruction_chars' in changes:
+            self._max_instruction_chars = changes['max_instruction_chars']
+        if self._settings is not None:
+            fields = {k: v for k, v in changes.items() if k != 'decode_budget'}
+            if 'decode_budget' in changes:
+                fields['decode_budget'] = parse_decode_budget(changes['decode_budget'])
+            self._settings = dataclasses.replace(self._settings, **fields)
+        with self._pending_lock:   # the engine is touched only by the tick
+            self._pending.update(changes)
+        self.get_logger().info('parameters changed: ' + ', '.join(
+            f'{k}={v}' for k, v in changes.items()))
+
+    def _apply_pending(self) -> None:
+        with self._pending_lock:
+            changes, self._pending = self._pending, {}
+        if not changes or self._engine is None:
+            return
+        system = self._engine.system
+        if 'request_every_n_frames' in changes:
+            system.policy = dataclasses.replace(
+                system.policy, every_n_frames=changes['request_every_n_frames'])
+        if 'decode_budget' in changes:
+            k = parse_decode_budget(changes['decode_budget'])
+            system.budget = FixedBudget(k) if k else AdaptiveBudget(
+                self._period_s, k_max=system.policy.max_request_len)
+        elif 'control_rate_hz' in changes and isinstance(system.budget, AdaptiveBudget):
+            system.budget.frame_period_s = self._period_s
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def _autostart(self) -> None:
+        self.destroy_timer(self._autostart_timer)
+        self._autostart_timer = None
+        if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
+            self.trigger_activate()
+
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._lifecycle = 'configuring'
+        self.get_logger().info('configuring: loading the model')
+        started = time.monotonic()
+        try:
+            if self._param_errors:
+                raise ValueError('parameters rejected at startup: ' + '; '.join(
+                    f'{k}: {v}' for k, v in self._param_errors.items()))
+            settings = Settings.from_values(
+                {spec.name: self._value(spec.name) for spec in PARAMS})
+            from oxygen_ros.ros.engine_setup import build_engine   # torch: load lazily
+
+            engine = build_engine(settings)
+        except Exception as err:   # noqa: BLE001 - any load failure is a FAILURE transition
+            self._config_error = f'configure failed: {err}'
+            self._problems.note(ERROR, self._config_error)
+            self.get_logger().debug(traceback.format_exc())
+            self._lifecycle = 'unconfigured'
+            return TransitionCallbackReturn.FAILURE
+        self._settings, self._engine, self._config_error = settings, engine, ''
+        with self._pending_lock:
+            self._pending = {}   # the engine was just built from the current values
+        self._period_s = settings.period_s
+        self._stale_timeout_s = settings.stale_frame_timeout_s
+        self._max_instruction_chars = settings.max_instruction_chars
+        self._make_publishers()
+        self._make_subscriptions(settings)
+        for warning in engine.warnings:
+            self.get_logger().warning(warning)
+        pool = engine.system.pool
+        self.get_logger().info(
+            f'configured in {time.monotonic() - started:.1f} s: '
+            f'{engine.description["source"]}, robot {settings.robot}, '
+            f'{len(settings.cameras)} cameras, KV pool {pool.num_slots} slots '
+            f'({pool.total_bytes / (1 << 20):.1f} MiB), {settings.control_rate_hz:g} Hz, '
+            f'decode budget {settings.decode_budget or "adaptive"}')
+        self._lifecycle = 'inactive'
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stats.reset()
+        self._started_s = self._now_s()
+        self._control_timer = self.create_timer(self._period_s, self._on_tick,
+                                                callback_group=self._control_group)
+        self._lifecycle = 'active'
+        self.get_logger().info(f'active: control loop at {1.0 / self._period_s:g} Hz')
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop_timer()
+        self._lifecycle = 'inactive'
+        self.get_logger().info('inactive: control loop stopped')
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        self._lifecycle = 'unconfigured'
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        self._lifecycle = 'finalized'
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.get_logger().error(f'error in state {state.label}: releasing the engine')
+        self._release()
+        self._lifecycle = 'unconfigured'
+        return TransitionCallbackReturn.SUCCESS
+
+    def _stop_timer(self) -> None:
+        if self._control_timer is not None:
+            self.destroy_timer(self._control_timer)
+            self._control_timer = None
+        with self._tick_lock:
+            pass   # a tick already running finishes before the engine can go away
+
+    def _release(self) -> None:
+        """Drop timer, subscriptions, publishers and the engine (frees the model and KV)."""
+        self._stop_timer()
+        for sub in self._subscriptions_made:
+            self.destroy_subscription(sub)
+        for pub in self._publishers_made:
+            self.destroy_publisher(pub)
+        self._subscriptions_made, self._publishers_made = [], []
+        self._engine = self._settings = self._engine_summary = None
+        self._buffer.clear()
+        self._instruction = None
+        self._input_status, self._input_problems = [], {}
+
+    def destroy_node(self):
+        """Detach the engine log bridge and release everything, then destroy the node."""
+        _BridgeAttachment.detach(self._bridge)
+        self._release()
+        return super().destroy_node()
+
+    # ---- wiring -------------------------------------------------------------------------------
+
+    def _make_publishers(self) -> None:
+        self._actions_pub = self.create_publisher(ActionChunk, 'actions', qos.ACTIONS)
+        self._tokens_pub = self.create_publisher(LanguageChunk, 'language/tokens', qos.TOKENS)
+        self._narration_pub = self.create_publisher(String, 'language/narration',
+                                                    qos.NARRATION)
+        self._publishers_made = [self._actions_pub, self._tokens_pub, self._narration_pub]
+
+    def _make_subscriptions(self, settings: Settings) -> None:
+        group = self._input_group
+        self._camera_sources = []
+        for cam in settings.cameras:
+            key = f'camera:{cam.name}'
+            msg_type = CompressedImage if cam.compressed else Image
+            convert = ((lambda m: compressed_to_rgb(m.format, m.data)) if cam.compressed else
+                       (lambda m: image_to_rgb(m.encoding, m.height, m.width, m.step, m.data,
+                                               m.is_bigendian)))
+            sub = self.create_subscription(
+                msg_type, cam.topic, lambda msg, key=key: self._store(key, msg), qos.SENSOR,
+                callback_group=group)
+            label = f'camera {cam.name!r} ({sub.topic_name})'
+            self._camera_sources.append((cam.name, InputSource(key, label, convert)))
+            self._subscriptions_made.append(sub)
+        joints = settings.joint_names
+        sub = self.create_subscription(
+            JointState, 'joint_states', lambda msg: self._store(JOINT_STATES_KEY, msg),
+            qos.SENSOR, callback_group=group)
+        self._joint_source = InputSource(
+            JOINT_STATES_KEY, f'joint_states ({sub.topic_name})',
+            lambda m: joint_state_to_vector(m.name, m.position, joints))
+        self._subscriptions_made.append(sub)
+        events = SubscriptionEventCallbacks(incompatible_qos=self._on_instruction_qos)
+        sub = self.create_subscription(String, 'instruction', self._on_instruction,
+                                       qos.INSTRUCTION, callback_group=group,
+                                       event_callbacks=events)
+        self._instruction_topic = sub.topic_name
+        self._subscriptions_made.append(sub)
+
+    def _store(self, key: str, msg) -> None:
+        self._buffer.put(key, msg, self._now_s())
+
+    def _on_instruction(self, msg: String) -> None:
+        instruction = sanitize_instruction(msg.data, self._max_instruction_chars)
+        self._instruction = instruction
+        if not instruction.text:
+            self._problems.note(WARN, 'instruction is empty: no task, so no actions until a '
+                                      'non-empty instruction arrives (running language '
+                                      'requests continue)')
+        else:
+            shown = instruction.text if len(instruction.text) <= 120 else (
+                instruction.text[:117] + '...')
+            self._problems.note(OK, f'instruction: "{shown}"')
+        if instruction.notes:
+            self._problems.note(WARN, 'instruction ' + ', '.join(instruction.notes))
+
+    def _on_instruction_qos(self, event) -> None:
+        self._problems.event('instruction_qos', WARN, (
+            'an instruction publisher has incompatible QoS: the node subscribes reliable + '
+            'transient local; publish with `--qos-durability transient_local`'))
+
+    # ---- the control tick ---------------------------------------------------------------------
+
+    def _on_tick(self) -> None:
+        """One control period. Never raises: problems are logged, counted and diagnosed."""
+        start = time.monotonic()
+        latency = inference = None
+        tokens = 0
+        try:
+            with self._tick_lock:
+                if self._engine is None:
+                    return   # deactivated while this tick waited to run
+                self._apply_pending()
+                latency, inference, tokens = self._tick(start)
+        except Exception as err:   # noqa: BLE001 - the control loop must keep its rate
+            if not self.context.ok():
+                return   # shutting down (Ctrl-C): publishers are already gone
+            self._stats.record_error(repr(err))
+            self._problems.event('tick', ERROR, f'control tick failed: {err!r}')
+            self.get_logger().debug(traceback.format_exc())
+        finally:
+            duration = time.monotonic() - start
+            if self._stats.record(start, duration, self._period_s, latency, inference, tokens):
+                self.get_logger().debug(f'tick over deadline: {duration * 1e3:.1f} ms > '
+                                        f'{self._period_s * 1e3:.1f} ms')
+
+    def _tick(self, start: float):
+        engine = self._engine.system
+        now_s = self._now_s()
+        result = build_observation(self._buffer, self._camera_sources, self._joint_source,
+                                   self._instruction, now_s, self._stale_timeout_s,
+                                   self._started_s, self._instruction_topic)
+        problems = dict(result.problems)
+        obs, latency, inference = result.observation, None, None
+        stamp = result.header_stamp
+        if stamp is None:
+            stamp = seconds_to_stamp(obs.stamp if obs is not None else now_s)
+        frame_id = self._settings.frame_id
+        if obs is not None:
+            try:
+                action = engine.act(obs)
+            except ValueError as err:   # the robot adapter rejected the observation
+                problems['observation'] = f'observation rejected: {err}'
+                obs = None
+            else:
+                self._actions_pub.publish(action_chunk_msg(action, stamp, frame_id))
+                self._trace('action')
+                latency = time.monotonic() - start
+                inference = action.inference_time_s
+        self._problems.update('inputs', problems)   # logged before diagnostics show it
+        self._input_status, self._input_problems = result.inputs, problems
+        if obs is None and not getattr(engine, 'active', None):
+            return latency, inference, 0
+        # Language after the action chunk is out; with no new frame, live requests still
+        # advance so none of them stalls while a camera hiccups.
+        deltas = engine.advance_language()
+        for delta in deltas:
+            self._tokens_pub.publish(language_chunk_msg(delta, stamp, frame_id))
+            self._trace('tokens')
+        last = engine.last_result
+        for done in last.finished:
+            self._finished[done.finish_reason] += 1
+            if done.finish_reason in COMPLETE_REASONS:
+                self._narration_pub.publish(String(data=done.text))
+            else:
+                self._problems.event(f'request_{done.finish_reason}', WARN, (
+                    f'language request {done.request_id} (frame {done.origin_frame}) ended '
+                    f'{done.finish_reason} after {len(done.token_ids)} tokens'
+                    + (f': {done.error}' if done.error else '')))
+        tokens = sum(len(d.token_ids) for d in deltas)
+        self._engine_summary = {'k': last.k, 'active_requests': last.active_requests,
+                                'kv_usage': last.kv_usage, 'finished': dict(self._finished),
+                                'budget': str(engine.budget)}
+        if obs is not None:
+            self.get_logger().debug(
+                f'frame {last.frame_index}: act {last.timings.act_s * 1e3:.1f} ms, k={last.k}, '
+                f'{tokens} tokens, {last.active_requests} active')
+        return latency, inference, tokens
+
+    def _trace(self, kind: str) -> None:
+        if self.publish_trace is not None:
+            self.publish_trace.append((kind, self._stats.ticks_total, time.monotonic()))
+
+    # ---- diagnostics --------------------------------------------------------------------------
+
+    def _publish_diagnostics(self) -> None:
+        try:
+            self._diagnostics_pub.publish(to_diagnostic_array(
+                self.diagnostic_statuses(), self.get_clock().now().to_msg(),
+                self.get_fully_qualified_name()))
+        except Exception as err:   # noqa: BLE001 - diagnostics must not take the node down
+            self._problems.event('diagnostics', ERROR, f'diagnostics failed: {err!r}')
+
+    def diagnostic_statuses(self):
+        """Build the current diagnostic statuses (also what tests inspect)."""
+        model = dict(self._engine.description) if self._engine is not None else {}
+        for key, why in self._param_errors.items():
+            model[f'rejected {key}'] = why
+        active = self._lifecycle == 'active'
+        return build_statuses(
+            self.get_name(), self._lifecycle, model, self._stats.snapshot() if active else None,
+            1.0 / self._period_s, self._engine_summary, self._input_status,
+            self._input_problems, self._instruction, self._config_error)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    @property
+    def lifecycle_state(self) -> str:
+        """'unconfigured', 'configuring', 'inactive', 'active' or 'finalized'."""
+        return self._lifecycle
+
+    @property
+    def engine(self):
+        """Engine instance, None unless configured; used only from the control tick."""
+        return self._engine
+
+    @property
+    def problem_history(self):
+        """(level, message) of everything the problem log wrote (newest last)."""
+        return list(self._problems.history)
+
+    def _now_s(self) -> float:
+        return self.get_clock().now().nanoseconds * 1e-9
+
+    def _log(self, level: int, message: str) -> None:
+        # One call site per severity: rclpy refuses a call site whose severity changes.
+        if level == OK:
+            self.get_logger().info(message)
+        elif level == WARN:
+            self.get_logger().warning(message)
+        else:
+            self.get_logger().error(message)
+
+
+def main(args=None) -> int:
+    """Run oxygen_node until Ctrl-C (console script and `ros2 run oxygen_ros oxygen_node`)."""
+    rclpy.init(args=args)
+    node = None
+    executor = MultiThreadedExecutor(num_threads=4)
+    try:
+        node = OxygenNode()
+        executor.add_node(node)
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        try:
+            if node is not None:
+                node.destroy_node()
+            executor.shutdown()
+            if rclpy.ok():
+                rclpy.shutdown()
+        except KeyboardInterrupt:
+            pass   # a second Ctrl-C: the user wants out now
+    return 0
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())

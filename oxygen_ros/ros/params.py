@@ -1,0 +1,319 @@
+"""The node's parameters: one table of specs, per-value checks and the settings they make.
+
+Pure Python (no rclpy): the node turns each ParamSpec into a declared parameter with a
+ParameterDescriptor, and calls `check_value` from its on-set callback. Cross-parameter checks
+(camera lists of equal length, joints matching the robot) need all values at once and run in
+`Settings.from_values`, at configure time, so parallel arrays can be changed one by one.
+
+Two kinds of parameters:
+  configure-time  shape the model, the KV pool or the subscriptions; changeable only while
+                  the node is unconfigured (cleanup, set, configure again).
+  runtime         applied while active (control rate, decode budget, request period, stale
+                  timeout, instruction length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+import re
+from typing import Any, Callable
+
+import yaml
+
+NODE_NAME = 'oxygen_node'
+ROBOTS = ('libero', 'droid', 'aloha')
+DTYPES = ('float32', 'bfloat16')
+_DEVICE_RE = re.compile(r'^(cpu|cuda(:\d+)?|mps)$')
+
+# Robot -> (camera names, joint names). Camera names are the robot adapters' observation keys;
+# joint names are the usual JointState names of that robot (override them in the YAML).
+ROBOT_IO = {
+    'libero': (('image', 'wrist_image'),
+               ('eef_x', 'eef_y', 'eef_z', 'eef_rx', 'eef_ry', 'eef_rz',
+                'gripper_left_finger', 'gripper_right_finger')),
+    'droid': (('exterior_image_1_left', 'wrist_image_left'),
+              tuple(f'panda_joint{i}' for i in range(1, 8)) + ('panda_finger_joint1',)),
+    'aloha': (('cam_high', 'cam_left_wrist', 'cam_right_wrist'),
+              tuple(f'{side}_{joint}' for side in ('left', 'right')
+                    for joint in ('waist', 'shoulder', 'elbow', 'forearm_roll', 'wrist_angle',
+                                  'wrist_rotate', 'gripper'))),
+}
+
+
+def default_camera_topic(camera: str, compressed: bool = False) -> str:
+    """Relative topic of a camera (image_transport naming), remappable at launch."""
+    return f'camera/{camera}/image_raw' + ('/compressed' if compressed else '')
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: default, description, optional range and a per-value check."""
+
+    name: str
+    default: Any
+    description: str
+    configure_time: bool = True          # False: may change while active
+    int_range: tuple[int, int] | None = None
+    float_range: tuple[float, float] | None = None
+    check: Callable[[Any], str | None] | None = None   # returns the reason a value is bad
+    read_only: bool = False
+
+
+def _check_choice(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
+    def check(value):
+        if value not in choices:
+            return f'must be one of {", ".join(choices)}'
+        return None
+    return check
+
+
+def _check_preset(value) -> str | None:
+    from oxygen_ros.model.config import PRESETS   # torch import only when checked
+    if value not in PRESETS:
+        return f'unknown preset; expected one of {", ".join(sorted(PRESETS))}'
+    return None
+
+
+def _check_device(value) -> str | None:
+    if not _DEVICE_RE.match(value):
+        return "expected 'cpu', 'cuda', 'cuda:N' or 'mps'"
+    return None
+
+
+def _check_path(kind: str) -> Callable[[Any], str | None]:
+    def check(value):
+        if value and not Path(value).expanduser().exists():
+            return f'{kind} {value!r} does not exist'
+        return None
+    return check
+
+
+def parse_decode_budget(value: str) -> int | None:
+    """'adaptive' -> None; an integer k >= 1 as text -> k; anything else raises ValueError."""
+    text = str(value).strip().lower()
+    if text == 'adaptive':
+        return None
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer k >= 1 or 'adaptive', got {value!r}") from None
+    if k < 1:
+        raise ValueError(f'k must be >= 1, got {k}')
+    return k
+
+
+def _check_decode_budget(value) -> str | None:
+    try:
+        parse_decode_budget(value)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _check_names(value) -> str | None:
+    names = list(value)
+    if any(not n.strip() for n in names):
+        return 'names must not be empty'
+    if len(set(names)) != len(names):
+        return f'duplicate names in {names}'
+    return None
+
+
+def _check_template(value) -> str | None:
+    # Only {instruction} is substituted; other braces are kept as text, but a stray
+    # placeholder is almost always a typo.
+    for field in re.findall(r'{([^{}]*)}', value):
+        if field != 'instruction':
+            return f'unknown placeholder {{{field}}}; only {{instruction}} is substituted'
+    return None
+
+
+PARAMS: tuple[ParamSpec, ...] = (
+    ParamSpec('autostart', True, 'Configure and activate on startup (false: wait for '
+              'lifecycle transitions).', read_only=True),
+    ParamSpec('checkpoint', '', "openpi checkpoint directory (model.safetensors, config.json, "
+              "assets/); '' = random weights of `preset`.", check=_check_path('checkpoint')),
+    ParamSpec('preset', 'pi05-cpu', 'Model preset used with random weights (checkpoint empty).',
+              check=_check_preset),
+    ParamSpec('device', 'cpu', "Torch device: 'cpu', 'cuda', 'cuda:N'.", check=_check_device),
+    ParamSpec('dtype', 'float32', 'Compute dtype of the model and the KV cache.',
+              check=_check_choice(DTYPES)),
+    ParamSpec('robot', 'libero', 'Robot adapter (cameras, state and action layout).',
+              check=_check_choice(ROBOTS)),
+    ParamSpec('camera_names', list(ROBOT_IO['libero'][0]),
+              "Robot camera names, in the adapter's terms (parallel to camera_topics).",
+              check=_check_names),
+    ParamSpec('camera_topics', [default_camera_topic(c) for c in ROBOT_IO['libero'][0]],
+              'Image topic of each camera (relative names are remappable).', check=_check_names),
+    ParamSpec('camera_compressed', [False] * len(ROBOT_IO['libero'][0]),
+              'Per camera: subscribe sensor_msgs/CompressedImage (jpeg/png) instead of Image.'),
+    ParamSpec('joint_names', list(ROBOT_IO['libero'][1]),
+              'JointState names forming the robot state vector, in order.', check=_check_names),
+    ParamSpec('frame_id', 'base_link', 'frame_id written into ActionChunk headers.'),
+    ParamSpec('control_rate_hz', 10.0, 'Control ticks per second (one action chunk each).',
+              configure_time=False, float_range=(0.1, 1000.0)),
+    ParamSpec('denoise_steps', 0, 'Flow-matching steps; 0 = the model config default.',
+              int_range=(0, 100)),
+    ParamSpec('language_prompt', '', "Template fed after the observation prefix for narration "
+              "('' = continue the prefix); {instruction} is replaced by the task.",
+              check=_check_template),
+    ParamSpec('tokens_per_request', 10, 'N: tokens each language request generates at most.',
+              int_range=(1, 512)),
+    ParamSpec('decode_budget', 'adaptive', "k tokens per request per tick, or 'adaptive' "
+              '(as many as fit before the tick deadline).', configure_time=False,
+              check=_check_decode_budget),
+    ParamSpec('request_every_n_frames', 1, 'Start a language request every n frames (0 = no '
+              'language).', configure_time=False, int_range=(0, 1_000_000)),
+    ParamSpec('kv_capacity', 0, 'KV pool slots; 0 = sized from N, k and the request rate.',
+              int_range=(0, 4096)),
+    ParamSpec('stale_frame_timeout_s', 0.5, 'A camera or joint state older than this (node '
+              'clock, time of receipt) stops the action path.', configure_time=False,
+              float_range=(0.01, 3600.0)),
+    ParamSpec('max_instruction_chars', 500, 'Longer instructions are truncated (and reported).',
+              configure_time=False, int_range=(1, 100_000)),
+    ParamSpec('seed', 0, 'Seed of random weights, flow-matching noise and request arrivals.',
+              int_range=(0, 2**31 - 1)),
+    ParamSpec('tokenizer', '', "SentencePiece model; '' = the checkpoint's tokenizer.model, or "
+              'a tiny tokenizer trained offline (random weights).',
+              check=_check_path('tokenizer')),
+)
+PARAMS_BY_NAME = {spec.name: spec for spec in PARAMS}
+RUNTIME_PARAMS = frozenset(s.name for s in PARAMS if not s.configure_time)
+
+
+def check_value(name: str, value: Any) -> str | None:
+    """Return why `value` is not acceptable for parameter `name`, or None when it is."""
+    spec = PARAMS_BY_NAME.get(name)
+    if spec is None:
+        return None
+    if spec.int_range is not None:
+        lo, hi = spec.int_range
+        if not lo <= value <= hi:
+            return f'must be in [{lo}, {hi}], got {value}'
+    if spec.float_range is not None:
+        lo, hi = spec.float_range
+        if not (math.isfinite(value) and lo <= value <= hi):
+            return f'must be in [{lo:g}, {hi:g}], got {value}'
+    if spec.check is not None:
+        return spec.check(value)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CameraConfig:
+    """One subscribed camera."""
+
+    name: str          # robot adapter's camera name (observation key)
+    topic: str         # topic (relative or absolute)
+    compressed: bool   # sensor_msgs/CompressedImage instead of Image
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """All parameter values, checked together; what the node configures itself from."""
+
+    checkpoint: str
+    preset: str
+    device: str
+    dtype: str
+    robot: str
+    cameras: tuple[CameraConfig, ...]
+    joint_names: tuple[str, ...]
+    frame_id: str
+    control_rate_hz: float
+    denoise_steps: int
+    language_prompt: str
+    tokens_per_request: int
+    decode_budget: int | None          # None = adaptive
+    request_every_n_frames: int
+    kv_capacity: int
+    stale_frame_timeout_s: float
+    max_instruction_chars: int
+    seed: int
+    tokenizer: str
+
+    @property
+    def period_s(self) -> float:
+        return 1.0 / self.control_rate_hz
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> Settings:
+        """Check every value and their combinations; raise ValueError naming what is wrong."""
+        merged = {spec.name: spec.default for spec in PARAMS}
+        merged.update(values)
+        problems = [f'{name}: {why}' for name in PARAMS_BY_NAME
+                    if (why := check_value(name, merged[name]))]
+        robot = merged['robot']
+        names = list(merged['camera_names'])
+        topics = list(merged['camera_topics'])
+        compressed = [bool(c) for c in merged['camera_compressed']]
+        if len(topics) != len(names):
+            problems.append(f'camera_topics has {len(topics)} entries but camera_names has '
+                            f'{len(names)} (parallel arrays)')
+        if len(compressed) != len(names):
+            problems.append(f'camera_compressed has {len(compressed)} entries but camera_names '
+                            f'has {len(names)} (parallel arrays)')
+        if robot in ROBOT_IO:
+            required = ROBOT_IO[robot][0]
+            missing = [c for c in required if c not in names]
+            unknown = [c for c in names if c not in required]
+            if missing:
+                problems.append(f'camera_names lacks {missing}: robot {robot!r} needs '
+                                f'{list(required)}')
+            if unknown:
+                problems.append(f'camera_names has {unknown}, which robot {robot!r} does not '
+                                f'use (its cameras: {list(required)})')
+            from oxygen_ros.model.robots import get_robot
+            state_dim = get_robot(robot).state_dim
+            if len(merged['joint_names']) != state_dim:
+                problems.append(f'joint_names has {len(merged["joint_names"])} names but robot '
+                                f'{robot!r} has a {state_dim}-value state')
+        if problems:
+            raise ValueError('invalid parameters:\n  ' + '\n  '.join(problems))
+        cameras = tuple(CameraConfig(n, t, c) for n, t, c in zip(names, topics, compressed))
+        return cls(
+            checkpoint=merged['checkpoint'], preset=merged['preset'], device=merged['device'],
+            dtype=merged['dtype'], robot=robot, cameras=cameras,
+            joint_names=tuple(merged['joint_names']), frame_id=merged['frame_id'],
+            control_rate_hz=float(merged['control_rate_hz']),
+            denoise_steps=int(merged['denoise_steps']),
+            language_prompt=merged['language_prompt'],
+            tokens_per_request=int(merged['tokens_per_request']),
+            decode_budget=parse_decode_budget(merged['decode_budget']),
+            request_every_n_frames=int(merged['request_every_n_frames']),
+            kv_capacity=int(merged['kv_capacity']),
+            stale_frame_timeout_s=float(merged['stale_frame_timeout_s']),
+            max_instruction_chars=int(merged['max_instruction_chars']),
+            seed=int(merged['seed']), tokenizer=merged['tokenizer'])
+
+
+def robot_defaults(robot: str) -> dict[str, Any]:
+    """Camera and joint parameter values matching `robot` (defaults follow the robot)."""
+    cameras, joints = ROBOT_IO[robot]
+    return {'robot': robot, 'camera_names': list(cameras),
+            'camera_topics': [default_camera_topic(c) for c in cameras],
+            'camera_compressed': [False] * len(cameras), 'joint_names': list(joints)}
+
+
+def load_node_params(path: str | Path, node_name: str = NODE_NAME) -> dict[str, Any]:
+    """Read the `ros__parameters` of `node_name` from a ROS 2 parameter YAML file.
+
+    Accepts the keys rcl accepts for a node: `oxygen_node`, `/oxygen_node`, `/**/oxygen_node`
+    and `/**` (merged in that order, most specific last). Raises ValueError when none is there.
+    """
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f'{path}: expected a mapping of node names, got {type(data).__name__}')
+    params: dict[str, Any] = {}
+    found = False
+    for key in ('/**', f'/**/{node_name}', f'/{node_name}', node_name):
+        section = data.get(key)
+        if isinstance(section, dict) and isinstance(section.get('ros__parameters'), dict):
+            params.update(section['ros__parameters'])
+            found = True
+    if not found:
+        raise ValueError(f'{path}: no "{node_name}: ros__parameters:" section '
+                         f'(found keys {sorted(data)})')
+    return params

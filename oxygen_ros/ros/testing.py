@@ -1,0 +1,228 @@
+"""Helpers for testing oxygen_node over real DDS.
+
+Spin nodes in a thread, feed inputs, collect outputs. Used by the package's tests; handy for
+integration tests on a robot too.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable
+
+from diagnostic_msgs.msg import DiagnosticArray
+import rclpy.subscription
+from rclpy.executors import MultiThreadedExecutor
+from rclpy.node import Node
+from sensor_msgs.msg import CompressedImage, Image, JointState
+from std_msgs.msg import String
+
+from oxygen_ros.msg import ActionChunk, LanguageChunk
+from oxygen_ros.ros import qos
+
+# Subscription callbacks taking (msg, info) get DDS timestamps since rclpy 4 (Iron).
+_HAS_MESSAGE_INFO = hasattr(rclpy.subscription, 'MessageInfo')
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    """Poll `predicate` until it is true or `timeout` seconds pass; return its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+class Spinner:
+    """A MultiThreadedExecutor spinning `nodes` in a background thread."""
+
+    def __init__(self, context, nodes=(), num_threads: int = 6):
+        self.executor = MultiThreadedExecutor(num_threads=num_threads, context=context)
+        for node in nodes:
+            self.executor.add_node(node)
+        self.thread = threading.Thread(target=self._spin, daemon=True)
+        self.thread.start()
+
+    def _spin(self) -> None:
+        try:
+            self.executor.spin()
+        except Exception:   # noqa: BLE001 - context shut down under the executor at teardown
+            pass
+
+    def add(self, node) -> None:
+        self.executor.add_node(node)
+
+    def remove(self, node) -> None:
+        self.executor.remove_node(node)
+
+    def stop(self) -> None:
+        """Stop spinning: nodes leave first, so no callback is in flight at shutdown."""
+        # Why: rclpy's executor can run a task after shutdown destroyed its guard condition
+        # (an 'InvalidHandle ... never retrieved' message); with no nodes left there is none.
+        for node in list(self.executor.get_nodes()):
+            self.executor.remove_node(node)
+        time.sleep(0.1)
+        self.executor.shutdown(timeout_sec=5.0)
+        self.thread.join(timeout=5.0)
+
+
+class Collector(Node):
+    """Records the node's outputs with their DDS source timestamps (ns) and receipt times."""
+
+    def __init__(self, namespace: str = '', hardware_id: str = '', **kwargs):
+        super().__init__('oxygen_test_collector', namespace=namespace, **kwargs)
+        self.hardware_id = hardware_id      # keep only this node's /diagnostics ('' = all)
+        self.lock = threading.Lock()
+        self.actions: list[tuple] = []      # (msg, source ns, monotonic receipt)
+        self.tokens: list[tuple] = []
+        self.narrations: list[str] = []
+        self.diagnostics: list = []         # DiagnosticArray messages
+        self.create_subscription(ActionChunk, 'actions', self._on(self.actions), qos.ACTIONS)
+        self.create_subscription(LanguageChunk, 'language/tokens', self._on(self.tokens),
+                                 qos.TOKENS)
+        self.create_subscription(String, 'language/narration',
+                                 lambda m: self._append(self.narrations, m.data), qos.NARRATION)
+        self.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics,
+                                 qos.DIAGNOSTICS)
+
+    def _on_diagnostics(self, msg) -> None:
+        if not self.hardware_id or any(s.hardware_id == self.hardware_id for s in msg.status):
+            self._append(self.diagnostics, msg)
+
+    def _append(self, target: list, item) -> None:
+        with self.lock:
+            target.append(item)
+
+    def _on(self, target: list):
+        if not _HAS_MESSAGE_INFO:   # Humble: no message info, source timestamps unknown (0)
+            return lambda msg: self._append(target, (msg, 0, time.monotonic()))
+
+        def callback(msg, info):   # two parameters: rclpy then passes the message info
+            self._append(target, (msg, info['source_timestamp'], time.monotonic()))
+        return callback
+
+    def latest_status(self, part: str):
+        """Newest DiagnosticStatus named 'oxygen_node: <part>' (None if none yet)."""
+        with self.lock:
+            arrays = list(self.diagnostics)
+        for array in reversed(arrays):
+            for status in array.status:
+                if status.name.endswith(': ' + part):
+                    return status
+        return None
+
+    def clear(self) -> None:
+        with self.lock:
+            self.actions.clear()
+            self.tokens.clear()
+            self.narrations.clear()
+            self.diagnostics.clear()
+
+
+class Feeder(Node):
+    """Publishes camera images, joint states (and an instruction) from replaceable factories.
+
+    image_factory[camera] and joint_factory take the frame counter and return a message, or
+    None to publish nothing (a camera that stopped).
+    """
+
+    def __init__(self, camera_topics: dict[str, str], rate_hz: float = 20.0,
+                 compressed: tuple[str, ...] = (), namespace: str = '', **kwargs):
+        super().__init__('oxygen_test_feeder', namespace=namespace, **kwargs)
+        self.index = 0
+        self.image_factory: dict[str, Callable[[int], object]] = {}
+        self.joint_factory: Callable[[int], object] | None = None
+        self._camera_pubs = {
+            name: self.create_publisher(CompressedImage if name in compressed else Image, topic,
+                                        qos.SENSOR)
+            for name, topic in camera_topics.items()}
+        self._joint_pub = self.create_publisher(JointState, 'joint_states', qos.SENSOR)
+        self._instruction_pub = self.create_publisher(String, 'instruction', qos.INSTRUCTION)
+        self.sent = collections.Counter()
+        self.timer = self.create_timer(1.0 / rate_hz, self._publish)
+
+    def instruct(self, text) -> None:
+        """Publish an instruction: str, or bytes for a raw (already serialised) message."""
+        self._instruction_pub.publish(text if isinstance(text, bytes) else String(data=text))
+
+    def _publish(self) -> None:
+        i, self.index = self.index, self.index + 1
+        for name, pub in self._camera_pubs.items():
+            factory = self.image_factory.get(name)
+            msg = factory(i) if factory else None
+            if msg is not None:
+                pub.publish(msg)
+                self.sent[name] += 1
+        msg = self.joint_factory(i) if self.joint_factory else None
+        if msg is not None:
+            self._joint_pub.publish(msg)
+            self.sent['joint_states'] += 1
+
+
+class NodeHarness:
+    """An OxygenNode (autostart off), a Feeder of good inputs and a Collector in one executor.
+
+    params override the node's parameters; the feeder publishes moving photos on every
+    camera topic (32 px), constant joint states and the instruction `task`. All three live in
+    `namespace` (so harnesses of one process do not see each other's topics).
+    """
+
+    def __init__(self, context, params: dict, task: str = 'pick up the red block',
+                 rate_hz: float = 20.0, namespace: str = ''):
+        from rclpy.parameter import Parameter
+
+        from oxygen_ros.ros.node import OxygenNode
+        from oxygen_ros.ros.params import robot_defaults
+        from oxygen_ros.ros.sim_inputs import camera_frame, image_msg, PHOTOS
+
+        values = dict(robot_defaults(params.get('robot', 'libero')), autostart=False)
+        values.update(params)
+        self.context = context
+        self.values = values
+        self.node = OxygenNode(context=context, namespace=namespace,
+                               parameter_overrides=[Parameter(k, value=v)
+                                                    for k, v in values.items()])
+        self.collector = Collector(namespace, self.node.get_fully_qualified_name(),
+                                   context=context)
+        cameras = values['camera_names']
+        compressed = tuple(c for c, z in zip(cameras, values['camera_compressed']) if z)
+        self.feeder = Feeder(dict(zip(cameras, values['camera_topics'])), rate_hz,
+                             compressed, namespace, context=context)
+        self.spinner = Spinner(context, [self.node, self.collector, self.feeder])
+        clock = self.feeder.get_clock()
+        for i, cam in enumerate(cameras):
+            photo = PHOTOS[i % len(PHOTOS)]
+            self.feeder.image_factory[cam] = (
+                lambda n, photo=photo: image_msg(camera_frame(photo, 32, n),
+                                                 clock.now().to_msg()))
+        joints = list(values['joint_names'])
+        self.good_joints = lambda n: JointState(
+            name=joints, position=[0.1 * j for j in range(len(joints))])
+        self.feeder.joint_factory = self.good_joints
+        self.good_images = dict(self.feeder.image_factory)
+        if task is not None:
+            self.feeder.instruct(task)
+
+    def start(self) -> None:
+        """Configure and activate the node (asserting both succeed)."""
+        from rclpy.lifecycle import TransitionCallbackReturn
+
+        assert self.node.trigger_configure() == TransitionCallbackReturn.SUCCESS, (
+            self.node.problem_history[-3:])
+        assert self.node.trigger_activate() == TransitionCallbackReturn.SUCCESS
+
+    def restore_inputs(self) -> None:
+        """Publish good images and joint states again on every topic."""
+        self.feeder.image_factory.update(self.good_images)
+        self.feeder.joint_factory = self.good_joints
+
+    def statuses(self) -> dict:
+        """Map each part ('model', 'control loop', 'inputs', ...) to its diagnostic status."""
+        return {s.name.split(': ', 1)[1]: s for s in self.node.diagnostic_statuses()}
+
+    def close(self) -> None:
+        self.spinner.stop()
+        for node in (self.node, self.collector, self.feeder):
+            node.destroy_node()

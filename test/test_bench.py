@@ -1,0 +1,203 @@
+"""Benchmark: the quick run end to end, the component model, the token-identity check.
+
+No timing thresholds here: timings on a shared CI machine are noise. What is checked is that
+the benchmark measures what it says (columns, files, formulas, the token check catching a
+mismatch) and that every system's tokens agree with isolated.
+"""
+
+import csv
+import dataclasses
+import math
+
+import pytest
+
+from oxygen_ros.bench import run as bench_run
+from oxygen_ros.bench.measure import compare_tokens, RequestRecord, summarize, SystemLog
+from oxygen_ros.bench.phases import PhaseCosts
+from oxygen_ros.bench.plan import (build_groups, divisors, Group, quick_options, SystemSpec,
+                                   WARMUP_FRAMES)
+from oxygen_ros.engine.types import ActionOutput, FinishedRequest, FrameResult, TokenDelta, Timings
+
+EXPECTED_RUN_COLUMNS = {
+    'sweep', 'workload', 'system', 'label', 'steps', 'n_tokens', 'k', 'arrival_rate', 'lengths',
+    'action_hz', 'frame_ms_p50', 'frame_ms_p99', 'act_ms_p50', 'act_ms_p99', 'tokens_per_s',
+    'completion_s_p50', 'deadline_miss_pct', 'overhead_pct', 'kv_peak_mb', 'speedup',
+    'ideal_speedup', 'speedup_over_ideal', 'speedup_p50_over_ideal', 'act_p50_over_action_only',
+    'tokens_identical', 'requests_compared', 'action_max_diff', 'evicted', 'refused',
+    'other_load_pct'}
+EXPECTED_MEMORY_COLUMNS = {'system', 'peak_rss_mb', 'above_runtime_mb', 'cuda_peak_mb',
+                           'above_runtime_vs_action_only'}
+PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
+
+
+def read_csv(path):
+    with open(path, newline='') as f:
+        return list(csv.DictReader(f))
+
+
+def costs(prefill=0.1, denoise=0.05, decode=None):
+    return PhaseCosts(vision_s=0.01, prefill_s=prefill, denoise_s=denoise,
+                      decode_s=decode or {1: 0.01, 6: 0.02}, flops={}, weight_bytes={})
+
+
+# ---- end to end ---------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def quick_run(tmp_path_factory):
+    from oxygen_ros.cli import main
+
+    out = tmp_path_factory.mktemp('bench')
+    assert main(['bench', '--quick', '--out', str(out), '--no-progress']) == 0
+    return out
+
+
+def test_quick_bench_writes_csv_markdown_and_plots(quick_run):
+    runs = read_csv(quick_run / 'runs.csv')
+    assert EXPECTED_RUN_COLUMNS <= set(runs[0])
+    assert {r['sweep'] for r in runs} == {'nk', 'steps', 'arrivals', 'mixed', 'workloads'}
+    assert {'action-only', 'isolated', 'parallel', 'shared', 'oxygen',
+            'oxygen-adaptive'} <= {r['system'] for r in runs}
+    memory = read_csv(quick_run / 'memory.csv')
+    assert EXPECTED_MEMORY_COLUMNS <= set(memory[0])
+    assert all(float(m['peak_rss_mb']) > 0 for m in memory)
+    assert read_csv(quick_run / 'components.csv')
+    summary = (quick_run / 'summary.md').read_text()
+    for heading in ('## Targets', '## Component model', 'N × k sweep', '## Peak memory'):
+        assert heading in summary
+    for name in ('tradeoff', 'speedup_heatmap', 'action_hz_vs_n', 'memory'):
+        png = (quick_run / f'{name}.png').read_bytes()
+        assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+
+def test_quick_bench_tokens_match_isolated_everywhere(quick_run):
+    runs = read_csv(quick_run / 'runs.csv')
+    language = [r for r in runs if r['system'] != 'action-only']
+    assert all(r['tokens_identical'] == 'True' for r in language), [
+        (r['label'], r['sweep'], r['token_mismatches']) for r in language
+        if r['tokens_identical'] != 'True']
+    oxygen = [r for r in runs if r['system'] == 'oxygen']
+    assert all(int(r['requests_compared']) > 0 for r in oxygen)
+    # Actions come from the same frames and noise: identical to float32 tolerance.
+    assert all(float(r['action_max_diff']) < 1e-4 for r in runs)
+
+
+def test_replot_from_result_json(quick_run):
+    from oxygen_ros.cli import main
+
+    (quick_run / 'tradeoff.png').unlink()
+    assert main(['bench', '--replot', str(quick_run)]) == 0
+    assert (quick_run / 'tradeoff.png').read_bytes().startswith(PNG_MAGIC)
+
+
+# ---- token identity -----------------------------------------------------------------------
+
+def test_compare_tokens_detects_changed_and_accepts_evicted_prefix():
+    ref = {0: RequestRecord((5, 6, 7), 'length', 2), 1: RequestRecord((8, 9, 10), 'length', 3)}
+    same = {0: RequestRecord((5, 6, 7), 'length', 0), 1: RequestRecord((8, 9), 'evicted', 1)}
+    check = compare_tokens(ref, same)
+    assert check.identical and check.compared == 2
+    changed = {0: RequestRecord((5, 6, 7), 'length', 0), 1: RequestRecord((8, 4, 10), 'length', 3)}
+    check = compare_tokens(ref, changed)
+    assert check.identical is False and check.mismatched == [1]
+    assert compare_tokens(ref, {}).identical is None
+
+
+class CorruptingSystem:
+    """Wraps a system and flips one token of the first request it finishes."""
+
+    def __init__(self, system):
+        self.system = system
+        self.corrupted = False
+
+    def step(self, obs):
+        result = self.system.step(obs)
+        for req in result.finished:
+            if not self.corrupted and req.token_ids:
+                req.token_ids[-1] += 1
+                self.corrupted = True
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.system, name)
+
+
+def test_token_column_detects_an_injected_mismatch(monkeypatch):
+    opts = bench_run.BenchOptions.quick_defaults(progress=False)
+    make = bench_run.make_bench_system
+
+    def make_corrupt_oxygen(spec, *args, **kwargs):
+        system = make(spec, *args, **kwargs)
+        return CorruptingSystem(system) if spec.name == 'oxygen' else system
+
+    monkeypatch.setattr(bench_run, 'make_bench_system', make_corrupt_oxygen)
+    group = Group('nk', 'libero', 2, 4, (SystemSpec('isolated'), SystemSpec('shared'),
+                                         SystemSpec('oxygen', 2)), frames=3)
+    models = bench_run.ModelCache(opts)
+    with bench_run.tqdm(disable=True) as bar:
+        rows = bench_run.run_group(group, models, costs(), 0.1, opts, bar)
+    by_label = {r['label']: r for r in rows}
+    assert by_label['shared']['tokens_identical'] is True
+    assert by_label['oxygen k=2']['tokens_identical'] is False
+    assert by_label['oxygen k=2']['token_mismatches']
+
+
+# ---- component model and metrics -------------------------------------------------------
+
+def test_ideal_speedup_formula_on_known_numbers():
+    c = costs(prefill=0.1, denoise=0.05, decode={1: 0.01, 6: 0.02})
+    # N=30, k=5: isolated 2P + D + N·d(1) = 0.55; oxygen P + D + k·d(6) = 0.25.
+    assert c.ideal_speedup(30, 5) == pytest.approx(0.55 / 0.25)
+    # k = N is the shared baseline: P + D + N·d(1).
+    assert c.ideal_speedup(30, 30) == pytest.approx(0.55 / 0.45)
+    group = Group('nk', 'libero', 10, 30, (SystemSpec('isolated'),), frames=1)
+    assert bench_run.ideal_speedup(c, group, SystemSpec('oxygen', 5)) == pytest.approx(2.2)
+    assert bench_run.ideal_speedup(c, group, SystemSpec('action-only')) == pytest.approx(
+        0.55 / 0.15)
+    assert math.isnan(bench_run.ideal_speedup(
+        c, dataclasses.replace(group, arrival_rate=1.0), SystemSpec('oxygen', 5)))
+
+
+def test_component_model_keeps_the_less_disturbed_measurement():
+    quiet = costs(prefill=0.1, denoise=0.05, decode={1: 0.01, 6: 0.02})
+    busy = costs(prefill=0.3, denoise=0.04, decode={1: 0.02, 6: 0.015})
+    used = bench_run.combine_phases(quiet, busy)
+    assert (used.prefill_s, used.denoise_s) == (0.1, 0.04)
+    assert used.decode_s == {1: 0.01, 6: 0.015}
+
+
+def frame_result(index, total_s, act_s, overhead_s, tokens, finished=()):
+    timings = Timings(prefill_s=0.01, action_s=0.01, decode_s=0.0, overhead_s=overhead_s,
+                      total_s=total_s, act_s=act_s)
+    action = ActionOutput(index, None, [[0.0]], act_s)
+    deltas = [TokenDelta(0, index, list(range(tokens)), '', tokens, False)]
+    return FrameResult(frame_index=index, action=action, deltas=deltas, finished=list(finished),
+                       k=tokens, decode_steps=tokens, batch_sizes=[1] * tokens,
+                       active_requests=1, timings=timings, kv_usage={})
+
+
+def test_summarize_uses_the_paper_definitions():
+    log = SystemLog()
+    log.record(0, frame_result(0, 1.0, 0.5, 0.0, 0), math.nan, measured=False)
+    done = FinishedRequest(0, 0, [1, 2], '', 'length', 2)
+    log.record(1, frame_result(1, 0.1, 0.05, 0.001, 2), math.nan, measured=True)
+    log.record(2, frame_result(2, 0.3, 0.05, 0.003, 2, [done]), math.nan, measured=True)
+    m = summarize(log, horizon=10, deadline_s=0.2)
+    assert m['action_hz'] == pytest.approx(10 / 0.2)           # H / mean frame latency
+    assert m['tokens_per_s'] == pytest.approx(4 / 0.4)
+    assert m['overhead_pct'] == pytest.approx(100 * 0.004 / 0.4)
+    assert m['deadline_miss_pct'] == pytest.approx(50.0)
+    assert m['completion_s_p50'] == pytest.approx(1.4)         # frames 0..2 back to back
+
+
+def test_plan_warmup_and_groups():
+    assert divisors(30) == [1, 2, 3, 5, 6, 10, 15, 30]
+    group = Group('nk', 'libero', 10, 30, (SystemSpec('isolated'), SystemSpec('oxygen', 5)),
+                  frames=4)
+    assert group.warmup(SystemSpec('oxygen', 5)) == 6 + WARMUP_FRAMES
+    assert group.warmup(SystemSpec('shared')) == WARMUP_FRAMES
+    assert group.warmup(SystemSpec('isolated')) == group.max_warmup   # the token reference
+    assert group.total_frames == 6 + WARMUP_FRAMES + 4
+    for g in build_groups(quick_options()):
+        assert any(s.name == 'isolated' for s in g.systems)
+        assert all(s.k is None or g.n_tokens % s.k == 0 for s in g.systems
+                   if s.name == 'oxygen')

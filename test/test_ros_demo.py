@@ -1,0 +1,70 @@
+"""The demo (`make demo` = `python -m oxygen_ros.demo`) on the tiny preset: it runs the real
+node process and publishers, shows actions and narration, and stops cleanly on --duration and
+on Ctrl-C (SIGINT to the whole process group, as a terminal sends it)."""
+
+import os
+from pathlib import Path
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip('rclpy')
+
+REPO = Path(__file__).resolve().parents[1]
+ARGS = ['--preset', 'tiny', '--rate', '5', '--plain', '--decode-budget', '2']
+
+
+def _demo(tmp_path, *extra):
+    return subprocess.Popen(
+        [sys.executable, '-m', 'oxygen_ros.demo', *ARGS, '--log-dir', str(tmp_path), *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED='1'), start_new_session=True)
+
+
+def _summary(output):
+    match = re.search(r'done: (\d+) action chunks, (\d+) tokens received; node exit status '
+                      r'(-?\d+)', output)
+    assert match, output[-3000:]
+    return [int(g) for g in match.groups()]
+
+
+def test_demo_runs_for_its_duration(tmp_path):
+    proc = _demo(tmp_path, '--duration', '12')
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-3000:]
+    actions, tokens, node_status = _summary(output)
+    assert actions > 5 and tokens > 0 and node_status == 0, output[-3000:]
+    assert 'narration (finished requests):' in output
+    assert 'OK    actions' in output or 'OK actions' in output, output[-3000:]
+    log = (tmp_path / 'oxygen_node.log').read_text()
+    assert 'configured in' in log and 'Traceback' not in log, log[-3000:]
+
+
+def test_demo_stops_cleanly_on_ctrl_c(tmp_path):
+    proc = _demo(tmp_path, '--duration', '90')
+    lines = []
+    deadline = time.monotonic() + 90
+    try:
+        for line in proc.stdout:   # wait for the first action chunks
+            lines.append(line)
+            if re.search(r'actions .*?[1-9]\d* chunks', line) or time.monotonic() > deadline:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = ''.join(lines) + rest
+    assert proc.returncode == 0, output[-3000:]
+    actions, _, node_status = _summary(output)
+    assert actions > 0 and node_status == 0
+    assert 'Traceback' not in output and 'Traceback' not in (
+        tmp_path / 'oxygen_node.log').read_text()

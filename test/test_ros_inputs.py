@@ -1,0 +1,313 @@
+"""The node's pure parts: instruction cleaning, latest-frame buffer and observation assembly,
+problem log, loop statistics, diagnostic statuses, parameter checks and the robot configs.
+"""
+
+import math
+from pathlib import Path
+import types
+
+import numpy as np
+import pytest
+
+from oxygen_ros.ros.conversions import InputError
+from oxygen_ros.ros.diagnostics import (build_statuses, ERROR, LoopStats, OK, ProblemLog,
+                                        WARN)
+from oxygen_ros.ros.inputs import (build_observation, InputSource, LatestBuffer,
+                                   sanitize_instruction)
+from oxygen_ros.ros.params import (check_value, load_node_params, PARAMS, parse_decode_budget,
+                                   robot_defaults, ROBOT_IO, Settings)
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / 'config'
+
+
+# --- instruction -----------------------------------------------------------------------------
+def test_plain_instruction_is_unchanged():
+    got = sanitize_instruction('pick up the red block', 500)
+    assert got.text == 'pick up the red block' and got.notes == []
+
+
+def test_huge_instruction_is_truncated_and_reported():
+    raw = 'stack the blocks ' * 1000
+    got = sanitize_instruction(raw, 100)
+    assert len(got.text) <= 100 and got.truncated and got.received_chars == len(raw)
+    assert raw.startswith(got.text)
+    assert got.notes == [f'truncated from {len(raw)} to {len(got.text)} characters']
+
+
+def test_unsafe_characters_are_removed_and_counted():
+    # U+FFFD is what rclpy makes of bytes that are not UTF-8; \ud800 a lone surrogate.
+    got = sanitize_instruction('pick\x00up\x1b[31m the\ufffd\ufffd cup\u200b\ud800\n', 500)
+    assert got.text == 'pick up [31m the cup'
+    assert got.invalid_chars == 3 and got.control_chars == 3
+    assert any('invalid' in n for n in got.notes) and any('control' in n for n in got.notes)
+
+
+@pytest.mark.parametrize('raw', ['', '   ', '\n\t', '\ufffd\x00'])
+def test_empty_or_blank_instruction_means_no_task(raw):
+    assert sanitize_instruction(raw, 500).text == ''
+
+
+def test_instruction_is_nfc_normalised():
+    assert sanitize_instruction('cafe\u0301', 50).text == 'caf\u00e9'
+
+
+# --- observation assembly --------------------------------------------------------------------
+def _image_msg(value, stamp_s=0.0):
+    stamp = types.SimpleNamespace(sec=int(stamp_s), nanosec=int(stamp_s % 1 * 1e9))
+    return types.SimpleNamespace(value=value, header=types.SimpleNamespace(stamp=stamp))
+
+
+def _camera_convert(msg):
+    if msg.value is None:
+        raise InputError('unsupported encoding')
+    return np.full((4, 4, 3), msg.value, np.uint8)
+
+
+def _joints_convert(msg):
+    if any(math.isnan(v) for v in msg):
+        raise InputError('NaN or inf position')
+    return np.asarray(msg, dtype=np.float64)
+
+
+CAMERAS = [('image', InputSource('camera:image', "camera 'image'", _camera_convert)),
+           ('wrist', InputSource('camera:wrist', "camera 'wrist'", _camera_convert))]
+JOINTS = InputSource('joint_states', 'joint_states', _joints_convert)
+TASK = sanitize_instruction('stack the cups', 500)
+
+
+def _filled(now=10.0):
+    buffer = LatestBuffer()
+    buffer.put('camera:image', _image_msg(1, stamp_s=9.5), now - 0.05)
+    buffer.put('camera:wrist', _image_msg(2), now - 0.05)
+    buffer.put('joint_states', [0.1, 0.2], now - 0.01)
+    return buffer
+
+
+def test_fresh_inputs_make_an_observation():
+    result = build_observation(_filled(), CAMERAS, JOINTS, TASK, 10.0, 0.5, 0.0)
+    obs = result.observation
+    assert result.problems == {}
+    assert sorted(obs.images) == ['image', 'wrist'] and obs.images['wrist'][0, 0, 0] == 2
+    np.testing.assert_array_equal(obs.state, [0.1, 0.2])
+    assert obs.instruction == 'stack the cups'
+    assert obs.stamp == pytest.approx(9.5)   # the first camera's header stamp
+    assert [s.state for s in result.inputs] == ['ok', 'ok', 'ok']
+
+
+def test_zero_header_stamp_falls_back_to_receipt_time():
+    buffer = _filled()
+    buffer.put('camera:image', _image_msg(1, stamp_s=0.0), 9.9)
+    assert build_observation(buffer, CAMERAS, JOINTS, TASK, 10.0, 0.5, 0).observation.stamp \
+        == pytest.approx(9.9)
+
+
+def test_never_received_camera_is_named():
+    buffer = _filled()
+    buffer.clear()
+    buffer.put('camera:image', _image_msg(1), 9.9)
+    buffer.put('joint_states', [0.0, 0.0], 9.9)
+    result = build_observation(buffer, CAMERAS, JOINTS, TASK, 10.0, 0.5, started_s=4.0)
+    assert result.observation is None
+    assert result.problems == {'camera:wrist': "camera 'wrist': never received (waiting 6.0 s)"}
+
+
+def test_stale_camera_is_reported_with_its_age():
+    buffer = _filled()
+    buffer.put('camera:wrist', _image_msg(2), 8.0)
+    result = build_observation(buffer, CAMERAS, JOINTS, TASK, 10.0, 0.5, 0.0)
+    assert result.observation is None
+    assert 'stale, last message 2.00 s ago' in result.problems['camera:wrist']
+    assert result.inputs[1].state == 'stale' and result.inputs[1].count == 2
+
+
+def test_bad_message_is_converted_once_and_reported():
+    buffer = _filled()
+    calls = []
+
+    def convert(msg):
+        calls.append(msg)
+        return _camera_convert(msg)
+    cams = [('image', InputSource('camera:image', "camera 'image'", convert)), CAMERAS[1]]
+    buffer.put('camera:image', _image_msg(None), 9.99)
+    for _ in range(3):
+        result = build_observation(buffer, cams, JOINTS, TASK, 10.0, 0.5, 0.0)
+        assert result.problems == {'camera:image': "camera 'image': unsupported encoding"}
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize('instruction, reason', [
+    (None, 'none received yet'), (sanitize_instruction('  ', 500), 'empty'),
+])
+def test_missing_or_empty_instruction_gives_no_observation(instruction, reason):
+    result = build_observation(_filled(), CAMERAS, JOINTS, instruction, 10.0, 0.5, 0.0)
+    assert result.observation is None and reason in result.problems['instruction']
+
+
+def test_nan_joints_give_no_observation():
+    buffer = _filled()
+    buffer.put('joint_states', [0.1, float('nan')], 9.99)
+    result = build_observation(buffer, CAMERAS, JOINTS, TASK, 10.0, 0.5, 0.0)
+    assert result.problems == {'joint_states': 'joint_states: NaN or inf position'}
+
+
+# --- problem log and statistics --------------------------------------------------------------
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_problem_log_logs_once_reminds_and_resolves():
+    clock, lines = FakeClock(), []
+    log = ProblemLog(lambda level, msg: lines.append((level, msg)), repeat_s=10, clock=clock)
+    for i in range(50):   # 5 s of a 10 Hz tick seeing the same stale camera
+        clock.t = i * 0.1
+        log.update('inputs', {'cam': f'cam stale, {0.6 + i * 0.1:.1f} s ago'})
+    assert lines == [(WARN, 'cam stale, 0.6 s ago')]
+    clock.t = 12.0
+    log.update('inputs', {'cam': 'cam stale, 12.6 s ago'})
+    assert lines[-1][0] == WARN and 'still; 50 times' in lines[-1][1]
+    log.update('inputs', {'cam': 'cam: unsupported encoding'})   # another problem: at once
+    assert lines[-1] == (WARN, 'cam: unsupported encoding')
+    log.update('inputs', {})
+    assert lines[-1] == (OK, 'resolved: cam: unsupported encoding')
+    assert log.active('inputs') == {}
+
+
+def test_problem_log_events_are_throttled_per_key():
+    clock, lines = FakeClock(), []
+    log = ProblemLog(lambda level, msg: lines.append(msg), repeat_s=5, clock=clock)
+    for i in range(10):
+        clock.t = i * 0.1
+        log.event('tick', ERROR, 'tick failed')
+        log.event('other', ERROR, 'other failed')
+    clock.t = 6.0
+    log.event('tick', ERROR, 'tick failed')
+    assert lines == ['tick failed', 'other failed', 'tick failed (9 more since)']
+
+
+def test_loop_stats_rates_percentiles_and_misses():
+    clock = FakeClock()
+    stats = LoopStats(window_s=5.0, clock=clock)
+    for i in range(50):                                      # 10 Hz for 5 s
+        clock.t = i * 0.1
+        late = i % 10 == 0
+        stats.record(clock.t, 0.15 if late else 0.02, 0.1, None if i == 3 else 0.01 + i * 1e-4,
+                     0.008, tokens=2)
+    clock.t = 4.95
+    snap = stats.snapshot()
+    assert snap['tick_rate_hz'] == pytest.approx(10.1, rel=0.05)
+    assert snap['action_rate_hz'] == pytest.approx(9.9, rel=0.05)
+    assert snap['tokens_per_s'] == pytest.approx(20.2, rel=0.05)
+    assert snap['deadline_misses_total'] == 5 and snap['skipped_total'] == 1
+    assert 10 < snap['latency_p50_ms'] < 14 and snap['latency_p99_ms'] <= 15
+
+
+def _statuses(**overrides):
+    loop = LoopStats().snapshot()
+    loop.update(action_rate_hz=10.0, tokens_per_s=30.0, latency_p50_ms=20.0,
+                since_last_action_s=0.05, ticks_window=50)
+    kwargs = dict(node='oxygen_node', lifecycle='active', model={'robot': 'libero'},
+                  loop=loop, target_rate_hz=10.0,
+                  engine={'k': 2, 'active_requests': 3, 'budget': 'FixedBudget(k=2)',
+                          'finished': {'length': 4},
+                          'kv_usage': {'slots_in_use': 3, 'slots_total': 6, 'bytes_in_use': 3,
+                                       'bytes_total': 6, 'peak_slots_in_use': 4}},
+                  inputs=[], input_problems={}, instruction=TASK)
+    kwargs.update(overrides)
+    return {s.name.split(': ')[1]: s for s in build_statuses(**kwargs)}
+
+
+def test_statuses_report_every_required_quantity():
+    statuses = _statuses()
+    assert {s.level for s in statuses.values()} == {OK}
+    keys = {k for s in statuses.values() for k, _ in s.values}
+    for key in ('target_rate_hz', 'action_rate_hz', 'deadline_misses_total', 'latency_p50_ms',
+                'latency_p99_ms', 'tokens_per_s', 'active_requests', 'slots_used',
+                'slots_total', 'bytes_used', 'bytes_total', 'current_k', 'stale_or_missing',
+                'last_error'):
+        assert key in keys, key
+
+
+def test_statuses_escalate_input_problems_and_lost_requests():
+    statuses = _statuses(input_problems={'cam': "camera 'wrist': stale"},
+                         engine={'k': 1, 'active_requests': 0, 'budget': 'b',
+                                 'finished': {'evicted': 2},
+                                 'kv_usage': {'slots_in_use': 6, 'slots_total': 6,
+                                              'bytes_in_use': 6, 'bytes_total': 6,
+                                              'peak_slots_in_use': 6}})
+    assert statuses['control loop'].level == ERROR
+    assert "camera 'wrist': stale" in statuses['inputs'].message
+    assert statuses['language'].level == WARN and 'evicted=2' in statuses['language'].message
+    assert statuses['kv cache'].level == WARN
+
+
+def test_failed_configure_is_an_error_status():
+    statuses = build_statuses('oxygen_node', 'unconfigured', {}, None, 10.0, None, [], {}, None,
+                              config_error='configure failed: shape mismatch')
+    assert [(s.level, s.message) for s in statuses] == [
+        (ERROR, 'unconfigured: configure failed: shape mismatch')]
+
+
+# --- parameters ------------------------------------------------------------------------------
+@pytest.mark.parametrize('name, value, reason', [
+    ('control_rate_hz', 0.0, 'must be in'),
+    ('control_rate_hz', float('nan'), 'must be in'),
+    ('tokens_per_request', 0, 'must be in'),
+    ('decode_budget', 'fast', "integer k >= 1 or 'adaptive'"),
+    ('decode_budget', '0', 'k must be >= 1'),
+    ('robot', 'pr2', 'must be one of'),
+    ('preset', 'huge', 'unknown preset'),
+    ('dtype', 'int8', 'must be one of'),
+    ('device', 'gpu0', "expected 'cpu'"),
+    ('checkpoint', '/does/not/exist', 'does not exist'),
+    ('camera_names', ['image', 'image'], 'duplicate'),
+    ('joint_names', ['a', ''], 'must not be empty'),
+    ('language_prompt', 'say {task}', 'unknown placeholder {task}'),
+])
+def test_bad_parameter_values_have_reasons(name, value, reason):
+    assert reason in check_value(name, value)
+
+
+@pytest.mark.parametrize('name, value', [
+    ('control_rate_hz', 30.0), ('decode_budget', 'adaptive'), ('decode_budget', ' 4 '),
+    ('checkpoint', ''), ('language_prompt', 'Describe: {instruction}'), ('preset', 'tiny'),
+])
+def test_good_parameter_values_pass(name, value):
+    assert check_value(name, value) is None
+
+
+def test_decode_budget_parsing():
+    assert parse_decode_budget('adaptive') is None and parse_decode_budget('3') == 3
+
+
+def test_settings_cross_checks_name_every_problem():
+    values = dict(robot_defaults('droid'), camera_topics=['a'], joint_names=['j'] * 3)
+    values['camera_names'] = ['exterior_image_1_left', 'image']
+    with pytest.raises(ValueError) as err:
+        Settings.from_values(values)
+    text = str(err.value)
+    assert 'camera_topics has 1 entries but camera_names has 2' in text
+    assert "lacks ['wrist_image_left']" in text and "has ['image']" in text
+    assert 'joint_names has 3 names' in text
+
+
+@pytest.mark.parametrize('robot', sorted(ROBOT_IO))
+def test_robot_configs_are_valid_and_complete(robot):
+    values = load_node_params(CONFIG_DIR / f'{robot}.yaml')
+    assert set(values) == {s.name for s in PARAMS} - {'autostart'}, 'config lists every param'
+    settings = Settings.from_values(values)
+    assert settings.robot == robot and settings.checkpoint == ''
+    assert [c.name for c in settings.cameras] == list(ROBOT_IO[robot][0])
+
+
+def test_param_file_keys_rcl_accepts(tmp_path):
+    path = tmp_path / 'p.yaml'
+    path.write_text('/**:\n  ros__parameters: {seed: 1, preset: tiny}\n'
+                    '/**/oxygen_node:\n  ros__parameters: {seed: 2}\n')
+    assert load_node_params(path) == {'seed': 2, 'preset': 'tiny'}
+    path.write_text('other_node:\n  ros__parameters: {seed: 1}\n')
+    with pytest.raises(ValueError, match='no "oxygen_node: ros__parameters:" section'):
+        load_node_params(path)
