@@ -178,15 +178,17 @@ def test_parameter_changes_rejected_with_reasons_and_applied(harness):
     assert _set(node, 'stale_frame_timeout_s', 1.5).successful
 
     assert _set(node, 'control_rate_hz', 5.0).successful
+    assert node._control_timer.timer_period_ns == 200_000_000   # the timer was rebuilt
     time.sleep(0.5)
     n0, t0 = len(col.actions), time.monotonic()
     time.sleep(2.0)
     rate = (len(col.actions) - n0) / (time.monotonic() - t0)
     print(f'\ncontrol rate after the change to 5 Hz: {rate:.1f} Hz received')
-    assert 2.0 < rate < 8.0
+    assert 0 < rate < 8.0   # a stalled machine can only make it slower
 
     assert _set(node, 'request_every_n_frames', 0).successful
-    time.sleep(1.0)   # applied at the next tick; running requests finish
+    assert wait_for(lambda: node.engine.system.policy.every_n_frames == 0, 5)  # next tick
+    time.sleep(1.0)   # running requests finish, their tokens arrive
     newest = max(m.request_id for m, _, _ in col.tokens)
     time.sleep(1.0)
     assert max(m.request_id for m, _, _ in col.tokens) == newest, 'no new requests'

@@ -98,14 +98,15 @@ def random_setup(config: Pi05Config, robot: str = 'libero', seed: int = 0,
                  ) -> tuple[Pi05Model, Frontend]:
     """Build a random-weight model and a frontend with a tiny trained tokenizer (no downloads).
 
-    The tokenizer vocab is at most 1024 (a small corpus cannot fill more); ids the model emits
-    beyond it decode as unknown, which is fine for demos, tests and benchmarks.
+    The tokenizer vocab is at most 1024 (a small corpus cannot fill more); the model's
+    embedding rows of ids that are not text pieces are zero, so it only emits decodable text.
     """
-    model = Pi05Model(config).init_random(seed).to(device).to_precision(dtype).eval()
-    out_dir = Path(tokenizer_dir or Path.home() / '.cache' / 'oxygen_ros' / 'tokenizers')
     vocab = min(config.backbone.vocab_size, 1024)
+    out_dir = Path(tokenizer_dir or Path.home() / '.cache' / 'oxygen_ros' / 'tokenizers')
     tok_path = train_tiny_tokenizer(out_dir, vocab)
     tokenizer = PaligemmaTokenizer(tok_path, max_len=config.max_token_len)
+    model = Pi05Model(config).init_random(seed, text_ids=tokenizer.text_piece_ids())
+    model = model.to(device).to_precision(dtype).eval()
     frontend = Frontend.from_config(config, robot, tokenizer, identity_norm_stats(robot), device)
     return model, frontend
 

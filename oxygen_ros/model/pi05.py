@@ -161,8 +161,12 @@ class Pi05Model(nn.Module):
             param.data = param.data.to(torch.float32 if keep else dtype)
         return self
 
-    def init_random(self, seed: int = 0) -> Pi05Model:
+    def init_random(self, seed: int = 0, text_ids: list[int] | None = None) -> Pi05Model:
         """Random weights for demos and tests (deterministic for a seed).
+
+        text_ids: ids that decode to text with the tokenizer in use; every other embedding row
+        is zeroed so the tied LM head (logit exactly 0 there) never emits an id that would
+        decode as unknown, a lone byte or a control token.
 
         Matrices get std 1/sqrt(fan_in) so every residual branch matters; the embedding gets
         std 1/sqrt(width) so the tied LM head does not simply echo the input token; norm and
@@ -181,6 +185,11 @@ class Pi05Model(nn.Module):
                     if 'dense' in name:
                         scale *= 0.3  # keep adaRMS scale/shift/gate modest
                 param.copy_(noise * scale)
+            if text_ids is not None:
+                embed = self.backbone.embed_tokens.weight
+                keep = torch.zeros(embed.shape[0], dtype=torch.bool)
+                keep[torch.tensor(text_ids, dtype=torch.long)] = True
+                embed[~keep] = 0.0
         return self
 
     # ------------------------------------------------------------------ prefix

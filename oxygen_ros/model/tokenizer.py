@@ -92,6 +92,13 @@ class PaligemmaTokenizer:
         """Id written into padded prompt positions: always 0, as openpi pads."""
         return PAD_ID
 
+    def text_piece_ids(self) -> list[int]:
+        """Ids of ordinary text pieces (no control, unknown, byte or unused pieces)."""
+        sp = self._sp
+        return [i for i in range(sp.vocab_size())
+                if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i)
+                        or sp.is_unused(i) or sp.id_to_piece(i).startswith('<unused'))]
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Encode plain text (no prompt formatting, no padding)."""
         return list(self._sp.encode(text, add_bos=add_bos)) if text else []
