@@ -1,6 +1,7 @@
 # oxygen_ros developer entry points. Every target sets up what it needs (scripts/setup_env.sh
 # is idempotent and quick when nothing changed).
-#   make demo    the main job
+#   make demo    the main job: oxygen_node + simulated robot for DEMO_DURATION s
+#                (DEMO_DURATION=0 runs until Ctrl-C)
 #   make test    the test suite
 #   make lint    flake8 (ament configuration) + pep257
 #   make colcon-check   colcon build of this repository in a temporary workspace
@@ -11,6 +12,7 @@ SHELL := /bin/bash
 
 VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
+DEMO_DURATION ?= 60
 
 # Every process that opens DDS: discovery stays on this machine (otherwise Fast DDS multicasts
 # out of the network interface) and each `make` run gets its own domain, so parallel runs and
@@ -38,7 +40,7 @@ lint: setup
 	$(PY) -m pydocstyle --config setup.cfg oxygen_ros
 
 demo: setup
-	$(PY) -m oxygen_ros.demo
+	$(PY) -m oxygen_ros.demo --duration $(DEMO_DURATION)
 
 colcon-check: setup
 	bash scripts/colcon_check.sh
@@ -50,7 +52,8 @@ clean:
 	rm -rf build install log bench-results
 	rm -rf $(VENV)/lib/oxygen_ros_msgs_python $(VENV)/share/oxygen_ros $(VENV)/lib/oxygen_ros
 	rm -f $(VENV)/.oxygen_ros_msgs.sha256 \
-	  $(VENV)/lib/python3.11/site-packages/oxygen_ros_dev.pth
+	  $(VENV)/lib/python3.11/site-packages/oxygen_ros_dev.pth \
+	  $(VENV)/bin/oxygen_node $(VENV)/bin/oxygen-ros
 	find oxygen_ros test -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

@@ -9,7 +9,8 @@
 #      /opt/python/cp311-cp311 include dirs, to this venv's Python and numpy include dirs
 #   4. build msg/*.msg with cmake and install into the venv itself (skipped while a stamp keyed
 #      on the inputs matches)
-#   5. write .venv/.../site-packages/oxygen_ros_dev.pth (source tree + generated messages)
+#   5. write .venv/.../site-packages/oxygen_ros_dev.pth (source tree + generated messages) and
+#      the commands .venv/bin/oxygen_node and .venv/bin/oxygen-ros (rewritten only on change)
 #   6. check that `import oxygen_ros` and `from oxygen_ros.msg import ...` work
 #
 # How the messages and the sources meet (why it is done this way):
@@ -151,6 +152,22 @@ pth="$site_packages/oxygen_ros_dev.pth"
 os.environ['AMENT_PREFIX_PATH'] = p if v in p.split(os.pathsep) else os.pathsep.join(filter(None, [v, p]))"
 } > "$pth.tmp"
 mv "$pth.tmp" "$pth"
+
+# The console scripts on the venv's PATH (the cmake install puts them in lib/oxygen_ros, where
+# `ros2 run` looks). They run the live source tree like everything else in the venv, and keep
+# DDS discovery on this machine unless ROS_AUTOMATIC_DISCOVERY_RANGE is set already.
+write_command() {  # name module
+  local path="$venv/bin/$1"
+  printf '%s\n' \
+    '#!/usr/bin/env bash' \
+    "# Written by scripts/setup_env.sh: $1 of the oxygen_ros dev venv (python -m $2)." \
+    'export ROS_AUTOMATIC_DISCOVERY_RANGE="${ROS_AUTOMATIC_DISCOVERY_RANGE:-LOCALHOST}"' \
+    "exec \"$py\" -m $2 \"\$@\"" > "$path.tmp"
+  chmod 755 "$path.tmp"
+  if cmp -s "$path.tmp" "$path"; then rm -f "$path.tmp"; else mv "$path.tmp" "$path"; fi
+}
+write_command oxygen_node oxygen_ros.ros.node
+write_command oxygen-ros oxygen_ros.cli
 
 # ---------------------------------------------------------------------------------------------
 # 6. smoke check, run from outside the repo so the cwd does not put the sources on sys.path
