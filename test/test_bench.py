@@ -134,7 +134,8 @@ def test_token_column_detects_an_injected_mismatch(monkeypatch):
                                          SystemSpec('oxygen', 2)), frames=3)
     models = bench_run.ModelCache(opts)
     with bench_run.tqdm(disable=True) as bar:
-        rows = bench_run.run_group(group, models, costs(), 0.1, opts, bar)
+        rows, components = bench_run.run_group(group, models, 0.1, opts, bar)
+    assert {c['batch'] for c in components} == {1, 2}   # d(1) and d(N/k) = d(4/2)
     by_label = {r['label']: r for r in rows}
     assert by_label['shared']['tokens_identical'] is True
     assert by_label['oxygen k=2']['tokens_identical'] is False
@@ -157,12 +158,17 @@ def test_ideal_speedup_formula_on_known_numbers():
         c, dataclasses.replace(group, arrival_rate=1.0), SystemSpec('oxygen', 5)))
 
 
-def test_component_model_keeps_the_less_disturbed_measurement():
-    quiet = costs(prefill=0.1, denoise=0.05, decode={1: 0.01, 6: 0.02})
-    busy = costs(prefill=0.3, denoise=0.04, decode={1: 0.02, 6: 0.015})
-    used = bench_run.combine_phases(quiet, busy)
-    assert (used.prefill_s, used.denoise_s) == (0.1, 0.04)
-    assert used.decode_s == {1: 0.01, 6: 0.015}
+def test_phase_probe_samples_every_pass_and_reduces_them():
+    from oxygen_ros.bench.phases import PhaseProbe
+
+    model = bench_run.ModelCache(bench_run.BenchOptions.quick_defaults()).model(2)
+    probe = PhaseProbe(model, batches=(1, 3), warmup=1)
+    probe.sample()
+    probe.sample()
+    assert all(len(v) == 2 for v in probe.samples.values())
+    costs_ = probe.costs(min)
+    assert set(costs_.decode_s) == {1, 3}
+    assert costs_.prefill_s == min(probe.samples['prefill'])
 
 
 def frame_result(index, total_s, act_s, overhead_s, tokens, finished=()):

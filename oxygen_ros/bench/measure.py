@@ -182,6 +182,7 @@ def summarize(log: SystemLog, horizon: int, deadline_s: float) -> dict[str, floa
         'overhead_ms': 1e3 * mean_of['overhead_s'],
         'overhead_pct': 100 * sum(x.overhead_s for x in s) / float(total.sum()),
         'tokens_per_s': sum(x.tokens for x in s) / float(total.sum()),
+        'tokens_per_s_p50': float(np.mean([x.tokens for x in s])) / float(np.median(total)),
         'mean_k': float(np.mean([x.k for x in s])),
         'mean_max_batch': float(np.mean([x.max_batch for x in s])),
         'requests_done': len(completion),

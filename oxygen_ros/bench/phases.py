@@ -73,63 +73,91 @@ def analytic_costs(cfg: Pi05Config) -> tuple[dict[str, float], dict[str, float]]
     return flops, weight_bytes
 
 
-def _median_time(fn, repeats: int, sync) -> float:
-    samples = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+class PhaseProbe:
+    """Times one run of every pass per `sample()`; `costs()` reduces the samples.
 
+    Built once (random inputs, a private KV cache of max(batches) slots, warm-up done), then
+    sampled as often as wanted: back to back by `measure_phases`, or interleaved with other
+    work by the benchmark, so the component model sees the same machine state as the frames
+    it is compared with.
+    """
 
-@torch.no_grad()
-def measure_phases(model: Pi05Model, batches=(1, 4, 8), repeats: int = 5,
-                   warmup: int = 2, seed: int = 0) -> PhaseCosts:
-    """Time each pass of `model` on random inputs (warm-up excluded, synced clocks)."""
-    cfg = model.config
-    device = next(model.parameters()).device
-    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
-    g = torch.Generator().manual_seed(seed)
-    S = cfg.vision.image_size
-    images = (torch.rand(1, cfg.num_cameras, 3, S, S, generator=g) * 2 - 1).to(device)
-    image_masks = torch.ones(1, cfg.num_cameras, dtype=torch.bool, device=device)
-    tokens = torch.randint(3, cfg.backbone.vocab_size, (1, cfg.max_token_len), generator=g)
-    tokens = tokens.to(device)
-    token_masks = torch.zeros(1, cfg.max_token_len, dtype=torch.bool, device=device)
-    token_masks[:, : cfg.max_token_len // 4] = True
-    max_batch = max(batches)
-    kv = KVTensors.allocate(cfg, max_batch, cfg.prefix_len + 64, model.compute_dtype, device)
-    vision = model.vision.vision_model
-    flat_images = images.flatten(0, 1).to(model.compute_dtype)
-
-    def run_prefill(slot=0):
-        return model.prefill(images, image_masks, tokens, token_masks, kv=kv,
-                             slots=torch.tensor([slot]))
-
-    for slot in range(max_batch):
-        prefix = run_prefill(slot)
-    noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, generator=g).to(device)
-    for _ in range(warmup):
-        vision(flat_images)
-        run_prefill()
-        model.sample_actions(prefix, noise)
-    vision_s = _median_time(lambda: vision(flat_images), repeats, sync)
-    prefill_s = _median_time(run_prefill, repeats, sync)
-    denoise_s = _median_time(lambda: model.sample_actions(prefix, noise), repeats, sync)
-    decode_s = {}
-    valid = prefix.valid.expand(max_batch, -1)
-    n_valid = prefix.n_valid.expand(max_batch)
-    for batch in batches:
-        def step():
-            model.decode_step(kv, torch.arange(batch), valid[:batch], n_valid[:batch],
-                              torch.full((batch,), 16), torch.full((batch,), 5))
+    @torch.no_grad()
+    def __init__(self, model: Pi05Model, batches=(1, 4, 8), warmup: int = 2, seed: int = 0):
+        cfg = model.config
+        device = next(model.parameters()).device
+        self.model = model
+        self.batches = tuple(sorted(batches))
+        self._sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
+        g = torch.Generator().manual_seed(seed)
+        S = cfg.vision.image_size
+        images = (torch.rand(1, cfg.num_cameras, 3, S, S, generator=g) * 2 - 1).to(device)
+        image_masks = torch.ones(1, cfg.num_cameras, dtype=torch.bool, device=device)
+        tokens = torch.randint(3, cfg.backbone.vocab_size, (1, cfg.max_token_len), generator=g)
+        token_masks = torch.zeros(1, cfg.max_token_len, dtype=torch.bool, device=device)
+        token_masks[:, : cfg.max_token_len // 4] = True
+        self._prefill_inputs = (images, image_masks, tokens.to(device), token_masks)
+        max_batch = max(self.batches)
+        self._kv = KVTensors.allocate(cfg, max_batch, cfg.prefix_len + 64, model.compute_dtype,
+                                      device)
+        self._flat_images = images.flatten(0, 1).to(model.compute_dtype)
+        for slot in range(max_batch):
+            self._prefix = self._run_prefill(slot)
+        self._noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, generator=g).to(device)
+        self._valid = self._prefix.valid.expand(max_batch, -1)     # [max_batch, P]
+        self._n_valid = self._prefix.n_valid.expand(max_batch)     # [max_batch]
+        self.samples: dict[str, list[float]] = {'vision': [], 'prefill': [], 'denoise': []}
+        self.samples.update({f'decode {b}': [] for b in self.batches})
         for _ in range(warmup):
-            step()
-        decode_s[batch] = _median_time(step, repeats, sync)
-    flops, weight_bytes = analytic_costs(cfg)
-    return PhaseCosts(vision_s, prefill_s, denoise_s, decode_s, flops, weight_bytes)
+            for fn in self._passes().values():
+                fn()
+
+    def _run_prefill(self, slot: int = 0):
+        return self.model.prefill(*self._prefill_inputs, kv=self._kv,
+                                  slots=torch.tensor([slot]))
+
+    def _decode(self, batch: int):
+        self.model.decode_step(self._kv, torch.arange(batch), self._valid[:batch],
+                               self._n_valid[:batch], torch.full((batch,), 16),
+                               torch.full((batch,), 5))
+
+    def _passes(self) -> dict:
+        passes = {'vision': lambda: self.model.vision.vision_model(self._flat_images),
+                  'prefill': self._run_prefill,
+                  'denoise': lambda: self.model.sample_actions(self._prefix, self._noise)}
+        passes.update({f'decode {b}': (lambda b=b: self._decode(b)) for b in self.batches})
+        return passes
+
+    @torch.no_grad()
+    def sample(self) -> None:
+        """Time every pass once (synced clocks)."""
+        for name, fn in self._passes().items():
+            self._sync()
+            start = time.perf_counter()
+            fn()
+            self._sync()
+            self.samples[name].append(time.perf_counter() - start)
+
+    def costs(self, statistic=statistics.median) -> PhaseCosts:
+        """Per pass `statistic` of the samples so far, plus the analytic FLOPs and bytes."""
+        assert self.samples['prefill'], 'no samples yet'
+        s = {name: statistic(values) for name, values in self.samples.items()}
+        flops, weight_bytes = analytic_costs(self.model.config)
+        return PhaseCosts(s['vision'], s['prefill'], s['denoise'],
+                          {b: s[f'decode {b}'] for b in self.batches}, flops, weight_bytes)
+
+
+def measure_phases(model: Pi05Model, batches=(1, 4, 8), repeats: int = 5,
+                   warmup: int = 2, seed: int = 0, statistic=statistics.median) -> PhaseCosts:
+    """Time each pass of `model` on random inputs (warm-up excluded, synced clocks).
+
+    `statistic` reduces the repeats of each pass (median by default; `min` gives the least
+    disturbed run on a busy machine).
+    """
+    probe = PhaseProbe(model, batches, warmup, seed)
+    for _ in range(repeats):
+        probe.sample()
+    return probe.costs(statistic)
 
 
 def format_phases(costs: PhaseCosts) -> str:

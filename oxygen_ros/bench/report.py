@@ -12,7 +12,6 @@ matplotlib.use('Agg')   # files only, no display; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .plan import divisors  # noqa: E402
 from .run import BenchResult, save_result  # noqa: E402
 
 PLOTS = ('tradeoff.png', 'speedup_heatmap.png', 'action_hz_vs_n.png', 'memory.png')
@@ -42,22 +41,6 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def component_rows(result: BenchResult) -> list[dict]:
-    """Component model per S and decode batch: used values, and both measurements."""
-    rows = []
-    runs = {'used': result.phases, **result.phase_runs}
-    for when, phases in runs.items():
-        for steps, costs in sorted(phases.items()):
-            for batch, seconds in sorted(costs.decode_s.items()):
-                rows.append({'measured': when, 'steps': steps,
-                             'prefill_ms': 1e3 * costs.prefill_s,
-                             'vision_ms': 1e3 * costs.vision_s,
-                             'denoise_ms': 1e3 * costs.denoise_s, 'batch': batch,
-                             'decode_step_ms': 1e3 * seconds,
-                             'deadline_ms': 1e3 * result.periods[steps]})
-    return rows
-
-
 def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
     """Write runs.csv, memory.csv, components.csv, result.json, summary.md, plots; return paths."""
     out = Path(out_dir)
@@ -66,7 +49,7 @@ def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
              'summary': out / 'summary.md', 'result': out / 'result.json'}
     save_result(result, paths['result'])
     write_csv(result.rows, paths['runs'])
-    write_csv(component_rows(result), paths['components'])
+    write_csv(result.components, paths['components'])
     if result.memory:
         paths['memory'] = out / 'memory.csv'
         write_csv(result.memory, paths['memory'])
@@ -197,19 +180,15 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
               table(['target', 'measured', 'met'],
                     [[t['target'], t['measured'], t['met']] for t in evaluate_targets(result)]),
               '']
-    parts += ['## Component model (phases.py: median of repeats, before and after the sweeps; '
-              'used = the lower of the two)', '']
-    batches = sorted(next(iter(result.phases.values())).decode_s)
-    header = ['S', 'measured', 'prefill P (ms)', 'denoise D (ms)', 'deadline (ms)'] + [
-        f'd({b}) ms' for b in batches]
-    runs = {'used': result.phases, **result.phase_runs}
-    parts += [table(header, [[s, when, 1e3 * c.prefill_s, 1e3 * c.denoise_s,
-                              1e3 * result.periods[s]]
-                             + [1e3 * v for _, v in sorted(c.decode_s.items())]
-                             for s in sorted(result.phases)
-                             for when, c in ((w, r[s]) for w, r in runs.items())]), '',
+    parts += ['## Component model per group (phases.py passes, sampled between the rounds of '
+              "the group's frames; median)", '',
+              table(['group', 'samples', 'P prefill ms', 'D denoise ms', 'd(1) ms',
+                     'd(B) ms for B = ceil(N/k)'], component_table(result)), '',
               'Ideal speedup of oxygen over isolated: (2P + D + N·d(1)) / (P + D + k·d(N/k)). '
-              'Deadline: control period for deadline misses and oxygen-adaptive.', '']
+              'Frame deadline (deadline misses, oxygen-adaptive): '
+              + ', '.join(f'S={s}: {1e3 * p:.0f} ms' for s, p in sorted(result.periods.items()))
+              + (f' (= 1 / {opts.control_hz:g} Hz)' if opts.control_hz else
+                 ' (= 1.5 × the fastest prefill + denoise)'), '']
     nk = _rows(result, 'nk', system='oxygen')
     if nk:
         iso = {r['n_tokens']: r for r in _rows(result, 'nk', system='isolated')}
@@ -258,6 +237,21 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
     return '\n'.join(parts)
 
 
+def component_table(result: BenchResult) -> list[list]:
+    """One row per group: its samples, P, D, d(1) and d(B) of its decode batch sizes."""
+    rows, seen = [], {}
+    for c in result.components:
+        seen.setdefault(c['group'], []).append(c)
+    for group, batches in seen.items():
+        first = batches[0]
+        decode = {c['batch']: c['decode_step_ms'] for c in batches}
+        rows.append([group, first['samples'], first['prefill_ms'], first['denoise_ms'],
+                     decode.get(1, math.nan),
+                     ', '.join(f'{b}: {ms:.1f}' for b, ms in sorted(decode.items()) if b > 1)
+                     or '–'])
+    return rows
+
+
 def system_table(rows: list[dict]) -> str:
     return table(['system', 'action Hz', 'frame p50/p99 ms', 'act p50/p99 ms', 'tok/s',
                   'req done p50 s', 'deadline miss %', 'overhead %', 'speedup', 'ideal',
@@ -287,7 +281,16 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, Path]:
 
 def _subtitle(result: BenchResult) -> str:
     o = result.options
-    return f'preset {o.preset}, {o.device} {o.dtype}, {o.threads} threads'
+    stat = 'mean' if o.plot_statistic == 'mean' else 'median (p50)'
+    return (f'preset {o.preset}, {o.device} {o.dtype}, {o.threads} threads; '
+            f'Hz = H / {stat} frame latency')
+
+
+def _keys(result: BenchResult) -> tuple[str, str, str]:
+    """Row keys of action Hz, tokens/s and speedup for the plots' statistic."""
+    if result.options.plot_statistic == 'p50':
+        return 'action_hz_p50', 'tokens_per_s_p50', 'speedup_p50'
+    return 'action_hz', 'tokens_per_s', 'speedup'
 
 
 def plot_tradeoff(result: BenchResult):
@@ -295,6 +298,7 @@ def plot_tradeoff(result: BenchResult):
     rows = _rows(result, 'nk')
     if not rows:
         return None
+    hz, tps, _ = _keys(result)
     plan = result.options.plan
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
     ns = sorted({r['n_tokens'] for r in rows})
@@ -304,24 +308,23 @@ def plot_tradeoff(result: BenchResult):
                      key=lambda r: r['k'])
         if not sub:
             continue
-        ax.plot([r['tokens_per_s'] for r in sub], [r['action_hz'] for r in sub], marker='o',
+        ax.plot([r[tps] for r in sub], [r[hz] for r in sub], marker='o',
                 color=oxygen_colours[i], label=f'oxygen N={n} (labels: k)', zorder=3)
         for r in sub:
-            ax.annotate(str(r['k']), (r['tokens_per_s'], r['action_hz']),
-                        textcoords='offset points', xytext=(4, 4), fontsize=7,
-                        color=oxygen_colours[i])
+            ax.annotate(str(r['k']), (r[tps], r[hz]), textcoords='offset points',
+                        xytext=(4, 4), fontsize=7, color=oxygen_colours[i])
     for system, (colour, marker) in SYSTEM_STYLE.items():
         sub = sorted((r for r in rows if r['system'] == system), key=lambda r: r['n_tokens'])
         if not sub or system in ('oxygen', 'action-only'):
             continue
-        ax.plot([r['tokens_per_s'] for r in sub], [r['action_hz'] for r in sub], marker=marker,
-                color=colour, linestyle='--', label=f'{system} (N = {ns[0]}..{ns[-1]})')
-    action_only = [r['action_hz'] for r in rows if r['system'] == 'action-only']
+        ax.plot([r[tps] for r in sub], [r[hz] for r in sub], marker=marker, color=colour,
+                linestyle='--', label=f'{system} (N = {ns[0]}..{ns[-1]})')
+    action_only = [r[hz] for r in rows if r['system'] == 'action-only']
     if action_only:
         ax.axhline(float(np.mean(action_only)), color='black', linestyle=':', linewidth=1.2,
                    label='action-only (upper bound)')
     ax.set_xlabel('language tokens / s')
-    ax.set_ylabel('action frequency (Hz) = H / mean frame latency')
+    ax.set_ylabel('action frequency (Hz)')
     ax.set_title(f'Action rate vs language throughput, {plan.workloads[0]}, '
                  f'S={plan.default_steps}, one request per frame\n{_subtitle(result)}',
                  fontsize=10)
@@ -333,42 +336,57 @@ def plot_tradeoff(result: BenchResult):
 
 
 def plot_heatmap(result: BenchResult):
+    """Measured speedup over N × k (with the ideal), and measured / ideal next to it."""
     rows = _rows(result, 'nk', system='oxygen')
     if not rows:
         return None
+    _, _, speedup = _keys(result)
     plan = result.options.plan
     ns = sorted({r['n_tokens'] for r in rows})
     ks = sorted({r['k'] for r in rows})
-    grid = np.full((len(ns), len(ks)), np.nan)
-    ideal = np.full_like(grid, np.nan)
+    measured = np.full((len(ns), len(ks)), np.nan)
+    ideal = np.full_like(measured, np.nan)
     for r in rows:
         i, j = ns.index(r['n_tokens']), ks.index(r['k'])
-        grid[i, j], ideal[i, j] = r['speedup'], r['ideal_speedup']
-    fig, ax = plt.subplots(figsize=(1.1 * len(ks) + 2.5, 0.8 * len(ns) + 2))
-    image = ax.imshow(np.ma.masked_invalid(grid), cmap='YlGnBu', aspect='auto', origin='lower',
-                      vmin=min(1.0, np.nanmin(grid)), vmax=max(np.nanmax(grid), np.nanmax(ideal)))
-    vmid = (np.nanmin(grid) + np.nanmax(grid)) / 2
-    for i, n in enumerate(ns):
-        for j, k in enumerate(ks):
-            if k not in divisors(n) or np.isnan(grid[i, j]):
-                continue
-            colour = 'white' if grid[i, j] > vmid else 'black'
-            ax.text(j, i, f'{grid[i, j]:.2f}×\n({ideal[i, j]:.2f})', ha='center', va='center',
-                    fontsize=8, color=colour)
-    ax.set_xticks(range(len(ks)), [str(k) for k in ks])
-    ax.set_yticks(range(len(ns)), [str(n) for n in ns])
-    ax.set_xlabel('k (tokens per request per frame)')
-    ax.set_ylabel('N (tokens per request)')
-    ax.set_title(f'oxygen / isolated action frequency, {plan.workloads[0]} S={plan.default_steps}'
-                 f'\nmeasured (ideal from component model); {_subtitle(result)}', fontsize=10)
-    fig.colorbar(image, ax=ax, label='measured speedup')
+        measured[i, j], ideal[i, j] = r[speedup], r['ideal_speedup']
+    ratio = measured / ideal
+    fig, axes = plt.subplots(1, 2, figsize=(2 * (0.75 * len(ks) + 2.2), 0.7 * len(ns) + 2.2))
+    panels = (
+        (axes[0], measured, 'YlGnBu', (min(1.0, np.nanmin(measured)), np.nanmax(measured)),
+         'measured speedup (ideal)', lambda i, j: f'{measured[i, j]:.2f}×\n({ideal[i, j]:.2f})'),
+        (axes[1], ratio, 'RdYlGn', (0.8, 1.2), 'measured / ideal',
+         lambda i, j: f'{ratio[i, j]:.0%}'),
+    )
+    for ax, grid, cmap, (vmin, vmax), label, text in panels:
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, aspect='auto', origin='lower',
+                          vmin=vmin, vmax=vmax)
+        for i in range(len(ns)):
+            for j in range(len(ks)):
+                if np.isnan(grid[i, j]):
+                    continue
+                shade = (grid[i, j] - vmin) / max(vmax - vmin, 1e-9)
+                dark = shade > 0.65 if cmap == 'YlGnBu' else not 0.15 < shade < 0.85
+                ax.text(j, i, text(i, j), ha='center', va='center', fontsize=7,
+                        color='white' if dark else 'black')
+        ax.set_xticks(range(len(ks)), [str(k) for k in ks])
+        ax.set_yticks(range(len(ns)), [str(n) for n in ns])
+        ax.set_xlabel('k (tokens per request per frame)')
+        ax.set_ylabel('N (tokens per request)')
+        fig.colorbar(image, ax=ax, label=label, shrink=0.9)
+    axes[0].set_title('oxygen / isolated action frequency', fontsize=9)
+    axes[1].set_title(f'measured / ideal (target ≥ {TARGET_RATIO_OVER_IDEAL:.0%})', fontsize=9)
+    fig.suptitle(f'Speedup over isolated, {plan.workloads[0]} S={plan.default_steps}; ideal = '
+                 f'(2P + D + N·d(1)) / (P + D + k·d(N/k))\n{_subtitle(result)}', fontsize=10)
+    fig.tight_layout()
     return fig
 
 
 def plot_hz_vs_n(result: BenchResult):
+    """Plot action Hz vs N per system (oxygen at the headline k, and at its best k per N)."""
     rows = _rows(result, 'nk')
     if not rows:
         return None
+    hz, _, _ = _keys(result)
     plan = result.options.plan
     fig, ax = plt.subplots(figsize=(7.5, 5))
     k = plan.headline_k
@@ -378,12 +396,12 @@ def plot_hz_vs_n(result: BenchResult):
             continue
         sub.sort(key=lambda r: r['n_tokens'])
         label = f'oxygen k={k}' if system == 'oxygen' else system
-        ax.plot([r['n_tokens'] for r in sub], [r['action_hz'] for r in sub], marker=marker,
+        ax.plot([r['n_tokens'] for r in sub], [r[hz] for r in sub], marker=marker,
                 color=colour, label=label, linestyle='--' if system == 'action-only' else '-')
     best = {}
     for r in rows:
-        if r['system'] == 'oxygen' and r['action_hz'] > best.get(r['n_tokens'], (0,))[0]:
-            best[r['n_tokens']] = (r['action_hz'], r['k'])
+        if r['system'] == 'oxygen' and r[hz] > best.get(r['n_tokens'], (0,))[0]:
+            best[r['n_tokens']] = (r[hz], r['k'])
     if best:
         ns = sorted(best)
         ax.plot(ns, [best[n][0] for n in ns], color='tab:blue', linestyle=':', marker='.',
@@ -393,7 +411,7 @@ def plot_hz_vs_n(result: BenchResult):
     ax.set_ylim(bottom=0)
     ax.set_xticks(sorted({r['n_tokens'] for r in rows}))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f'Action frequency vs request length, {plan.workloads[0]} '
                  f'S={plan.default_steps}\n{_subtitle(result)}', fontsize=10)
     return fig

@@ -33,12 +33,15 @@ from ..engine import (Frontend, identity_norm_stats, LanguagePolicy, make_system
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
 from .measure import compare_tokens, max_action_diff, summarize, SystemLog
-from .phases import measure_phases, PhaseCosts
+from .phases import measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 
 # Deadline of oxygen-adaptive and of the deadline-miss count when no control rate is given:
-# the action path (P + D) plus this share of it for language.
-DEFAULT_LANGUAGE_SLACK = 0.25
+# the action path (P + D) plus this share of it for language (about k = 5 decode steps of the
+# CPU preset at N = 30, so adaptive has a real budget to plan).
+DEFAULT_LANGUAGE_SLACK = 0.5
+PROBE_EVERY_ROUNDS = 2    # component-model sample after every 2nd round of the group's frames
+MIN_PROBE_SAMPLES = 5
 
 
 @dataclasses.dataclass
@@ -56,6 +59,7 @@ class BenchOptions:
     memory_frames: int = 4           # measured frames of a memory probe (after its warm-up)
     progress: bool = True
     quick: bool = False
+    plot_statistic: str = 'mean'     # frame-time statistic of the plots' Hz: mean (paper) / p50
 
     @classmethod
     def quick_defaults(cls, **changes) -> BenchOptions:
@@ -65,17 +69,15 @@ class BenchOptions:
 
 @dataclasses.dataclass
 class BenchResult:
-    """Rows of every run, memory probes, the component model per S, and where time went."""
+    """Rows of every run, memory probes, the component model of every group, timings."""
 
-    rows: list[dict]
-    memory: list[dict]
-    phases: dict[int, PhaseCosts]
+    rows: list[dict]                 # one per (group, system)
+    memory: list[dict]               # one per system of the memory probe
+    components: list[dict]           # one per (group, decode batch): P, D, d(B) of the group
     periods: dict[int, float]        # S -> frame deadline used (s)
     part_seconds: dict[str, float]
     environment: dict
     options: BenchOptions
-    phase_runs: dict[str, dict[int, PhaseCosts]] = dataclasses.field(default_factory=dict)
-    # 'before' / 'after' the sweeps; `phases` holds their per-phase minimum
 
 
 def environment(opts: BenchOptions) -> dict:
@@ -203,14 +205,20 @@ class ModelCache:
         return self._frontends[robot]
 
 
-def decode_batches(groups: list[Group]) -> list[int]:
-    """Decode batch sizes the component model needs: 1, and ceil(N/k) of every fixed-k run."""
-    sizes = {1}
-    for group in groups:
-        for spec in group.systems:
-            if spec.name == 'oxygen':
-                sizes.add(-(-group.n_tokens // spec.k))
-    return sorted(sizes)
+def group_batches(group: Group) -> tuple[int, ...]:
+    """Decode batch sizes the group's component model needs: 1 and ceil(N/k) per fixed k."""
+    sizes = {1} | {-(-group.n_tokens // s.k) for s in group.systems if s.name == 'oxygen'}
+    return tuple(sorted(sizes))
+
+
+def component_rows(group: Group, costs: PhaseCosts, samples: int) -> list[dict]:
+    """Return the group's component model as CSV rows, one per decode batch size."""
+    base = {'group': group.title, 'sweep': group.sweep, 'workload': group.workload,
+            'steps': group.steps, 'n_tokens': group.n_tokens, 'samples': samples,
+            'vision_ms': 1e3 * costs.vision_s, 'prefill_ms': 1e3 * costs.prefill_s,
+            'denoise_ms': 1e3 * costs.denoise_s}
+    return [dict(base, batch=batch, decode_step_ms=1e3 * seconds)
+            for batch, seconds in sorted(costs.decode_s.items())]
 
 
 def ideal_speedup(costs: PhaseCosts, group: Group, spec: SystemSpec) -> float:
@@ -238,22 +246,19 @@ def apply_component_model(row: dict, costs: PhaseCosts, group: Group, spec: Syst
     row['speedup_p50_over_ideal'] = row['speedup_p50'] / ideal
 
 
-def combine_phases(first: PhaseCosts, second: PhaseCosts) -> PhaseCosts:
-    """Per phase the smaller of two medians: the less disturbed measurement of each."""
-    return dataclasses.replace(
-        first, vision_s=min(first.vision_s, second.vision_s),
-        prefill_s=min(first.prefill_s, second.prefill_s),
-        denoise_s=min(first.denoise_s, second.denoise_s),
-        decode_s={b: min(first.decode_s[b], second.decode_s[b]) for b in first.decode_s})
+def run_group(group: Group, models: ModelCache, period_s: float, opts: BenchOptions,
+              bar: tqdm) -> tuple[list[dict], list[dict]]:
+    """Run one group side by side; return one row per system and the component-model rows.
 
-
-def run_group(group: Group, models: ModelCache, costs: PhaseCosts, period_s: float,
-              opts: BenchOptions, bar: tqdm) -> list[dict]:
-    """Run one group side by side; return one row per system."""
+    The component model (P, D, d(B)) is sampled between the rounds of the group's frames, so
+    it sees the machine as the frames did: this VM's speed drifts by ~10% over minutes, which
+    would otherwise show up as a gap between measured and ideal.
+    """
     model = models.model(group.steps)
     frontend = models.frontend(group.steps, get_workload(group.workload).robot)
     horizon = get_workload(group.workload).horizon
     policy = group.policy(opts.seed)
+    probe = PhaseProbe(model, group_batches(group), seed=opts.seed)
     systems = {spec: make_bench_system(spec, model, frontend, policy, period_s, opts.seed)
                for spec in group.systems}
     logs = {spec: SystemLog() for spec in group.systems}
@@ -276,7 +281,9 @@ def run_group(group: Group, models: ModelCache, costs: PhaseCosts, period_s: flo
                     cpu_s = math.nan   # the work happens in the worker processes
                 logs[spec].record(frame, result, cpu_s, measured)
                 bar.update(1)
-        other_load_pct = load.percent()   # measured frames + warm-up, before draining
+            if frame % PROBE_EVERY_ROUNDS == 0:
+                probe.sample()
+        other_load_pct = load.percent()   # warm-up + measured frames, before draining
         for spec, system in systems.items():
             drain(system, logs[spec])
     finally:
@@ -284,10 +291,13 @@ def run_group(group: Group, models: ModelCache, costs: PhaseCosts, period_s: flo
             close = getattr(system, 'close', None)
             if close is not None:
                 close()
+    while len(probe.samples['prefill']) < MIN_PROBE_SAMPLES:
+        probe.sample()
+    costs = probe.costs()
     rows = group_rows(group, logs, horizon, costs, period_s, opts)
     for row in rows:
         row['other_load_pct'] = other_load_pct
-    return rows
+    return rows, component_rows(group, costs, len(probe.samples['prefill']))
 
 
 def group_rows(group: Group, logs: dict[SystemSpec, SystemLog], horizon: int,
@@ -311,6 +321,11 @@ def group_rows(group: Group, logs: dict[SystemSpec, SystemLog], horizon: int,
         row['speedup'] = m['action_hz'] / iso['action_hz']
         row['speedup_p50'] = m['action_hz_p50'] / iso['action_hz_p50']
         apply_component_model(row, costs, group, spec)
+        row['comp_prefill_ms'] = 1e3 * costs.prefill_s
+        row['comp_denoise_ms'] = 1e3 * costs.denoise_s
+        row['comp_decode1_ms'] = 1e3 * costs.decode_at(1)
+        row['comp_decodeB_ms'] = (1e3 * costs.decode_at(-(-group.n_tokens // spec.k))
+                                  if spec.name == 'oxygen' else '')
         if action_only is not None:
             ref = metrics[action_only]
             row['act_p50_over_action_only'] = m['act_ms_p50'] / ref['act_ms_p50']
@@ -414,44 +429,33 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
     groups = build_groups(opts.plan)
     part_seconds: dict[str, float] = {}
     models = ModelCache(opts)
-    phases: dict[int, PhaseCosts] = {}
     periods: dict[int, float] = {}
     step_values = sorted({g.steps for g in groups} | {opts.plan.default_steps})
-    batches = tuple(decode_batches(groups))
-    phase_runs: dict[str, dict[int, PhaseCosts]] = {'before': {}, 'after': {}}
-
-    def measure_all_phases(when: str) -> None:
-        start = time.perf_counter()
-        for steps in step_values:
-            phase_runs[when][steps] = measure_phases(models.model(steps), batches=batches,
-                                                     repeats=opts.phase_repeats)
-        part_seconds[f'phases {when}'] = time.perf_counter() - start
-
-    measure_all_phases('before')
+    start = time.perf_counter()
     for steps in step_values:
-        periods[steps] = period_for(phase_runs['before'][steps], opts)
+        # The deadline must be known before the runs (oxygen-adaptive plans with it), so it
+        # comes from the fastest of a few action paths, which a burst of other work cannot
+        # inflate the way it can inflate a median.
+        fastest = measure_phases(models.model(steps), batches=(1,), repeats=opts.phase_repeats,
+                                 statistic=min)
+        periods[steps] = period_for(fastest, opts)
+    part_seconds['deadline'] = time.perf_counter() - start
     rows: list[dict] = []
-    row_keys: list[tuple[Group, SystemSpec]] = []
+    components: list[dict] = []
     total = sum(g.system_frames() for g in groups)
     with tqdm(total=total, unit='frame', disable=not opts.progress, dynamic_ncols=True,
               file=sys.stderr) as bar:
         for group in groups:
             bar.set_description(group.title)
             start = time.perf_counter()
-            rows += run_group(group, models, phase_runs['before'][group.steps],
-                              periods[group.steps], opts, bar)
-            row_keys += [(group, spec) for spec in group.systems]
+            group_rows_, group_components = run_group(group, models, periods[group.steps],
+                                                      opts, bar)
+            rows += group_rows_
+            components += group_components
             part_seconds[group.sweep] = part_seconds.get(group.sweep, 0.0) + (
                 time.perf_counter() - start)
-    # The component model is measured before and after the sweeps; each phase keeps the lower
-    # median, so a burst of other work during one measurement does not skew the ideal.
-    measure_all_phases('after')
-    for steps in step_values:
-        phases[steps] = combine_phases(phase_runs['before'][steps], phase_runs['after'][steps])
-    for row, (group, spec) in zip(rows, row_keys):
-        apply_component_model(row, phases[group.steps], group, spec)
     memory: list[dict] = []
-    result = BenchResult(rows, memory, phases, periods, part_seconds, env, opts, phase_runs)
+    result = BenchResult(rows, memory, components, periods, part_seconds, env, opts)
     if checkpoint is not None and 'memory' in opts.plan.parts:
         checkpoint(result)
     if 'memory' in opts.plan.parts:
@@ -465,14 +469,8 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
 
 def save_result(result: BenchResult, path: str | Path) -> None:
     """Everything needed to redraw the report, as JSON (no pickles)."""
-    payload = {
-        'rows': result.rows, 'memory': result.memory,
-        'phases': {str(s): dataclasses.asdict(c) for s, c in result.phases.items()},
-        'phase_runs': {when: {str(s): dataclasses.asdict(c) for s, c in runs.items()}
-                       for when, runs in result.phase_runs.items()},
-        'periods': {str(s): p for s, p in result.periods.items()},
-        'part_seconds': result.part_seconds, 'environment': result.environment,
-        'options': dataclasses.asdict(result.options)}
+    payload = dataclasses.asdict(result)
+    payload['periods'] = {str(steps): p for steps, p in result.periods.items()}
     Path(path).write_text(json.dumps(payload, indent=1))
 
 
@@ -482,16 +480,6 @@ def load_result(path: str | Path) -> BenchResult:
     opts = data['options']
     opts['plan'] = PlanOptions(**{key: tuple(v) if isinstance(v, list) else v
                                   for key, v in opts['plan'].items()})
-
-    def costs_by_steps(saved: dict) -> dict[int, PhaseCosts]:
-        out = {}
-        for steps, costs in saved.items():
-            costs['decode_s'] = {int(b): v for b, v in costs['decode_s'].items()}
-            out[int(steps)] = PhaseCosts(**costs)
-        return out
-
-    return BenchResult(data['rows'], data['memory'], costs_by_steps(data['phases']),
-                       {int(s): p for s, p in data['periods'].items()}, data['part_seconds'],
-                       data['environment'], BenchOptions(**opts),
-                       {when: costs_by_steps(runs)
-                        for when, runs in data.get('phase_runs', {}).items()})
+    data['options'] = BenchOptions(**opts)
+    data['periods'] = {int(steps): p for steps, p in data['periods'].items()}
+    return BenchResult(**data)
