@@ -8,6 +8,9 @@
 # the 3.3B weights, which alone costs minutes. Budget: < 8 minutes on one H100/H200-class GPU
 # (most of it is building random 3.3B-parameter models: once here, once per memory probe).
 #
+# Needs a python with CUDA torch, numpy, pillow, safetensors, sentencepiece, tqdm, matplotlib
+# (requirements.txt); nothing is downloaded.
+#
 # Usage: scripts/gpu_bench.sh [extra `oxygen-ros bench` options]
 #   PYTHON=/path/to/python  interpreter with CUDA torch (default: first of .venv/bin/python,
 #                           python3 that sees a GPU)
@@ -32,6 +35,8 @@ pick_python() {
 }
 
 PY=$(pick_python)
+"$PY" -c 'import numpy, PIL, safetensors, sentencepiece, tqdm, matplotlib' || {
+    echo "gpu_bench.sh: $PY lacks a dependency (see above)" >&2; exit 1; }
 OUT=${OUT:-bench-results/gpu}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import torch; print("torch", torch.__version__, "on", torch.cuda.get_device_name(0))'

@@ -73,6 +73,25 @@ def test_adaptive_reacts_when_decode_gets_slower():
     assert runs[0][1] < runs[0][0] or runs[0][2] <= 0.100 + 1e-9
 
 
+def test_adaptive_recovers_from_one_slow_step():
+    """One hiccup (e.g. a GC pause) must not keep k at 0 for the rest of the run."""
+    budget = AdaptiveBudget(0.100, k_max=50, margin=0.0)
+    simulate(budget, 5, 0.040, lambda b: 0.010, batch_size=2)
+    assert budget.last_k == 6
+    budget.observe_decode(2, 0.250)                        # one step 25x slower
+    assert budget.choose(0.040, 2) == 0
+    # Normal steps at a neighbouring batch size correct the stale estimate at once...
+    budget.observe_decode(3, 0.012)
+    assert budget.cost.estimate(2) <= 0.012
+    assert budget.choose(0.040, 2) >= 4
+    # ...and forced minimum steps at the same size bring k back within a few frames.
+    budget = AdaptiveBudget(0.100, k_max=50, margin=0.0, max_starved_frames=2)
+    simulate(budget, 5, 0.040, lambda b: 0.010, batch_size=2)
+    budget.observe_decode(2, 0.250)
+    runs = simulate(budget, 30, 0.040, lambda b: 0.010, batch_size=2)
+    assert runs[-1][0] == 6
+
+
 def test_adaptive_never_starves_language():
     budget = AdaptiveBudget(0.100, k_max=8, max_starved_frames=3)
     budget.observe_decode(1, 0.010)

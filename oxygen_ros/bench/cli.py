@@ -57,7 +57,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                        help='N x k groups that run the 2-process baseline (default all)')
     bench.add_argument('--control-hz', type=float, default=None,
                        help='frame deadline for misses and oxygen-adaptive '
-                       '(default: 1 / (1.25 (P + D)))')
+                       '(default: 1 / (1.5 (P + D)) from the fastest of a few action paths)')
     bench.add_argument('--memory-frames', type=int, default=None)
     bench.add_argument('--seed', type=int, default=0)
     bench.add_argument('--out', default='bench-results', help='output folder')

@@ -9,12 +9,12 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use('Agg')   # files only, no display; must precede pyplot
+from matplotlib.patches import Patch  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .run import BenchResult, save_result  # noqa: E402
 
-PLOTS = ('tradeoff.png', 'speedup_heatmap.png', 'action_hz_vs_n.png', 'memory.png')
 SYSTEM_STYLE = {   # colour, marker per system (oxygen k=... share the oxygen colour)
     'action-only': ('black', 's'), 'isolated': ('tab:red', 'o'), 'parallel': ('tab:purple', 'v'),
     'shared': ('tab:orange', 'D'), 'oxygen': ('tab:blue', 'o'),
@@ -129,7 +129,8 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
         targets.append({
             'target': f'peak memory oxygen ≤ {TARGET_MEMORY_OVER_ACTION_ONLY:.2f} × action-only',
             'measured': f'{ratio:.3f}× ({key.replace("_mb", "")}); {total:.3f}× whole-process '
-                        'RSS',
+                        f'RSS; KV pool {mem["oxygen"]["kv_pool_mb"]:.1f} vs '
+                        f'{mem["action-only"]["kv_pool_mb"]:.1f} MB',
             'met': ratio <= TARGET_MEMORY_OVER_ACTION_ONLY})
     checked = [r for r in result.rows if r['tokens_identical'] != '']
     oxygen_checked = [r for r in checked if r['system'].startswith('oxygen')]
@@ -279,11 +280,11 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, Path]:
     return paths
 
 
-def _subtitle(result: BenchResult) -> str:
+def _subtitle(result: BenchResult, hz: bool = True) -> str:
     o = result.options
     stat = 'mean' if o.plot_statistic == 'mean' else 'median (p50)'
-    return (f'preset {o.preset}, {o.device} {o.dtype}, {o.threads} threads; '
-            f'Hz = H / {stat} frame latency')
+    line = f'preset {o.preset}, {o.device} {o.dtype}, {o.threads} threads'
+    return line + (f'; Hz = H / {stat} frame latency' if hz else '')
 
 
 def _keys(result: BenchResult) -> tuple[str, str, str]:
@@ -444,12 +445,19 @@ def plot_memory(result: BenchResult):
         axes[0].set_title('whole process (grey: runtime per process)', fontsize=9)
         _bars_with_ratio(axes[1], x, [m['above_runtime_mb'] for m in mem], colours,
                          [m['above_runtime_vs_action_only'] for m in mem])
+        pools = [0.0 if math.isnan(m['kv_pool_mb']) else m['kv_pool_mb'] for m in mem]
+        axes[1].bar(x, pools, bottom=[m['above_runtime_mb'] - p for m, p in zip(mem, pools)],
+                    fill=False, hatch='///', edgecolor='white', linewidth=0)
+        axes[1].legend(handles=[Patch(facecolor='0.45', edgecolor='white', hatch='///',
+                                      label='hatched: the KV pool')],
+                       fontsize=8, loc='upper right')
         axes[1].set_ylabel('peak RSS above runtime (MB)')
         axes[1].set_title('above runtime: weights + KV cache + activations', fontsize=9)
         for ax in axes:
             ax.set_xticks(x, labels, rotation=20)
     fig.suptitle(f'Peak memory, {plan.workloads[0]} N={plan.headline_n}, a fresh process per '
-                 f'system (labels: MB, ratio to action-only)\n{_subtitle(result)}', fontsize=10)
+                 f'system (labels: MB, ratio to action-only)\n{_subtitle(result, hz=False)}',
+                 fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -1,10 +1,11 @@
-"""Runs a benchmark plan: component model, side-by-side groups, memory probes.
+"""Runs a benchmark plan: side-by-side groups with their component model, memory probes.
 
 Per group, every system is built over the same model and steps through the same frames; per
 frame the systems take turns (the starting system rotates), so slow moments of a shared
-machine hit every system alike. Warm-up frames are run but not measured. After the measured
-frames, requests still running are decoded to the end (untimed) so every request's tokens can
-be compared with the isolated baseline's.
+machine hit every system alike. Between rounds the component model (P, D, d(B)) is sampled,
+so the ideal speedup is computed from the machine as the frames saw it. Warm-up frames are
+run but not measured. After the measured frames, requests still running are decoded to the
+end (untimed) so every request's tokens can be compared with the isolated baseline's.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class BenchOptions:
     threads: int = 2                 # torch threads of this process (parallel workers: 1 each)
     seed: int = 0
     control_hz: float | None = None  # frame deadline; None: (P + D) · (1 + slack)
-    phase_repeats: int = 7
+    phase_repeats: int = 7           # action-path repeats behind the default deadline
     memory_frames: int = 4           # measured frames of a memory probe (after its warm-up)
     progress: bool = True
     quick: bool = False
@@ -364,8 +365,11 @@ def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict
                       device=opts.device, dtype=opts.dtype, steps=group.steps)
         return result
 
-    # On CUDA the probes would share one GPU's memory and clocks: one at a time.
-    workers = 1 if opts.device.startswith('cuda') else max(1, (os.cpu_count() or 1))
+    # Probes measure memory, not time, so they may overlap. On CUDA each one first builds its
+    # model in float32 on the CPU (13 GB for the real pi05): at most 3 at once.
+    workers = max(1, os.cpu_count() or 1)
+    if opts.device.startswith('cuda'):
+        workers = min(workers, 3)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         rows = list(pool.map(one, group.systems))
     ref = next((r for r in rows if r['system'] == 'action-only'), None)

@@ -64,6 +64,12 @@ class StepCostModel:
         ema = seconds if old is None else old + self.ema * (seconds - old)
         self._ema[batch_size] = ema
         self._cost[batch_size] = max(ema, seconds)
+        # A step never gets cheaper with fewer rows, so a smaller size believed slower than
+        # this measurement is stale (one hiccup): lower it, or k could stay 0 for good after a
+        # single slow step because that size is rarely measured again.
+        for smaller in [b for b in self._cost if b < batch_size and self._cost[b] > seconds]:
+            self._cost[smaller] = seconds
+            self._ema[smaller] = min(self._ema[smaller], seconds)
 
     def estimate(self, batch_size: int) -> float | None:
         """Seconds per step at `batch_size`, or None when nothing is known yet."""
