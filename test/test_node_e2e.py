@@ -117,8 +117,9 @@ def _offline_replay(actions):
                     'wrist_image': camera_frame('coffee', SIZE, 0)},
             state=STATE, instruction=TASK, frame_index=frame_index)
         out_actions.append(engine.act(obs).actions)
-        deltas += engine.advance_language()
-        finished += engine.last_result.finished
+        result = engine.advance_language()
+        deltas += result.deltas
+        finished += result.finished
     return out_actions, deltas, finished
 
 

@@ -420,10 +420,9 @@ class Replay:
                 why = _reason_kind(why)
                 summary.skipped[why] = summary.skipped.get(why, 0) + 1
         result = None
-        if obs is not None or getattr(system, 'active', None):
+        if obs is not None or system.num_live_requests:
             # With no new frame, live requests still advance (as in the node).
-            system.advance_language()
-            result = system.last_result
+            result = system.advance_language()
             self._write_language(out, tick_ns, stamp_ns, result)
             self._last = result
             if self.on_frame is not None:

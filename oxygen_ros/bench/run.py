@@ -172,10 +172,9 @@ def drain(system, log: SystemLog) -> None:
     if not isinstance(system, Scheduler):
         return
     for _ in range(64 * (system.pool.max_gen_len + 2)):
-        if not system.active:
+        if not system.num_live_requests:
             return
-        system.advance_language()
-        log.record_finished(system.last_result.finished, -1)
+        log.record_finished(system.advance_language().finished, -1)
     raise RuntimeError(f'{system.system}: requests still running after draining:\n{system}')
 
 

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from oxygen_ros.engine.budget import AdaptiveBudget, FixedBudget
 from oxygen_ros.engine.frontend import Frontend
 from oxygen_ros.engine.scheduler import _Frame, Scheduler
-from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, TokenDelta, Timings
+from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
 from oxygen_ros.engine.workload import LanguagePolicy
 from oxygen_ros.model.config import Pi05Config
 from oxygen_ros.model.pi05 import Pi05Model
@@ -185,10 +185,21 @@ class ParallelSystem:
         action = self._action_result.action
         return dataclasses.replace(action, inference_time_s=act_s)
 
-    def advance_language(self) -> list[TokenDelta]:
+    @property
+    def num_live_requests(self) -> int:
+        """Live requests of the language process after the last frame."""
+        return self.last_result.active_requests if self.last_result is not None else 0
+
+    def set_budget(self, budget) -> None:
+        raise NotImplementedError('the parallel baseline decodes every request to completion')
+
+    def set_policy(self, policy: LanguagePolicy) -> None:
+        raise NotImplementedError('the parallel baseline fixes its policy at start')
+
+    def advance_language(self) -> FrameResult | None:
         """Wait for the language process's reply for the frame sent by act()."""
         if self._pending is None:
-            return []
+            return None
         start = self.clock()
         index, _, act_s = self._pending
         self._pending = None
@@ -208,12 +219,11 @@ class ParallelSystem:
             deltas=lang.deltas, finished=lang.finished, k=lang.k,
             decode_steps=lang.decode_steps, batch_sizes=lang.batch_sizes,
             active_requests=lang.active_requests, timings=timings, kv_usage=usage)
-        return lang.deltas
+        return self.last_result
 
     def step(self, obs: Observation) -> FrameResult:
         self.act(obs)
-        self.advance_language()
-        return self.last_result
+        return self.advance_language()
 
     def close(self) -> None:
         """Stop both processes (idempotent)."""

@@ -185,11 +185,11 @@ class Scheduler:
 
     # ---- 2. the language path -----------------------------------------------------------------
 
-    def advance_language(self) -> list[TokenDelta]:
+    def advance_language(self) -> FrameResult:
         """Admit this frame's request, run the frame's batched decode steps, release finished.
 
-        Returns the token deltas; the whole FrameResult is in `self.last_result` afterwards.
-        Without a preceding act() it just advances the live requests (no new request).
+        Returns the frame's FrameResult (also kept in `self.last_result`). Without a preceding
+        act() it just advances the live requests (no new request).
         """
         start = self.clock()
         frame, self._frame = self._frame, None
@@ -212,13 +212,30 @@ class Scheduler:
         self._record(frame, reported_k, batch_sizes, deltas, finished, total_s)
         if self.debug:
             self.check()
-        return deltas
+        return self.last_result
 
     def step(self, obs: Observation) -> FrameResult:
         """act() then advance_language(): one whole frame."""
         self.act(obs)
-        self.advance_language()
-        return self.last_result
+        return self.advance_language()
+
+    # ---- the System protocol's controls ---------------------------------------------------------
+
+    @property
+    def num_live_requests(self) -> int:
+        """Language requests still running (they advance even on a tick without a frame)."""
+        return len(self.active)
+
+    def set_budget(self, budget: FixedBudget | AdaptiveBudget | None) -> None:
+        """Use `budget` from the next frame on (the pool keeps its size)."""
+        self.budget = budget
+
+    def set_policy(self, policy: LanguagePolicy) -> None:
+        """Use `policy` for requests that arrive from the next frame on."""
+        self.policy = policy
+
+    def close(self) -> None:
+        """Release nothing held outside this process (present for the System protocol)."""
 
     def _admit(self, frame: _Frame) -> None:
         """Queue this frame's arrivals; start at most one request, on this frame's cache."""

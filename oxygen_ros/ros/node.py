@@ -304,12 +304,12 @@ class OxygenNode(LifecycleNode):
             return
         system = self._engine.system
         if 'request_every_n_frames' in changes:
-            system.policy = dataclasses.replace(
-                system.policy, every_n_frames=changes['request_every_n_frames'])
+            system.set_policy(dataclasses.replace(
+                system.policy, every_n_frames=changes['request_every_n_frames']))
         if 'decode_budget' in changes:
             k = parse_decode_budget(changes['decode_budget'])
-            system.budget = FixedBudget(k) if k else AdaptiveBudget(
-                self._period_s, k_max=system.policy.max_request_len)
+            system.set_budget(FixedBudget(k) if k else AdaptiveBudget(
+                self._period_s, k_max=system.policy.max_request_len))
         elif 'control_rate_hz' in changes and isinstance(system.budget, AdaptiveBudget):
             system.budget.frame_period_s = self._period_s
 
@@ -528,15 +528,15 @@ class OxygenNode(LifecycleNode):
                 inference = action.inference_time_s
         self._problems.update('inputs', problems)   # logged before diagnostics show it
         self._input_status, self._input_problems = result.inputs, problems
-        if obs is None and not getattr(engine, 'active', None):
+        if obs is None and not engine.num_live_requests:
             return latency, inference, 0
         # Language after the action chunk is out; with no new frame, live requests still
         # advance so none of them stalls while a camera hiccups.
-        deltas = engine.advance_language()
+        last = engine.advance_language()
+        deltas = last.deltas
         for delta in deltas:
             self._tokens_pub.publish(language_chunk_msg(delta, stamp, frame_id))
             self._trace('tokens')
-        last = engine.last_result
         for done in last.finished:
             self._finished[done.finish_reason] += 1
             if done.finish_reason in COMPLETE_REASONS:
