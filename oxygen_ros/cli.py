@@ -29,7 +29,7 @@ def _phases(args: argparse.Namespace) -> int:
 
 def _record_demo(args: argparse.Namespace) -> int:
     # rclpy is imported only by this sub-command (the rest of the CLI runs without ROS).
-    from .ros.recorder import record_demo_main
+    from .record_demo import record_demo_main
 
     return record_demo_main(args)
 

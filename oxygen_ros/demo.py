@@ -310,7 +310,7 @@ def main(argv=None) -> int:
     import rclpy
     from rclpy.executors import MultiThreadedExecutor
 
-    from oxygen_ros.ros.params import ROBOT_IO
+    from oxygen_ros.runtime.params import ROBOT_IO
     from oxygen_ros.ros.sim_inputs import (CameraPublisher, InstructionPublisher,
                                            JointStatePublisher, robot_cameras)
 

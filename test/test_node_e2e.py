@@ -29,11 +29,11 @@ from sensor_msgs.msg import Image  # noqa: E402
 from oxygen_ros.engine.types import Observation  # noqa: E402
 from oxygen_ros.ros import qos  # noqa: E402
 from oxygen_ros.ros.conversions import actions_from_msg  # noqa: E402
-from oxygen_ros.ros.params import robot_defaults, ROBOT_IO, Settings  # noqa: E402
+from oxygen_ros.runtime.params import robot_defaults, ROBOT_IO, Settings  # noqa: E402
 from oxygen_ros.ros.sim_inputs import camera_frame, CameraPublisher  # noqa: E402
 from oxygen_ros.ros.sim_inputs import InstructionPublisher, JointStatePublisher  # noqa: E402
 from oxygen_ros.ros.sim_inputs import SimCamera  # noqa: E402
-from oxygen_ros.ros.testing import Collector, Spinner, wait_for  # noqa: E402
+from ros_helpers import Collector, Spinner, wait_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RATE_HZ = 10.0
@@ -106,7 +106,7 @@ def _stamp_ns(msg):
 
 def _offline_replay(actions):
     """The node's engine built offline, fed the observations behind each action chunk."""
-    from oxygen_ros.ros.engine_setup import build_engine
+    from oxygen_ros.runtime.engine_setup import build_engine
 
     settings = Settings.from_values({**robot_defaults('libero'), **PARAMS})
     engine = build_engine(settings, warmup=False).system

@@ -19,9 +19,9 @@ from rclpy.serialization import serialize_message  # noqa: E402
 from sensor_msgs.msg import CompressedImage, Image, JointState  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 
-from oxygen_ros.ros.diagnostics import ERROR, OK, WARN  # noqa: E402
-from oxygen_ros.ros.params import ROBOT_IO  # noqa: E402
-from oxygen_ros.ros.testing import NodeHarness, wait_for  # noqa: E402
+from oxygen_ros.runtime.status import ERROR, OK, WARN  # noqa: E402
+from oxygen_ros.runtime.params import ROBOT_IO  # noqa: E402
+from ros_helpers import NodeHarness, wait_for  # noqa: E402
 
 RATE_HZ = 20.0
 PARAMS = dict(preset='tiny', decode_budget='1', tokens_per_request=5, control_rate_hz=RATE_HZ,

@@ -1,7 +1,6 @@
 """oxygen_node in-process over real DDS: lifecycle, outputs, publish order, checkpoints and
 parameters (rejections with reasons, runtime changes applied)."""
 
-import collections
 import json
 import shutil
 import time
@@ -17,8 +16,8 @@ from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
 from rclpy.node import Node  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
-from oxygen_ros.ros.diagnostics import ERROR  # noqa: E402
-from oxygen_ros.ros.testing import NodeHarness, wait_for  # noqa: E402
+from oxygen_ros.runtime.status import ERROR  # noqa: E402
+from ros_helpers import NodeHarness, wait_for  # noqa: E402
 
 TINY = dict(preset='tiny', decode_budget='2', tokens_per_request=4, control_rate_hz=20.0,
             stale_frame_timeout_s=2.0)
@@ -43,10 +42,10 @@ def statuses(node):
 def test_lifecycle_outputs_and_actions_before_tokens(harness):
     h = harness()
     node, col = h.node, h.collector
-    node.publish_trace = collections.deque(maxlen=10_000)
     assert node.lifecycle_state == 'unconfigured'
     assert statuses(node)['model'].message == 'unconfigured'
     assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    trace = h.trace_publishes()
     assert node.lifecycle_state == 'inactive'
     time.sleep(0.5)
     assert col.actions == [], 'an inactive node publishes no actions'
@@ -59,11 +58,12 @@ def test_lifecycle_outputs_and_actions_before_tokens(harness):
     assert (chunk.horizon, chunk.action_dim) == (4, 7)   # tiny preset, libero actions
     assert len(chunk.actions) == 28 and chunk.header.frame_id == 'base_link'
     assert [m.frame_index for m, _, _ in col.actions[:5]] == [0, 1, 2, 3, 4]
-    # Every token publish of a tick comes after that tick's action publish.
-    action_time = {tick: t for kind, tick, t in node.publish_trace if kind == 'action'}
-    token_events = [(tick, t) for kind, tick, t in node.publish_trace if kind == 'tokens']
+    # Every token publish of a tick with a frame comes after that tick's action publish (the
+    # tokens carry the stamp of their tick's action chunk).
+    action_time = {stamp: t for kind, stamp, t in trace if kind == 'action'}
+    token_events = [(stamp, t) for kind, stamp, t in trace if kind == 'tokens']
     assert token_events
-    assert all(tick in action_time and action_time[tick] < t for tick, t in token_events)
+    assert all(stamp in action_time and action_time[stamp] < t for stamp, t in token_events)
     # LanguageChunks carry their tick's observation stamp: the stamp of an ActionChunk.
     action_stamps = {(m.header.stamp.sec, m.header.stamp.nanosec) for m, _, _ in col.actions}
     assert all((m.header.stamp.sec, m.header.stamp.nanosec) in action_stamps
@@ -178,7 +178,7 @@ def test_parameter_changes_rejected_with_reasons_and_applied(harness):
     assert _set(node, 'stale_frame_timeout_s', 1.5).successful
 
     assert _set(node, 'control_rate_hz', 5.0).successful
-    assert node._control_timer.timer_period_ns == 200_000_000   # the timer was rebuilt
+    assert node._wake_timer.timer_period_ns == 200_000_000   # the timer was rebuilt
     time.sleep(0.5)
     n0, t0 = len(col.actions), time.monotonic()
     time.sleep(2.0)

@@ -9,9 +9,10 @@ from PIL import Image as PILImage
 import pytest
 
 from oxygen_ros.engine.types import ActionOutput, TokenDelta
-from oxygen_ros.ros.conversions import (action_chunk_msg, actions_from_msg, compressed_to_rgb,
-                                        image_to_rgb, InputError, joint_state_to_vector,
-                                        language_chunk_msg, seconds_to_stamp, stamp_to_seconds)
+from oxygen_ros.ros.conversions import (action_chunk_msg, actions_from_msg, language_chunk_msg,
+                                        seconds_to_stamp)
+from oxygen_ros.runtime.conversions import (compressed_to_rgb, image_to_rgb, InputError,
+                                            joint_state_to_vector, stamp_to_seconds)
 
 RNG = np.random.default_rng(0)
 RGB = RNG.integers(0, 256, (5, 7, 3), dtype=np.uint8)   # [H, W, 3]

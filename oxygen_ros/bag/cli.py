@@ -2,7 +2,7 @@
 
 Errors are one line on stderr and exit code 2 (no traceback); Ctrl-C prints the summary of
 what was written and exits with 130. The record-demo handler itself lives with the rclpy
-code (oxygen_ros.ros.recorder); oxygen_ros.cli passes it in, so this module stays ROS-free.
+code (oxygen_ros.record_demo); oxygen_ros.cli passes it in, so this module stays ROS-free.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _param_overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
-# Node parameter names (oxygen_ros.ros.params) set from the command line.
+# Node parameter names (oxygen_ros.runtime.params) set from the command line.
 _TOPIC_PARAMS = ('robot', 'camera_names', 'camera_topics', 'joint_names', 'control_rate_hz')
 _ENGINE_PARAMS = ('checkpoint', 'preset', 'device', 'dtype', 'seed', 'decode_budget',
                   'tokens_per_request', 'request_every_n_frames', 'language_prompt',

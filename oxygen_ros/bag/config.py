@@ -1,6 +1,6 @@
 """Replay settings: the node's own parameters (same file, names, defaults and checks).
 
-The node's parameter table and its checks live in oxygen_ros.ros.params, which is pure Python
+The parameter table and its checks live in oxygen_ros.runtime.params, which is pure Python
 (no rclpy), so a replay reads config/<robot>.yaml exactly as the node does and rejects what
 the node would reject. ReplayParams adds the few things only a replay needs.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from oxygen_ros.bag.errors import BagError
-from oxygen_ros.ros import params as node_params
+from oxygen_ros.runtime import params as node_params
 
 logger = logging.getLogger(__name__)
 

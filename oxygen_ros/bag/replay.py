@@ -1,11 +1,12 @@
 """Replay a recording through the engine: bag in, bag out with the node's output topics.
 
 Time axis: ticks at control_rate_hz from the bag's first message to its last, in bag log time
-(the time of receipt, the clock `ros2 bag play` publishes). Each tick builds its observation
-with the node's own code (oxygen_ros.ros.inputs: latest message per input, staleness judged
-on time of receipt, first camera's header stamp) from the messages with log time <= tick; a
-tick the node would skip (input missing or stale, no instruction) is skipped and counted.
-Outputs are written at the tick's time, so a replayed bag lines up with its inputs.
+(the time of receipt, the clock `ros2 bag play` publishes). Each tick is the node's own tick
+(oxygen_ros.runtime.frame_loop.FrameLoop: latest message per input, staleness judged on time
+of receipt, first camera's header stamp, act, emit, language, emit) over the messages with log
+time <= tick; a tick the node would skip (input missing or stale, no instruction) is skipped
+and counted. Outputs are written at the tick's time, so a replayed bag lines up with its
+inputs.
 
 Determinism: flow-matching noise and language arrivals depend only on (seed, frame index) and
 decoding is greedy, so the same bag, parameters and seed give the same actions and tokens,
@@ -15,7 +16,6 @@ actions stay identical, the tokens' split over frames may not).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -31,13 +31,13 @@ from oxygen_ros.bag.typestore import (ACTION_CHUNK, COMPRESSED_IMAGE, DIAGNOSTIC
                                       JOINT_STATE, LANGUAGE_CHUNK, make_typestore, STRING)
 from oxygen_ros.bag.writer import OutputBag
 from oxygen_ros.engine.types import FrameResult, Observation
-from oxygen_ros.ros import conversions, diagnostics, inputs
-from oxygen_ros.ros.engine_setup import build_engine as build_node_engine
+from oxygen_ros.runtime import conversions, inputs, status
+from oxygen_ros.runtime.engine_setup import build_engine as build_node_engine
+from oxygen_ros.runtime.frame_loop import FrameLoop
 
 logger = logging.getLogger(__name__)
 
 CAMERA_TYPES = (IMAGE, COMPRESSED_IMAGE)
-COMPLETE_REASONS = ('eos', 'length')   # as the node: narration only for requests that completed
 COPY_MODES = ('inputs', 'all', 'none')
 DIAGNOSTICS_TOPIC = '/diagnostics'
 
@@ -68,7 +68,6 @@ class ObservationBuilder:
         self.decode = decode
         self.started_s = start_ns * 1e-9
         settings = params.settings
-        self.buffer = inputs.LatestBuffer()
         self.first_size: dict[str, tuple[int, int]] = {}      # camera -> (H, W) of 1st frame
         self.keys: dict[str, str] = {}                        # topic -> buffer key
         self.topics: dict[str, str] = {}                      # buffer key -> topic
@@ -86,10 +85,12 @@ class ObservationBuilder:
             'joint_states', f'joint states ({joints_topic})',
             lambda msg: conversions.joint_state_to_vector(msg.name, msg.position, names))
         self.instruction_topic = params.resolve(params.instruction_topic)
-        self.instruction: inputs.Instruction | None = None
+        self.inputs = inputs.InputSet(self.cameras, self.joints, settings.stale_frame_timeout_s,
+                                      self.instruction_topic)
+        self.inputs.started_s = self.started_s
         if params.instruction_override:
-            self.instruction = inputs.sanitize_instruction(params.instruction_override,
-                                                           settings.max_instruction_chars)
+            self.inputs.set_instruction(inputs.sanitize_instruction(
+                params.instruction_override, settings.max_instruction_chars))
 
     def _image_converter(self, camera: str):
         def convert(msg):
@@ -112,27 +113,14 @@ class ObservationBuilder:
         msg = self.decode(raw, conn)
         if conn.topic == self.instruction_topic:
             if not self.params.instruction_override:
-                self.instruction = inputs.sanitize_instruction(
+                instruction = inputs.sanitize_instruction(
                     str(msg.data), self.params.settings.max_instruction_chars)
-                if self.instruction.notes:
+                self.inputs.set_instruction(instruction)
+                if instruction.notes:
                     logger.warning('%s: instruction %s', conn.topic,
-                                   ', '.join(self.instruction.notes))
+                                   ', '.join(instruction.notes))
             return
-        self.buffer.put(self.keys[conn.topic], msg, time_ns * 1e-9)
-
-    def build(self, tick_ns: int) -> inputs.ObservationResult:
-        return inputs.build_observation(
-            self.buffer, self.cameras, self.joints, self.instruction, tick_ns * 1e-9,
-            self.params.settings.stale_frame_timeout_s, self.started_s)
-
-    def stamp_ns(self, tick_ns: int) -> int:
-        """Return the observation stamp in ns (first camera's header stamp, else its receipt)."""
-        for _, source in self.cameras:
-            entry = self.buffer.get(source.key)
-            if entry is not None:
-                stamp = messages.stamp_to_ns(entry.msg.header.stamp)
-                return stamp if stamp > 0 else round(entry.received_s * 1e9)
-        return tick_ns
+        self.inputs.put(self.keys[conn.topic], msg, time_ns * 1e-9)
 
 
 @dataclasses.dataclass
@@ -193,24 +181,9 @@ class _Diagnostics:
         self.params = params
         self.node_name = node_name
         self.now_s = 0.0
-        self.loop = diagnostics.LoopStats(clock=lambda: self.now_s)
-        self.finished: collections.Counter = collections.Counter()
+        self.stats = status.LoopStats(clock=lambda: self.now_s)
         self.next_ns: int | None = None
         self.model = {'mode': f'replay of {params.settings.robot} bag', **description}
-
-    def record(self, tick_ns: int, result: FrameResult | None) -> None:
-        """Record one tick (result None: no engine call; action None: language only)."""
-        self.now_s = tick_ns * 1e-9
-        period = self.params.settings.period_s
-        if result is None:
-            self.loop.record(self.now_s, 0.0, period, None, None, 0)
-            return
-        tokens = sum(len(d.token_ids) for d in result.deltas)
-        action = result.action
-        self.loop.record(self.now_s, result.timings.total_s, period,
-                         result.timings.act_s if action else None,
-                         action.inference_time_s if action else None, tokens)
-        self.finished.update(f.finish_reason for f in result.finished)
 
     def due(self, tick_ns: int) -> bool:
         period_ns = int(self.params.diagnostics_period_s * 1e9)
@@ -221,17 +194,41 @@ class _Diagnostics:
         self.next_ns = tick_ns + period_ns
         return True
 
-    def statuses(self, system, last: FrameResult | None, obs: inputs.ObservationResult,
-                 instruction) -> list:
-        engine = None
-        if last is not None:
-            engine = {'k': last.k, 'active_requests': last.active_requests,
-                      'kv_usage': last.kv_usage, 'finished': dict(self.finished),
-                      'budget': str(getattr(system, 'budget', ''))}
-        return diagnostics.build_statuses(
-            self.node_name, 'active', self.model, self.loop.snapshot(),
-            self.params.settings.control_rate_hz, engine, obs.inputs, obs.problems,
-            instruction)
+    def statuses(self, loop: FrameLoop) -> list:
+        built = loop.last_inputs
+        return status.build_statuses(
+            self.node_name, 'active', self.model, self.stats.snapshot(),
+            self.params.settings.control_rate_hz, loop.engine_summary(), built.inputs,
+            built.problems, loop.inputs.instruction)
+
+
+class _BagOutputs:
+    """The frame loop's OutputSink for a replay: the node's output topics, at the tick time."""
+
+    def __init__(self, replay: Replay, out: OutputBag):
+        self.replay = replay
+        self.out = out
+        self.tick_ns = 0
+
+    def action(self, action, stamp_ns: int) -> None:
+        p, summary = self.replay.params, self.replay.summary
+        self.out.write(p.resolve('actions'), ACTION_CHUNK, self.tick_ns, messages.action_chunk(
+            self.replay.store, action, stamp_ns, p.settings.frame_id))
+        summary.frames += 1
+        summary.actions += 1
+
+    def tokens(self, delta, stamp_ns: int) -> None:
+        p, summary = self.replay.params, self.replay.summary
+        self.out.write(p.resolve('language/tokens'), LANGUAGE_CHUNK, self.tick_ns,
+                       messages.language_chunk(self.replay.store, delta, stamp_ns,
+                                               p.settings.frame_id))
+        summary.token_messages += 1
+        summary.tokens += len(delta.token_ids)
+
+    def narration(self, request, stamp_ns: int) -> None:
+        self.out.write(self.replay.params.resolve('language/narration'), STRING, self.tick_ns,
+                       messages.narration(self.replay.store, request))
+        self.replay.summary.narrations += 1
 
 
 class Replay:
@@ -272,7 +269,6 @@ class Replay:
         self.summary = ReplaySummary(str(bag), str(out))
         self.description: dict = {}          # what the node reports about its engine
         self.stop_requested = False          # set by request_stop() (e.g. a SIGINT handler)
-        self._last: FrameResult | None = None
 
     def request_stop(self) -> None:
         """Stop before the next tick, as Ctrl-C does (safe to call from a signal handler)."""
@@ -339,6 +335,8 @@ class Replay:
         inputs_ids = {c.id for c in input_conns}
         definitions: dict[int, tuple[str, str]] = {}
         diag = _Diagnostics(p, self.node_name, self.description)
+        loop = FrameLoop(self.system, builder.inputs, stats=diag.stats)
+        sink = _BagOutputs(self, out)
         tick = 0
 
         def run_ticks_before(limit_ns: float) -> None:
@@ -349,7 +347,7 @@ class Replay:
                     return
                 self._pace(tick_ns - start_ns, wall_start)
                 self._check_stop()
-                self._tick(tick_ns, builder, out, diag)
+                self._tick(tick_ns, builder, loop, sink, out, diag)
                 tick += 1
                 summary.ticks += 1
                 summary.bag_time_s = (tick_ns - start_ns) * 1e-9
@@ -387,68 +385,41 @@ class Replay:
         if delay > 0:
             time.sleep(delay)
 
-    def _tick(self, tick_ns: int, builder: ObservationBuilder, out: OutputBag,
-              diag: _Diagnostics) -> None:
-        """One control tick, as the node's: act and write the chunk, then advance language."""
-        p, summary, system = self.params, self.summary, self.system
-        built = builder.build(tick_ns)
-        obs, problems = built.observation, dict(built.problems)
-        bad = {s.detail for s in built.inputs if s.state == 'bad'}
-        if bad and p.on_bad_input == 'error':
-            key, why = next((k, w) for k, w in problems.items() if w in bad)
-            raise BagError(f'{why} (at bag time {tick_ns * 1e-9:.3f} s)',
-                           builder.topics.get(key, ''))
-        stamp_ns = builder.stamp_ns(tick_ns) if obs is not None else tick_ns
-        action = None
-        if obs is not None:
-            try:
-                action = system.act(obs)
-            except ValueError as err:     # the robot adapter rejected the observation
-                if p.on_bad_input == 'error':
-                    raise BagError(f'observation at bag time {tick_ns * 1e-9:.3f} s rejected '
-                                   f'by the engine: {err}') from None
-                problems['observation'] = f'observation rejected: {err}'
-                obs = None
-            else:
-                out.write(p.resolve('actions'), ACTION_CHUNK, tick_ns, messages.action_chunk(
-                    self.store, action, stamp_ns, p.settings.frame_id))
-                summary.frames += 1
-                summary.actions += 1
-        if obs is None:
+    def _tick(self, tick_ns: int, builder: ObservationBuilder, loop: FrameLoop,
+              sink: _BagOutputs, out: OutputBag, diag: _Diagnostics) -> None:
+        """One control tick: the node's frame loop, outputs written at the tick's time."""
+        p, summary = self.params, self.summary
+
+        def check_inputs(built: inputs.ObservationResult) -> None:
+            bad = {s.detail for s in built.inputs if s.state == 'bad'}
+            if bad and p.on_bad_input == 'error':
+                key, why = next((k, w) for k, w in built.problems.items() if w in bad)
+                raise BagError(f'{why} (at bag time {tick_ns * 1e-9:.3f} s)',
+                               builder.topics.get(key, ''))
+
+        diag.now_s = tick_ns * 1e-9
+        sink.tick_ns = tick_ns
+        outcome = loop.tick(tick_ns * 1e-9, p.settings.period_s, sink, check_inputs=check_inputs)
+        if outcome.rejected and p.on_bad_input == 'error':
+            raise BagError(f'observation at bag time {tick_ns * 1e-9:.3f} s rejected by the '
+                           f'engine: {outcome.rejected.removeprefix("observation rejected: ")}')
+        if outcome.action is None:
             summary.skipped_ticks += 1
-            for why in problems.values():
+            for why in outcome.problems.values():
                 why = _reason_kind(why)
                 summary.skipped[why] = summary.skipped.get(why, 0) + 1
-        result = None
-        if obs is not None or system.num_live_requests:
-            # With no new frame, live requests still advance (as in the node).
-            result = system.advance_language()
-            self._write_language(out, tick_ns, stamp_ns, result)
-            self._last = result
+        if outcome.result is not None:
+            for finished in outcome.result.finished:
+                reason = finished.finish_reason
+                summary.finished[reason] = summary.finished.get(reason, 0) + 1
             if self.on_frame is not None:
-                self.on_frame(obs, result)
-        diag.record(tick_ns, result)
+                obs = outcome.inputs.observation if outcome.action is not None else None
+                self.on_frame(obs, outcome.result)
         if diag.due(tick_ns):
-            statuses = diag.statuses(system, self._last, built, builder.instruction)
             out.write(DIAGNOSTICS_TOPIC, DIAGNOSTIC_ARRAY, tick_ns,
-                      messages.diagnostic_array(self.store, tick_ns, statuses, self.node_name))
+                      messages.diagnostic_array(self.store, tick_ns, diag.statuses(loop),
+                                                self.node_name))
             summary.diagnostics += 1
-
-    def _write_language(self, out: OutputBag, tick_ns: int, stamp_ns: int,
-                        result: FrameResult) -> None:
-        p, summary, store = self.params, self.summary, self.store
-        for delta in result.deltas:
-            out.write(p.resolve('language/tokens'), LANGUAGE_CHUNK, tick_ns,
-                      messages.language_chunk(store, delta, stamp_ns, p.settings.frame_id))
-            summary.token_messages += 1
-            summary.tokens += len(delta.token_ids)
-        for finished in result.finished:
-            reason = finished.finish_reason
-            summary.finished[reason] = summary.finished.get(reason, 0) + 1
-            if reason in COMPLETE_REASONS:
-                out.write(p.resolve('language/narration'), STRING, tick_ns,
-                          messages.narration(store, finished))
-                summary.narrations += 1
 
 
 def _reason_kind(why: str) -> str:
@@ -468,7 +439,7 @@ def _progress_bar(total: int, enabled: bool):
 def build_engine(settings) -> tuple[object, dict]:
     """Build exactly the engine the node builds from these settings: (system, description)."""
     from oxygen_ros.model.checkpoint import CheckpointError
-    from oxygen_ros.ros.engine_setup import EngineSetupError
+    from oxygen_ros.runtime.engine_setup import EngineSetupError
 
     try:
         engine = build_node_engine(settings, warmup=False)

@@ -1,23 +1,28 @@
-"""`oxygen_node`: a thin lifecycle adapter over one engine Scheduler.
+"""`oxygen_node`: a thin lifecycle adapter over the runtime's frame loop.
 
 Cameras, joint states and an instruction in; an action chunk every tick, and language tokens
-on their own topic, out.
+on their own topic, out. The work of a tick is oxygen_ros.runtime.frame_loop.FrameLoop, the
+same code the bag replay runs; this module only wires it to rclpy.
 
-Callback groups (run by a MultiThreadedExecutor):
-  control      the hard-rate tick: observation -> act -> publish ActionChunk -> decode ->
-               publish LanguageChunks / narration. Alone in its group, so input callbacks and
-               diagnostics never wait for the model and the tick never waits for them.
-  inputs       camera / joint state / instruction subscriptions: store the newest message.
-  diagnostics  1 Hz /diagnostics, alive in every lifecycle state (a failed configure shows).
-  default      lifecycle and parameter services, autostart (model loading runs here, so the
-               executor keeps serving the other groups while weights load).
+Two threads:
+  executor        a SingleThreadedExecutor serving I/O only (main()): subscriptions store the
+                  newest message, lifecycle and parameter services, 1 Hz /diagnostics, and the
+                  control timer, whose callback only wakes the control thread. No callback runs
+                  for long, so the executor sleeps in rcl_wait instead of spinning against the
+                  model for the GIL (a MultiThreadedExecutor next to a long callback does:
+                  measured 2.2x slower inference).
+  control thread  'oxy_control' (runtime.control.ControlThread): one FrameLoop.tick per
+                  wake-up: observation -> act -> publish ActionChunk -> language -> publish
+                  LanguageChunks / narration. The engine is touched by this thread only.
 
-Publishers are plain (not lifecycle) publishers created in on_configure: only the control
-timer publishes outputs, and it exists only while active, so nothing is published while
-inactive; /diagnostics deliberately keeps publishing in every state.
+Lifecycle: configure loads the model and wires publishers and subscriptions; activate starts
+the control thread and the timer; deactivate stops the timer, closes the outputs (no message
+is published once it returns, even by a tick still running) and joins the thread; cleanup
+releases everything. Publishers are plain (not lifecycle) publishers gated by that switch;
+/diagnostics keeps publishing in every state (a failed configure shows).
 
-Time: stamps and input staleness use the node clock, so with use_sim_time the node follows
-/clock (`ros2 bag play --clock`) and the control timer ticks in sim time. Diagnostics and
+Time: the control timer, stamps and input staleness use the node clock, so with use_sim_time
+the node follows /clock (`ros2 bag play --clock`) and pauses when it pauses. Diagnostics and
 autostart run on a steady clock, so they work before /clock starts or while it is paused.
 ActionChunk.header.stamp is the observation's (first camera's) header stamp; LanguageChunk
 carries the stamp of the tick that produced it (equal to that tick's ActionChunk stamp), or
@@ -26,7 +31,6 @@ the node clock when a tick had no new frame.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
@@ -34,14 +38,14 @@ import time
 import traceback
 
 import rclpy
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.clock import Clock, ClockType
-from rclpy.executors import MultiThreadedExecutor
+from rclpy.executors import SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
                                 SetParametersResult)
 
+from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
@@ -49,16 +53,17 @@ from std_msgs.msg import String
 from oxygen_ros.engine import AdaptiveBudget, FixedBudget
 from oxygen_ros.msg import ActionChunk, LanguageChunk
 from oxygen_ros.ros import qos
-from oxygen_ros.ros.conversions import (action_chunk_msg, compressed_to_rgb, image_to_rgb,
-                                        joint_state_to_vector, language_chunk_msg,
-                                        seconds_to_stamp)
-from oxygen_ros.ros.diagnostics import (build_statuses, ERROR, LoopStats, OK, ProblemLog,
-                                        to_diagnostic_array, WARN)
-from oxygen_ros.ros.inputs import (build_observation, Instruction, InputSource, LatestBuffer,
-                                   sanitize_instruction)
-from oxygen_ros.ros.params import (check_value, NODE_NAME, PARAMS, PARAMS_BY_NAME,
-                                   parse_decode_budget, ROBOT_IO, robot_defaults,
-                                   RUNTIME_PARAMS, Settings)
+from oxygen_ros.ros.conversions import action_chunk_msg, language_chunk_msg
+from oxygen_ros.ros.diagnostics import to_diagnostic_array
+from oxygen_ros.runtime.control import ControlThread
+from oxygen_ros.runtime.conversions import (compressed_to_rgb, image_to_rgb,
+                                            joint_state_to_vector)
+from oxygen_ros.runtime.frame_loop import FrameLoop
+from oxygen_ros.runtime.inputs import InputSet, InputSource, sanitize_instruction
+from oxygen_ros.runtime.params import (check_value, NODE_NAME, PARAMS, PARAMS_BY_NAME,
+                                       parse_decode_budget, ROBOT_IO, robot_defaults,
+                                       RUNTIME_PARAMS, Settings)
+from oxygen_ros.runtime.status import build_statuses, ERROR, LoopStats, OK, ProblemLog, WARN
 
 try:   # Jazzy+ names the event classes event_handler; Humble only has qos_event.
     from rclpy.event_handler import SubscriptionEventCallbacks
@@ -69,8 +74,8 @@ try:
 except ImportError:   # pragma: no cover - older rclpy raise KeyboardInterrupt only
     ExternalShutdownException = KeyboardInterrupt
 
-COMPLETE_REASONS = ('eos', 'length')   # narration is published for these finish reasons
 JOINT_STATES_KEY = 'joint_states'
+STOP_TIMEOUT_S = 5.0   # deactivate waits this long for a running tick before giving up on it
 
 
 def _descriptor(spec) -> ParameterDescriptor:
@@ -142,6 +147,59 @@ class _BridgeAttachment:
                     logger.propagate = cls.propagate
 
 
+def ns_to_stamp(stamp_ns: int) -> Time:
+    """Integer nanoseconds -> builtin_interfaces/Time, exact."""
+    stamp_ns = max(int(stamp_ns), 0)
+    return Time(sec=stamp_ns // 1_000_000_000, nanosec=stamp_ns % 1_000_000_000)
+
+
+class RosOutputs:
+    """The frame loop's OutputSink over the node's publishers, behind an open/closed switch.
+
+    close() returns only after a publish in flight has finished, and nothing is published
+    after it: that is what makes "no ActionChunk after deactivate returned" hold even for a
+    tick that is still running.
+    """
+
+    def __init__(self, node: LifecycleNode, frame_id: str):
+        self.frame_id = frame_id
+        self._lock = threading.Lock()
+        self._open = False
+        self._node = node
+        self._actions = node.create_publisher(ActionChunk, 'actions', qos.ACTIONS)
+        self._tokens = node.create_publisher(LanguageChunk, 'language/tokens', qos.TOKENS)
+        self._narration = node.create_publisher(String, 'language/narration', qos.NARRATION)
+
+    def open(self) -> None:
+        with self._lock:
+            self._open = True
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
+
+    def destroy(self) -> None:
+        self.close()
+        for pub in (self._actions, self._tokens, self._narration):
+            self._node.destroy_publisher(pub)
+
+    def _publish(self, publisher, msg) -> None:
+        with self._lock:
+            if self._open:
+                publisher.publish(msg)
+
+    def action(self, action, stamp_ns: int) -> None:
+        self._publish(self._actions, action_chunk_msg(action, ns_to_stamp(stamp_ns),
+                                                      self.frame_id))
+
+    def tokens(self, delta, stamp_ns: int) -> None:
+        self._publish(self._tokens, language_chunk_msg(delta, ns_to_stamp(stamp_ns),
+                                                       self.frame_id))
+
+    def narration(self, request, stamp_ns: int) -> None:
+        self._publish(self._narration, String(data=request.text))
+
+
 class OxygenNode(LifecycleNode):
     """Lifecycle node running the π0.5 engine at a fixed control rate."""
 
@@ -153,28 +211,16 @@ class OxygenNode(LifecycleNode):
         self._param_errors: dict[str, str] = {}   # startup overrides that were rejected
         self._problems = ProblemLog(self._log)
         self._stats = LoopStats()
-        self._buffer = LatestBuffer()
         self._engine = None
         self._settings: Settings | None = None
-        self._instruction: Instruction | None = None
-        self._input_status: list = []
-        self._input_problems: dict[str, str] = {}
-        self._engine_summary: dict | None = None
-        self._finished = collections.Counter()
+        self._inputs: InputSet | None = None
+        self._loop: FrameLoop | None = None
+        self._outputs: RosOutputs | None = None
+        self._control: ControlThread | None = None
+        self._wake_timer = None
         self._pending: dict = {}                    # engine changes for the next tick
         self._pending_lock = threading.Lock()
         self._subscriptions_made: list = []
-        self._publishers_made: list = []
-        self._control_timer = None
-        self._tick_lock = threading.Lock()   # held by a running tick (cleanup waits for it)
-        self._started_s = 0.0
-        # Tests set a deque here: (kind 'action' | 'tokens', tick number, monotonic time) of
-        # every publish call.
-        self.publish_trace: collections.deque | None = None
-
-        self._control_group = MutuallyExclusiveCallbackGroup()
-        self._input_group = MutuallyExclusiveCallbackGroup()
-        self._diagnostics_group = MutuallyExclusiveCallbackGroup()
 
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self._declare_parameters()
@@ -187,13 +233,11 @@ class OxygenNode(LifecycleNode):
         self._diagnostics_pub = self.create_publisher(DiagnosticArray, '/diagnostics',
                                                       qos.DIAGNOSTICS)
         steady = Clock(clock_type=ClockType.STEADY_TIME)
-        self._diagnostics_timer = self.create_timer(
-            1.0, self._publish_diagnostics, callback_group=self._diagnostics_group,
-            clock=steady)
+        self._diagnostics_timer = self.create_timer(1.0, self._publish_diagnostics,
+                                                    clock=steady)
         self._autostart_timer = None
         if self._value('autostart'):
-            # A timer, not a call: configure must run inside the executor so diagnostics and
-            # inputs keep being served while the model loads.
+            # A timer, not a call: configure runs inside the executor once it spins.
             self._autostart_timer = self.create_timer(0.01, self._autostart, clock=steady)
 
     # ---- parameters -----------------------------------------------------------------------
@@ -261,7 +305,7 @@ class OxygenNode(LifecycleNode):
         """Reject a budget / request-rate change the KV pool cannot hold (reason or '')."""
         if not {'decode_budget', 'request_every_n_frames'} & changes.keys():
             return ''
-        from oxygen_ros.ros.engine_setup import slots_needed
+        from oxygen_ros.runtime.engine_setup import slots_needed
 
         s = self._settings
         every = changes.get('request_every_n_frames', self._value('request_every_n_frames'))
@@ -279,12 +323,12 @@ class OxygenNode(LifecycleNode):
     def _apply_runtime(self, changes: dict) -> None:
         if 'control_rate_hz' in changes:
             self._period_s = 1.0 / changes['control_rate_hz']
-            if self._control_timer is not None:
-                self.destroy_timer(self._control_timer)
-                self._control_timer = self.create_timer(self._period_s, self._on_tick,
-                                                        callback_group=self._control_group)
+            if self._wake_timer is not None:   # active: the new period starts now
+                self._start_wake_timer()
         if 'stale_frame_timeout_s' in changes:
             self._stale_timeout_s = changes['stale_frame_timeout_s']
+            if self._inputs is not None:
+                self._inputs.stale_timeout_s = self._stale_timeout_s
         if 'max_instruction_chars' in changes:
             self._max_instruction_chars = changes['max_instruction_chars']
         if self._settings is not None:
@@ -292,12 +336,13 @@ class OxygenNode(LifecycleNode):
             if 'decode_budget' in changes:
                 fields['decode_budget'] = parse_decode_budget(changes['decode_budget'])
             self._settings = dataclasses.replace(self._settings, **fields)
-        with self._pending_lock:   # the engine is touched only by the tick
+        with self._pending_lock:   # the engine is touched only by the control thread
             self._pending.update(changes)
         self.get_logger().info('parameters changed: ' + ', '.join(
             f'{k}={v}' for k, v in changes.items()))
 
     def _apply_pending(self) -> None:
+        """Apply runtime parameter changes to the engine (control thread, between ticks)."""
         with self._pending_lock:
             changes, self._pending = self._pending, {}
         if not changes or self._engine is None:
@@ -324,6 +369,7 @@ class OxygenNode(LifecycleNode):
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._lifecycle = 'configuring'
         self.get_logger().info('configuring: loading the model')
+        self._publish_diagnostics()   # the executor is busy while the model loads: say so
         started = time.monotonic()
         try:
             if self._param_errors:
@@ -331,23 +377,27 @@ class OxygenNode(LifecycleNode):
                     f'{k}: {v}' for k, v in self._param_errors.items()))
             settings = Settings.from_values(
                 {spec.name: self._value(spec.name) for spec in PARAMS})
-            from oxygen_ros.ros.engine_setup import build_engine   # torch: load lazily
+            from oxygen_ros.runtime.engine_setup import build_engine   # torch: load lazily
 
             engine = build_engine(settings)
-        except Exception as err:   # noqa: BLE001 - any load failure is a FAILURE transition
+            self._period_s = settings.period_s
+            self._stale_timeout_s = settings.stale_frame_timeout_s
+            self._max_instruction_chars = settings.max_instruction_chars
+            self._outputs = RosOutputs(self, settings.frame_id)
+            self._inputs = self._make_subscriptions(settings)
+        except Exception as err:   # noqa: BLE001 - any failure is a FAILURE transition
             self._config_error = f'configure failed: {err}'
             self._problems.note(ERROR, self._config_error)
             self.get_logger().debug(traceback.format_exc())
+            self._release()
             self._lifecycle = 'unconfigured'
             return TransitionCallbackReturn.FAILURE
         self._settings, self._engine, self._config_error = settings, engine, ''
+        self._stats = LoopStats()
+        self._loop = FrameLoop(engine.system, self._inputs, problems=self._problems,
+                               stats=self._stats)
         with self._pending_lock:
             self._pending = {}   # the engine was just built from the current values
-        self._period_s = settings.period_s
-        self._stale_timeout_s = settings.stale_frame_timeout_s
-        self._max_instruction_chars = settings.max_instruction_chars
-        self._make_publishers()
-        self._make_subscriptions(settings)
         for warning in engine.warnings:
             self.get_logger().warning(warning)
         pool = engine.system.pool
@@ -356,21 +406,24 @@ class OxygenNode(LifecycleNode):
             f'{engine.description["source"]}, robot {settings.robot}, '
             f'{len(settings.cameras)} cameras, KV pool {pool.num_slots} slots '
             f'({pool.total_bytes / (1 << 20):.1f} MiB), {settings.control_rate_hz:g} Hz, '
-            f'decode budget {settings.decode_budget or "adaptive"}')
+            f'decode budget {settings.decode_budget or "adaptive"}, '
+            f'{engine.description.get("torch_threads", "?")} torch threads')
         self._lifecycle = 'inactive'
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stats.reset()
-        self._started_s = self._now_s()
-        self._control_timer = self.create_timer(self._period_s, self._on_tick,
-                                                callback_group=self._control_group)
+        self._inputs.started_s = self._now_s()
+        self._outputs.open()
+        self._control = ControlThread(self._control_tick)
+        self._control.start()
+        self._start_wake_timer()
         self._lifecycle = 'active'
         self.get_logger().info(f'active: control loop at {1.0 / self._period_s:g} Hz')
         return super().on_activate(state)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop_timer()
+        self._stop_control()
         self._lifecycle = 'inactive'
         self.get_logger().info('inactive: control loop stopped')
         return super().on_deactivate(state)
@@ -391,25 +444,35 @@ class OxygenNode(LifecycleNode):
         self._lifecycle = 'unconfigured'
         return TransitionCallbackReturn.SUCCESS
 
-    def _stop_timer(self) -> None:
-        if self._control_timer is not None:
-            self.destroy_timer(self._control_timer)
-            self._control_timer = None
-        with self._tick_lock:
-            pass   # a tick already running finishes before the engine can go away
+    def _start_wake_timer(self) -> None:
+        """(Re)start the timer that wakes the control thread once per period (node clock)."""
+        if self._wake_timer is not None:
+            self.destroy_timer(self._wake_timer)
+        self._wake_timer = self.create_timer(self._period_s, self._control.trigger)
+
+    def _stop_control(self) -> None:
+        """Stop waking the loop, close the outputs, then let a running tick finish."""
+        if self._wake_timer is not None:
+            self.destroy_timer(self._wake_timer)
+            self._wake_timer = None
+        if self._outputs is not None:
+            self._outputs.close()   # from here on nothing is published, whatever still runs
+        if self._control is not None:
+            if not self._control.stop(STOP_TIMEOUT_S):
+                self._problems.note(ERROR, f'a control tick did not finish within '
+                                           f'{STOP_TIMEOUT_S:g} s of deactivate')
+            self._control = None
 
     def _release(self) -> None:
-        """Drop timer, subscriptions, publishers and the engine (frees the model and KV)."""
-        self._stop_timer()
+        """Drop timer, thread, subscriptions, publishers and the engine (frees model and KV)."""
+        self._stop_control()
         for sub in self._subscriptions_made:
             self.destroy_subscription(sub)
-        for pub in self._publishers_made:
-            self.destroy_publisher(pub)
-        self._subscriptions_made, self._publishers_made = [], []
-        self._engine = self._settings = self._engine_summary = None
-        self._buffer.clear()
-        self._instruction = None
-        self._input_status, self._input_problems = [], {}
+        self._subscriptions_made = []
+        if self._outputs is not None:
+            self._outputs.destroy()
+        self._outputs = self._inputs = self._loop = None
+        self._engine = self._settings = None
 
     def destroy_node(self):
         """Detach the engine log bridge and release everything, then destroy the node."""
@@ -419,16 +482,8 @@ class OxygenNode(LifecycleNode):
 
     # ---- wiring -------------------------------------------------------------------------------
 
-    def _make_publishers(self) -> None:
-        self._actions_pub = self.create_publisher(ActionChunk, 'actions', qos.ACTIONS)
-        self._tokens_pub = self.create_publisher(LanguageChunk, 'language/tokens', qos.TOKENS)
-        self._narration_pub = self.create_publisher(String, 'language/narration',
-                                                    qos.NARRATION)
-        self._publishers_made = [self._actions_pub, self._tokens_pub, self._narration_pub]
-
-    def _make_subscriptions(self, settings: Settings) -> None:
-        group = self._input_group
-        self._camera_sources = []
+    def _make_subscriptions(self, settings: Settings) -> InputSet:
+        cameras = []
         for cam in settings.cameras:
             key = f'camera:{cam.name}'
             msg_type = CompressedImage if cam.compressed else Image
@@ -436,32 +491,32 @@ class OxygenNode(LifecycleNode):
                        (lambda m: image_to_rgb(m.encoding, m.height, m.width, m.step, m.data,
                                                m.is_bigendian)))
             sub = self.create_subscription(
-                msg_type, cam.topic, lambda msg, key=key: self._store(key, msg), qos.SENSOR,
-                callback_group=group)
-            label = f'camera {cam.name!r} ({sub.topic_name})'
-            self._camera_sources.append((cam.name, InputSource(key, label, convert)))
+                msg_type, cam.topic, lambda msg, key=key: self._store(key, msg), qos.SENSOR)
             self._subscriptions_made.append(sub)
+            cameras.append((cam.name, InputSource(key, f'camera {cam.name!r} '
+                                                       f'({sub.topic_name})', convert)))
         joints = settings.joint_names
         sub = self.create_subscription(
             JointState, 'joint_states', lambda msg: self._store(JOINT_STATES_KEY, msg),
-            qos.SENSOR, callback_group=group)
-        self._joint_source = InputSource(
-            JOINT_STATES_KEY, f'joint_states ({sub.topic_name})',
-            lambda m: joint_state_to_vector(m.name, m.position, joints))
+            qos.SENSOR)
         self._subscriptions_made.append(sub)
+        joint_source = InputSource(JOINT_STATES_KEY, f'joint_states ({sub.topic_name})',
+                                   lambda m: joint_state_to_vector(m.name, m.position, joints))
         events = SubscriptionEventCallbacks(incompatible_qos=self._on_instruction_qos)
         sub = self.create_subscription(String, 'instruction', self._on_instruction,
-                                       qos.INSTRUCTION, callback_group=group,
-                                       event_callbacks=events)
-        self._instruction_topic = sub.topic_name
+                                       qos.INSTRUCTION, event_callbacks=events)
         self._subscriptions_made.append(sub)
+        return InputSet(cameras, joint_source, settings.stale_frame_timeout_s, sub.topic_name)
 
     def _store(self, key: str, msg) -> None:
-        self._buffer.put(key, msg, self._now_s())
+        inputs = self._inputs
+        if inputs is not None:
+            inputs.put(key, msg, self._now_s())
 
     def _on_instruction(self, msg: String) -> None:
         instruction = sanitize_instruction(msg.data, self._max_instruction_chars)
-        self._instruction = instruction
+        if self._inputs is not None:
+            self._inputs.set_instruction(instruction)
         if not instruction.text:
             self._problems.note(WARN, 'instruction is empty: no task, so no actions until a '
                                       'non-empty instruction arrives (running language '
@@ -478,87 +533,22 @@ class OxygenNode(LifecycleNode):
             'an instruction publisher has incompatible QoS: the node subscribes reliable + '
             'transient local; publish with `--qos-durability transient_local`'))
 
-    # ---- the control tick ---------------------------------------------------------------------
+    # ---- the control tick (control thread) ----------------------------------------------------
 
-    def _on_tick(self) -> None:
+    def _control_tick(self) -> None:
         """One control period. Never raises: problems are logged, counted and diagnosed."""
-        start = time.monotonic()
-        latency = inference = None
-        tokens = 0
+        loop, outputs = self._loop, self._outputs
+        if loop is None or outputs is None:
+            return   # released while this wake-up was pending
         try:
-            with self._tick_lock:
-                if self._engine is None:
-                    return   # deactivated while this tick waited to run
-                self._apply_pending()
-                latency, inference, tokens = self._tick(start)
+            self._apply_pending()
+            loop.tick(self._now_s(), self._period_s, outputs)
         except Exception as err:   # noqa: BLE001 - the control loop must keep its rate
             if not self.context.ok():
-                return   # shutting down (Ctrl-C): publishers are already gone
+                return   # shutting down (Ctrl-C)
             self._stats.record_error(repr(err))
             self._problems.event('tick', ERROR, f'control tick failed: {err!r}')
             self.get_logger().debug(traceback.format_exc())
-        finally:
-            duration = time.monotonic() - start
-            if self._stats.record(start, duration, self._period_s, latency, inference, tokens):
-                self.get_logger().debug(f'tick over deadline: {duration * 1e3:.1f} ms > '
-                                        f'{self._period_s * 1e3:.1f} ms')
-
-    def _tick(self, start: float):
-        engine = self._engine.system
-        now_s = self._now_s()
-        result = build_observation(self._buffer, self._camera_sources, self._joint_source,
-                                   self._instruction, now_s, self._stale_timeout_s,
-                                   self._started_s, self._instruction_topic)
-        problems = dict(result.problems)
-        obs, latency, inference = result.observation, None, None
-        stamp = result.header_stamp
-        if stamp is None:
-            stamp = seconds_to_stamp(obs.stamp if obs is not None else now_s)
-        frame_id = self._settings.frame_id
-        if obs is not None:
-            try:
-                action = engine.act(obs)
-            except ValueError as err:   # the robot adapter rejected the observation
-                problems['observation'] = f'observation rejected: {err}'
-                obs = None
-            else:
-                self._actions_pub.publish(action_chunk_msg(action, stamp, frame_id))
-                self._trace('action')
-                latency = time.monotonic() - start
-                inference = action.inference_time_s
-        self._problems.update('inputs', problems)   # logged before diagnostics show it
-        self._input_status, self._input_problems = result.inputs, problems
-        if obs is None and not engine.num_live_requests:
-            return latency, inference, 0
-        # Language after the action chunk is out; with no new frame, live requests still
-        # advance so none of them stalls while a camera hiccups.
-        last = engine.advance_language()
-        deltas = last.deltas
-        for delta in deltas:
-            self._tokens_pub.publish(language_chunk_msg(delta, stamp, frame_id))
-            self._trace('tokens')
-        for done in last.finished:
-            self._finished[done.finish_reason] += 1
-            if done.finish_reason in COMPLETE_REASONS:
-                self._narration_pub.publish(String(data=done.text))
-            else:
-                self._problems.event(f'request_{done.finish_reason}', WARN, (
-                    f'language request {done.request_id} (frame {done.origin_frame}) ended '
-                    f'{done.finish_reason} after {len(done.token_ids)} tokens'
-                    + (f': {done.error}' if done.error else '')))
-        tokens = sum(len(d.token_ids) for d in deltas)
-        self._engine_summary = {'k': last.k, 'active_requests': last.active_requests,
-                                'kv_usage': last.kv_usage, 'finished': dict(self._finished),
-                                'budget': str(engine.budget)}
-        if obs is not None:
-            self.get_logger().debug(
-                f'frame {last.frame_index}: act {last.timings.act_s * 1e3:.1f} ms, k={last.k}, '
-                f'{tokens} tokens, {last.active_requests} active')
-        return latency, inference, tokens
-
-    def _trace(self, kind: str) -> None:
-        if self.publish_trace is not None:
-            self.publish_trace.append((kind, self._stats.ticks_total, time.monotonic()))
 
     # ---- diagnostics --------------------------------------------------------------------------
 
@@ -576,10 +566,20 @@ class OxygenNode(LifecycleNode):
         for key, why in self._param_errors.items():
             model[f'rejected {key}'] = why
         active = self._lifecycle == 'active'
+        loop = self._loop
+        inputs = loop.last_inputs if loop is not None else None
+        instruction = self._inputs.instruction if self._inputs is not None else None
+        snapshot = None
+        if active:
+            snapshot = self._stats.snapshot()
+            control = self._control
+            snapshot['ticks_dropped'] = control.dropped if control is not None else 0
         return build_statuses(
-            self.get_name(), self._lifecycle, model, self._stats.snapshot() if active else None,
-            1.0 / self._period_s, self._engine_summary, self._input_status,
-            self._input_problems, self._instruction, self._config_error)
+            self.get_name(), self._lifecycle, model, snapshot, 1.0 / self._period_s,
+            loop.engine_summary() if loop is not None else None,
+            inputs.inputs if inputs is not None else [],
+            dict(inputs.problems) if inputs is not None else {}, instruction,
+            self._config_error)
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -590,8 +590,13 @@ class OxygenNode(LifecycleNode):
 
     @property
     def engine(self):
-        """Engine instance, None unless configured; used only from the control tick."""
+        """Engine instance, None unless configured; used only from the control thread."""
         return self._engine
+
+    @property
+    def control_thread(self) -> ControlThread | None:
+        """The running control thread (None unless active)."""
+        return self._control
 
     @property
     def problem_history(self):
@@ -611,11 +616,16 @@ class OxygenNode(LifecycleNode):
             self.get_logger().error(message)
 
 
+def make_executor(context=None) -> SingleThreadedExecutor:
+    """The executor oxygen_node runs in: single-threaded, I/O only (see the module docstring)."""
+    return SingleThreadedExecutor(context=context)
+
+
 def main(args=None) -> int:
     """Run oxygen_node until Ctrl-C (console script and `ros2 run oxygen_ros oxygen_node`)."""
     rclpy.init(args=args)
     node = None
-    executor = MultiThreadedExecutor(num_threads=4)
+    executor = make_executor()
     try:
         node = OxygenNode()
         executor.add_node(node)

@@ -27,7 +27,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 
 from oxygen_ros.ros import qos
-from oxygen_ros.ros.params import default_camera_topic, ROBOT_IO
+from oxygen_ros.runtime.params import default_camera_topic, ROBOT_IO
 
 PHOTOS = ('astronaut', 'coffee', 'chelsea', 'rocket', 'immunohistochemistry')
 

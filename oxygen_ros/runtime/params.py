@@ -140,6 +140,8 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('device', 'cpu', "Torch device: 'cpu', 'cuda', 'cuda:N'.", check=_check_device),
     ParamSpec('dtype', 'float32', 'Compute dtype of the model and the KV cache.',
               check=_check_choice(DTYPES)),
+    ParamSpec('torch_threads', 0, "Torch intra-op threads of the control thread's inference; "
+              "0 = torch's default (one per core).", int_range=(0, 256)),
     ParamSpec('robot', 'libero', 'Robot adapter (cameras, state and action layout).',
               check=_check_choice(ROBOTS)),
     ParamSpec('camera_names', list(ROBOT_IO['libero'][0]),
@@ -218,6 +220,7 @@ class Settings:
     preset: str
     device: str
     dtype: str
+    torch_threads: int
     robot: str
     cameras: tuple[CameraConfig, ...]
     joint_names: tuple[str, ...]
@@ -275,7 +278,8 @@ class Settings:
         cameras = tuple(CameraConfig(n, t, c) for n, t, c in zip(names, topics, compressed))
         return cls(
             checkpoint=merged['checkpoint'], preset=merged['preset'], device=merged['device'],
-            dtype=merged['dtype'], robot=robot, cameras=cameras,
+            dtype=merged['dtype'], torch_threads=int(merged['torch_threads']), robot=robot,
+            cameras=cameras,
             joint_names=tuple(merged['joint_names']), frame_id=merged['frame_id'],
             control_rate_hz=float(merged['control_rate_hz']),
             denoise_steps=int(merged['denoise_steps']),

@@ -1,8 +1,8 @@
 """Latest robot inputs (cameras, joint state, instruction) and the observation built from them.
 
-Subscription callbacks only store the newest message with its time of receipt; the control tick
-converts what it uses (so a 30 Hz camera under a 10 Hz control loop costs one conversion per
-tick) and gets either an Observation or the list of reasons why there is none.
+Subscription callbacks (or a bag reader) only store the newest message with its time of
+receipt; the control tick converts what it uses (so a 30 Hz camera under a 10 Hz control loop
+costs one conversion per tick) and gets either an Observation or the reasons why there is none.
 
 Staleness is judged on the node clock at receipt, not on header stamps: camera clocks are often
 unsynchronised, and with use_sim_time both sides follow /clock, so bag replays stay consistent.
@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from oxygen_ros.engine.types import Observation
-from oxygen_ros.ros.conversions import InputError
+from oxygen_ros.runtime.conversions import InputError
 
 
 # --- instruction ---------------------------------------------------------------------------------
@@ -145,9 +145,9 @@ class ObservationResult:
     observation: Observation | None
     problems: dict[str, str]            # key -> reason (empty when observation is not None)
     inputs: list[InputStatus]           # every camera and the joint state, in order
-    header_stamp: Any = None            # the first camera's header stamp message, exact to
-    #                                     the nanosecond (Observation.stamp is a float); None
-    #                                     when the camera left it at zero
+    stamp_ns: int | None = None         # the observation's stamp in integer ns, exact (the
+    #                                     first camera's header stamp, or its receipt time when
+    #                                     the camera left it at zero); None without observation
 
 
 def build_observation(buffer: LatestBuffer, cameras: list[tuple[str, InputSource]],
@@ -163,7 +163,7 @@ def build_observation(buffer: LatestBuffer, cameras: list[tuple[str, InputSource
     problems: dict[str, str] = {}
     statuses: list[InputStatus] = []
     values: dict[str, Any] = {}
-    stamp = header_stamp = None
+    stamp_ns = None
     for name, source in cameras + [(None, joints)]:
         entry = buffer.get(source.key)
         if entry is None:
@@ -188,11 +188,11 @@ def build_observation(buffer: LatestBuffer, cameras: list[tuple[str, InputSource
             status.detail = f'{source.label}: {err}'
             problems[source.key] = status.detail
             continue
-        if name is not None and stamp is None:
+        if name is not None and stamp_ns is None:
             header = getattr(entry.msg, 'header', None)
-            stamp_s = (header.stamp.sec + header.stamp.nanosec * 1e-9) if header else 0.0
-            stamp = stamp_s if stamp_s > 0 else entry.received_s
-            header_stamp = header.stamp if stamp_s > 0 else None
+            stamp_ns = (header.stamp.sec * 1_000_000_000 + header.stamp.nanosec) if header else 0
+            if stamp_ns <= 0:
+                stamp_ns = round(entry.received_s * 1e9)
     if instruction is None:
         problems['instruction'] = (f'instruction: none received yet on {instruction_topic} '
                                    '(std_msgs/String, reliable + transient local)')
@@ -203,5 +203,40 @@ def build_observation(buffer: LatestBuffer, cameras: list[tuple[str, InputSource
     images = {name: values[source.key] for name, source in cameras}
     state = np.asarray(values[joints.key], dtype=np.float64)   # [state_dim] robot units
     obs = Observation(images=images, state=state, instruction=instruction.text,
-                      stamp=float(stamp or now_s))
-    return ObservationResult(obs, {}, statuses, header_stamp)
+                      stamp=stamp_ns * 1e-9)
+    return ObservationResult(obs, {}, statuses, stamp_ns)
+
+
+class InputSet:
+    """The inputs one robot's observations are built from: newest messages and the instruction.
+
+    Writers (subscription callbacks, a bag reader) call `put` / `set_instruction`; the frame
+    loop calls `build(now_s)`. cameras: (observation camera name, source) pairs.
+    """
+
+    def __init__(self, cameras: list[tuple[str, InputSource]], joints: InputSource,
+                 stale_timeout_s: float, instruction_topic: str = 'instruction'):
+        self.buffer = LatestBuffer()
+        self.cameras = cameras
+        self.joints = joints
+        self.stale_timeout_s = stale_timeout_s
+        self.instruction_topic = instruction_topic
+        self.instruction: Instruction | None = None
+        self.started_s = 0.0          # when waiting began (how long a missing input is missing)
+
+    def put(self, key: str, msg: Any, received_s: float) -> None:
+        self.buffer.put(key, msg, received_s)
+
+    def set_instruction(self, instruction: Instruction) -> None:
+        self.instruction = instruction
+
+    def build(self, now_s: float) -> ObservationResult:
+        """The observation of a tick at `now_s`, or the reasons there is none."""
+        return build_observation(self.buffer, self.cameras, self.joints, self.instruction,
+                                 now_s, self.stale_timeout_s, self.started_s,
+                                 self.instruction_topic)
+
+    def clear(self) -> None:
+        """Forget every message and the instruction (cleanup)."""
+        self.buffer.clear()
+        self.instruction = None

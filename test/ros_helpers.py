@@ -1,8 +1,4 @@
-"""Helpers for testing oxygen_node over real DDS.
-
-Spin nodes in a thread, feed inputs, collect outputs. Used by the package's tests; handy for
-integration tests on a robot too.
-"""
+"""Test scaffolding for oxygen_node over real DDS: spin nodes, feed inputs, collect outputs."""
 
 from __future__ import annotations
 
@@ -36,10 +32,11 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 
 
 class Spinner:
-    """A MultiThreadedExecutor spinning `nodes` in a background thread."""
+    """An executor (default: a MultiThreadedExecutor) spinning `nodes` in a background thread."""
 
-    def __init__(self, context, nodes=(), num_threads: int = 6):
-        self.executor = MultiThreadedExecutor(num_threads=num_threads, context=context)
+    def __init__(self, context, nodes=(), num_threads: int = 6, executor=None):
+        self.executor = executor or MultiThreadedExecutor(num_threads=num_threads,
+                                                          context=context)
         for node in nodes:
             self.executor.add_node(node)
         self.thread = threading.Thread(target=self._spin, daemon=True)
@@ -162,7 +159,8 @@ class Feeder(Node):
 
 
 class NodeHarness:
-    """An OxygenNode (autostart off), a Feeder of good inputs and a Collector in one executor.
+    """An OxygenNode (autostart off) in its own executor, as main() runs it, plus a Feeder of
+    good inputs and a Collector in a second executor.
 
     params override the node's parameters; the feeder publishes moving photos on every
     camera topic (32 px), constant joint states and the instruction `task`. All three live in
@@ -173,8 +171,8 @@ class NodeHarness:
                  rate_hz: float = 20.0, namespace: str = ''):
         from rclpy.parameter import Parameter
 
-        from oxygen_ros.ros.node import OxygenNode
-        from oxygen_ros.ros.params import robot_defaults
+        from oxygen_ros.ros.node import make_executor, OxygenNode
+        from oxygen_ros.runtime.params import robot_defaults
         from oxygen_ros.ros.sim_inputs import camera_frame, image_msg, PHOTOS
 
         values = dict(robot_defaults(params.get('robot', 'libero')), autostart=False)
@@ -190,7 +188,8 @@ class NodeHarness:
         compressed = tuple(c for c, z in zip(cameras, values['camera_compressed']) if z)
         self.feeder = Feeder(dict(zip(cameras, values['camera_topics'])), rate_hz,
                              compressed, namespace, context=context)
-        self.spinner = Spinner(context, [self.node, self.collector, self.feeder])
+        self.node_spinner = Spinner(context, [self.node], executor=make_executor(context))
+        self.spinner = Spinner(context, [self.collector, self.feeder])
         clock = self.feeder.get_clock()
         for i, cam in enumerate(cameras):
             photo = PHOTOS[i % len(PHOTOS)]
@@ -222,7 +221,24 @@ class NodeHarness:
         """Map each part ('model', 'control loop', 'inputs', ...) to its diagnostic status."""
         return {s.name.split(': ', 1)[1]: s for s in self.node.diagnostic_statuses()}
 
+    def trace_publishes(self) -> list:
+        """Record (kind 'action' | 'tokens', stamp ns, monotonic time) of every publish call.
+
+        Call after configure: wraps the node's output sink (oxygen_ros.ros.node.RosOutputs).
+        """
+        trace = []
+        outputs = self.node._outputs
+        for kind in ('action', 'tokens'):
+            original = getattr(outputs, kind)
+
+            def traced(item, stamp_ns, original=original, kind=kind):
+                original(item, stamp_ns)
+                trace.append((kind, stamp_ns, time.monotonic()))
+            setattr(outputs, kind, traced)
+        return trace
+
     def close(self) -> None:
+        self.node_spinner.stop()
         self.spinner.stop()
         for node in (self.node, self.collector, self.feeder):
             node.destroy_node()

@@ -9,13 +9,12 @@ import types
 import numpy as np
 import pytest
 
-from oxygen_ros.ros.conversions import InputError
-from oxygen_ros.ros.diagnostics import (build_statuses, ERROR, LoopStats, OK, ProblemLog,
-                                        WARN)
-from oxygen_ros.ros.inputs import (build_observation, InputSource, LatestBuffer,
-                                   sanitize_instruction)
-from oxygen_ros.ros.params import (check_value, load_node_params, PARAMS, parse_decode_budget,
-                                   robot_defaults, ROBOT_IO, Settings)
+from oxygen_ros.runtime.conversions import InputError
+from oxygen_ros.runtime.inputs import (build_observation, InputSource, LatestBuffer,
+                                       sanitize_instruction)
+from oxygen_ros.runtime.params import (check_value, load_node_params, PARAMS,
+                                       parse_decode_budget, robot_defaults, ROBOT_IO, Settings)
+from oxygen_ros.runtime.status import build_statuses, ERROR, LoopStats, OK, ProblemLog, WARN
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / 'config'
 

@@ -1,7 +1,7 @@
-"""Build the node's engine (model + frontend + scheduler) from its Settings; no rclpy.
+"""Build the engine (model + frontend + scheduler) from Settings; what the node and the replay run.
 
-Kept free of ROS so the tests (and a replay tool) can build exactly the engine the node runs
-and feed it the same observations.
+Kept free of ROS so the tests and the bag replay build exactly the engine the node runs and
+feed it the same observations.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from oxygen_ros.model.checkpoint import (CheckpointError, config_from_json, CONF
 from oxygen_ros.model.config import get_preset
 from oxygen_ros.model.robots import get_robot
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer
-from oxygen_ros.ros.params import Settings
+from oxygen_ros.runtime.params import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,9 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
     loaders) with a message that names the file or parameter at fault.
     """
     _check_device(settings.device)
+    if settings.torch_threads:
+        # Process-wide: threads that start torch work later (the control thread) use it too.
+        torch.set_num_threads(settings.torch_threads)
     dtype = _dtype(settings.dtype)
     try:
         if settings.checkpoint:
@@ -162,6 +165,7 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
     config = model.config
     description.update({
         'robot': settings.robot, 'device': settings.device, 'dtype': settings.dtype,
+        'torch_threads': torch.get_num_threads(),
         'prefix_len': config.prefix_len, 'horizon': config.action_horizon,
         'denoise_steps': config.num_steps, 'tokens_per_request': settings.tokens_per_request,
         'kv_slots': system.pool.num_slots,

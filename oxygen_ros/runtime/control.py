@@ -1,0 +1,106 @@
+"""The control thread: runs the frame loop's tick on a thread of its own, woken from outside.
+
+Why a thread of its own: inference is Python between torch ops, and an executor that spins
+next to it (rclpy's MultiThreadedExecutor does while a callback group is busy) takes the GIL
+from it; measured 2.2x slower inference inside the node. Here the executor only serves I/O and
+a timer whose callback is `trigger()` (one Event.set), so the model never shares the GIL with
+a busy loop, and pacing stays with the node clock (sim time included: with a paused /clock the
+timer does not fire and the loop pauses).
+
+Hard rate, never a queue: triggers that arrive while a tick runs collapse into one wake-up, so
+an overrun is followed by at most one immediate (late) tick; the others are counted as dropped.
+Nothing here polls: while no trigger comes the thread sleeps on the Event.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+THREAD_NAME = 'oxy_control'   # native thread name (top -H, /proc/<pid>/task/*/comm)
+_PR_SET_NAME = 15
+
+
+def set_native_thread_name(name: str) -> None:
+    """Name the calling OS thread (Linux; a no-op elsewhere). Threads it starts inherit it.
+
+    torch's OpenMP workers are started by the thread that first runs a parallel region, so
+    naming the control thread before its first model call names inference's threads too.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):   # not Linux
+        pass
+
+
+class ControlThread:
+    """Runs `tick()` once per `trigger()`, on a dedicated thread, until `stop()`.
+
+    tick must not raise (it is the adapter's job to catch and report); an exception that
+    escapes anyway is logged and the thread keeps serving triggers.
+    """
+
+    def __init__(self, tick: Callable[[], None], name: str = THREAD_NAME):
+        self._tick = tick
+        self._name = name
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self.ticks = 0          # ticks run
+        self.dropped = 0        # triggers that fell on a tick still running, or on a pending one
+
+    @property
+    def stopping(self) -> bool:
+        """True from the moment stop() was called (a running tick may check it)."""
+        return self._stopping.is_set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        assert self._thread is None, 'control thread already started'
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def trigger(self) -> None:
+        """Ask for one tick now (cheap, never blocks; safe from any thread)."""
+        if self._busy or self._wake.is_set():
+            self.dropped += 1
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop after the running tick (if any); return whether the thread has ended."""
+        self._stopping.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.error('control thread still running %.1f s after stop (a tick is stuck)',
+                         timeout_s)
+            return False
+        return True
+
+    def _run(self) -> None:
+        set_native_thread_name(self._name)
+        while True:
+            self._wake.wait()
+            if self._stopping.is_set():
+                return
+            self._wake.clear()
+            self._busy = True
+            try:
+                self._tick()
+            except Exception:   # noqa: BLE001 - the loop must survive a bad tick
+                logger.exception('control tick raised')
+            finally:
+                self._busy = False
+                self.ticks += 1

@@ -1,0 +1,114 @@
+"""Robot message fields -> numpy, done once at the edge: images, joint states, stamps.
+
+ROS-free (fields, not message classes), so the node and the bag replay decode inputs with the
+same code. Images become uint8 [H, W, 3] RGB and joint states a float64 state vector in the
+configured joint order. Every malformed input raises InputError with a reason that names the
+field and what was expected; nothing here logs.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+class InputError(ValueError):
+    """A robot message that cannot be used; str(err) says why."""
+
+
+# Encodings of sensor_msgs/Image we accept: name -> (channels, channel order to get RGB).
+# 16-bit and float encodings (mono16, 32FC1, ...) are depth-like and not camera colour.
+_ENCODINGS = {
+    'rgb8': (3, (0, 1, 2)),
+    'bgr8': (3, (2, 1, 0)),
+    'rgba8': (4, (0, 1, 2)),
+    'bgra8': (4, (2, 1, 0)),
+    'mono8': (1, (0, 0, 0)),
+    '8uc3': (3, (0, 1, 2)),   # OpenCV type name; cv_bridge publishes BGR data under it
+}
+MAX_IMAGE_SIDE = 8192           # larger frames are rejected, not resized (memory bound)
+MAX_COMPRESSED_BYTES = 64 << 20
+
+
+def image_to_rgb(encoding: str, height: int, width: int, step: int, data,
+                 is_bigendian: int = 0) -> np.ndarray:
+    """sensor_msgs/Image fields -> uint8 [height, width, 3] RGB (a copy, safe to keep)."""
+    enc = encoding.strip().lower()
+    if enc not in _ENCODINGS:
+        raise InputError(f"unsupported encoding {encoding!r}; expected one of "
+                         f"{', '.join(sorted(_ENCODINGS))}")
+    channels, order = _ENCODINGS[enc]
+    if enc == '8uc3':
+        order = (2, 1, 0)
+    if not (0 < height <= MAX_IMAGE_SIDE and 0 < width <= MAX_IMAGE_SIDE):
+        raise InputError(f'bad size {width}x{height}; expected 1..{MAX_IMAGE_SIDE} pixels a side')
+    row_bytes = width * channels
+    if step < row_bytes:
+        raise InputError(f'step {step} < width * channels = {row_bytes} ({encoding})')
+    buffer = memoryview(data).cast('B') if not isinstance(data, np.ndarray) else data
+    needed = step * (height - 1) + row_bytes   # the last row may omit its padding
+    if len(buffer) < needed:
+        raise InputError(f'truncated data: {len(buffer)} bytes, expected step * height = '
+                         f'{step} * {height} = {step * height}')
+    flat = np.frombuffer(buffer, dtype=np.uint8, count=needed)
+    # Rows may carry padding beyond width * channels: view them with the message's stride.
+    rows = np.lib.stride_tricks.as_strided(flat, shape=(height, row_bytes), strides=(step, 1))
+    pixels = rows.reshape(height, width, channels)   # [H, W, C]
+    return np.ascontiguousarray(pixels[:, :, list(order)])
+
+
+def compressed_to_rgb(fmt: str, data) -> np.ndarray:
+    """sensor_msgs/CompressedImage (jpeg or png) -> uint8 [H, W, 3] RGB."""
+    from PIL import Image, UnidentifiedImageError
+
+    raw = bytes(data)
+    if not raw:
+        raise InputError(f'empty compressed image (format {fmt!r})')
+    if len(raw) > MAX_COMPRESSED_BYTES:
+        raise InputError(f'compressed image of {len(raw)} bytes exceeds {MAX_COMPRESSED_BYTES}')
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            if img.format not in ('JPEG', 'PNG'):
+                raise InputError(f'compressed format {img.format} (message says {fmt!r}); '
+                                 'expected jpeg or png')
+            if max(img.size) > MAX_IMAGE_SIDE:
+                raise InputError(f'bad size {img.size[0]}x{img.size[1]}; expected '
+                                 f'1..{MAX_IMAGE_SIDE} pixels a side')
+            rgb = np.asarray(img.convert('RGB'))
+    except InputError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
+        raise InputError(f'cannot decode compressed image (format {fmt!r}): {err}') from None
+    return np.ascontiguousarray(rgb, dtype=np.uint8)
+
+
+def joint_state_to_vector(names: Sequence[str], positions: Sequence[float],
+                          wanted: Sequence[str]) -> np.ndarray:
+    """Map JointState names/positions to float64 [len(wanted)] in `wanted` order.
+
+    Extra joints in the message are ignored; missing or non-finite wanted joints raise.
+    """
+    names = list(names)
+    positions = np.asarray(positions, dtype=np.float64)
+    if positions.ndim != 1 or len(positions) != len(names):
+        raise InputError(f'JointState has {len(names)} names but {positions.size} positions')
+    index = {}
+    for i, name in enumerate(names):
+        index.setdefault(name, i)   # a duplicated name: the first entry wins
+    missing = [n for n in wanted if n not in index]
+    if missing:
+        raise InputError(f'missing joints {missing} (message has {names[:20]}'
+                         f'{"..." if len(names) > 20 else ""})')
+    state = positions[[index[n] for n in wanted]]
+    bad = [n for n, v in zip(wanted, state) if not math.isfinite(v)]
+    if bad:
+        raise InputError(f'NaN or inf position for joints {bad}')
+    return state
+
+
+def stamp_to_seconds(stamp) -> float:
+    """builtin_interfaces/Time -> float seconds."""
+    return stamp.sec + stamp.nanosec * 1e-9
