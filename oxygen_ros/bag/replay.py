@@ -438,12 +438,11 @@ def _progress_bar(total: int, enabled: bool):
 
 def build_engine(settings) -> tuple[object, dict]:
     """Build exactly the engine the node builds from these settings: (system, description)."""
-    from oxygen_ros.model.checkpoint import CheckpointError
-    from oxygen_ros.runtime.engine_setup import EngineSetupError
+    from oxygen_ros.runtime.engine_setup import SETUP_ERRORS
 
     try:
         engine = build_node_engine(settings, warmup=False)
-    except (EngineSetupError, CheckpointError, FileNotFoundError, ValueError) as err:
+    except SETUP_ERRORS as err:
         raise BagError(f'engine: {err}') from None
     return engine.system, dict(engine.description)
 

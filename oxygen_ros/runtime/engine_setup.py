@@ -30,6 +30,10 @@ class EngineSetupError(RuntimeError):
     """The engine could not be built; str(err) says what to fix."""
 
 
+# Everything build_engine raises for a bad setting or file (its message names the culprit).
+SETUP_ERRORS = (EngineSetupError, CheckpointError, FileNotFoundError, ValueError)
+
+
 @dataclasses.dataclass
 class Engine:
     """One engine instance and what the node reports about it."""
