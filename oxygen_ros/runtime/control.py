@@ -53,7 +53,8 @@ class ControlThread:
         self._busy = False
         self._thread: threading.Thread | None = None
         self.ticks = 0          # ticks run
-        self.dropped = 0        # triggers that fell on a tick still running, or on a pending one
+        self.late = 0           # triggers that came while a tick ran: their tick started late
+        self.dropped = 0        # triggers that came while a wake-up was pending: no tick of own
 
     @property
     def stopping(self) -> bool:
@@ -71,8 +72,10 @@ class ControlThread:
 
     def trigger(self) -> None:
         """Ask for one tick now (cheap, never blocks; safe from any thread)."""
-        if self._busy or self._wake.is_set():
+        if self._wake.is_set():
             self.dropped += 1
+        elif self._busy:
+            self.late += 1
         self._wake.set()
 
     def stop(self, timeout_s: float = 5.0) -> bool:
