@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
+import time
 from typing import Callable
 
 logger = logging.getLogger(__name__)
@@ -107,3 +109,52 @@ class ControlThread:
             finally:
                 self._busy = False
                 self.ticks += 1
+
+
+class CpuSplit:
+    """CPU use of this process split into the control thread (and its torch workers) vs the rest.
+
+    Reads /proc/self/task/*/{comm,stat}; threads named THREAD_NAME are the control side (the
+    torch OpenMP workers the control thread starts inherit its name). `sample()` returns the
+    percent of one core each side used since the previous call (None on systems without /proc).
+    """
+
+    def __init__(self, name: str = THREAD_NAME):
+        self.name = name
+        self._last: tuple[float, float, float] | None = None
+        self._tick_s = 1.0 / os.sysconf('SC_CLK_TCK') if hasattr(os, 'sysconf') else 0.01
+
+    def totals(self) -> tuple[float, float] | None:
+        """Cumulative CPU seconds (control side, everything else) of the live threads."""
+        control = other = 0.0
+        try:
+            tasks = os.listdir('/proc/self/task')
+        except OSError:
+            return None
+        for tid in tasks:
+            try:
+                with open(f'/proc/self/task/{tid}/comm') as f:
+                    comm = f.read().strip()
+                with open(f'/proc/self/task/{tid}/stat') as f:
+                    fields = f.read().rsplit(')', 1)[1].split()
+            except OSError:   # the thread ended between listdir and open
+                continue
+            seconds = (int(fields[11]) + int(fields[12])) * self._tick_s
+            if comm == self.name:
+                control += seconds
+            else:
+                other += seconds
+        return control, other
+
+    def sample(self) -> tuple[float, float] | None:
+        """(control %, other %) of one core since the previous sample (None: first / no /proc)."""
+        totals = self.totals()
+        if totals is None:
+            return None
+        now = time.monotonic()
+        last, self._last = self._last, (now, *totals)
+        if last is None or now - last[0] <= 0:
+            return None
+        span = now - last[0]
+        # A thread that ended took its CPU with it: clamp at 0 instead of going negative.
+        return tuple(max(100.0 * (new - old) / span, 0.0) for new, old in zip(totals, last[1:]))
