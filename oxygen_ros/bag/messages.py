@@ -56,7 +56,7 @@ def narration(store: Typestore, finished: FinishedRequest):
 
 
 def diagnostic_array(store: Typestore, stamp_ns: int, statuses, hardware_id: str):
-    """Convert the node's statuses (ros.diagnostics.Status) to a DiagnosticArray."""
+    """Convert the node's statuses (runtime.status.Status) to a DiagnosticArray."""
     types = store.types
     return types[DIAGNOSTIC_ARRAY](header=header(store, stamp_ns), status=[
         types['diagnostic_msgs/msg/DiagnosticStatus'](
