@@ -134,7 +134,7 @@ def test_rejected_startup_overrides_keep_the_node_up(harness, tmp_path):
     model = statuses(node)['model']
     for name in ('checkpoint', 'control_rate_hz', 'seed'):
         assert name in model.message, model.message
-    assert 'does not exist' in model.message
+    assert 'is not a readable checkpoint folder' in model.message
     results = node.set_parameters([Parameter('checkpoint', value=''),
                                    Parameter('control_rate_hz', value=20.0),
                                    Parameter('seed', value=1)])

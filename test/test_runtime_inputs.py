@@ -261,7 +261,15 @@ def test_failed_configure_is_an_error_status():
     ('preset', 'huge', 'unknown preset'),
     ('dtype', 'int8', 'must be one of'),
     ('device', 'gpu0', "expected 'cpu'"),
-    ('checkpoint', '/does/not/exist', 'does not exist'),
+    ('checkpoint', '/does/not/exist', 'is not a readable checkpoint folder'),
+    # Regression (#11): these raised inside the parameter callback and killed the node.
+    ('checkpoint', '~nosuchuser/x', 'is not a readable checkpoint folder'),
+    ('checkpoint', '/tmp/' + 'x' * 300, 'is not a readable checkpoint folder'),
+    ('checkpoint', 'a\x00b', 'is not a readable checkpoint folder'),
+    ('tokenizer', '~nosuchuser/tok.model', 'is not a readable SentencePiece model file'),
+    # An existing file outside a checkpoint's layout gets the same answer as a missing one.
+    ('checkpoint', '/etc/passwd', 'is not a readable checkpoint folder'),
+    ('tokenizer', '/etc/passwd', 'is not a readable SentencePiece model file'),
     ('camera_names', ['image', 'image'], 'duplicate'),
     ('joint_names', ['a', ''], 'must not be empty'),
     ('language_prompt', 'say {task}', 'unknown placeholder {task}'),

@@ -284,6 +284,8 @@ class OxygenNode(LifecycleNode):
                 why = check_value(param.name, param.value)
             except TypeError:
                 why = f'wrong type {type(param.value).__name__}'
+            except Exception as err:   # noqa: BLE001 - a raising check must not kill the node
+                why = f'cannot be checked ({type(err).__name__})'
             if why:
                 reasons.append(f'{param.name}: {why}')
             elif spec.configure_time and self._lifecycle not in ('unconfigured', 'finalized'):

@@ -50,8 +50,12 @@ def sanitize_instruction(raw: str, max_chars: int) -> Instruction:
 
     NFC-normalises, drops replacement characters (rclpy decodes bytes that are not UTF-8 as
     U+FFFD) and lone surrogates, turns control characters into spaces, collapses whitespace and
-    truncates to `max_chars` (on a word boundary when one is near).
+    truncates to `max_chars` (on a word boundary when one is near). Only the first
+    4 * max_chars + 16 characters are read: the work per message is bounded whatever its size
+    (a 100 MB instruction cost 26 s in the input callback when all of it was cleaned first).
     """
+    received = len(raw)
+    raw = raw[:4 * max_chars + 16]
     invalid = raw.count('\ufffd') + sum(1 for c in raw if '\ud800' <= c <= '\udfff')
     text = ''.join(c for c in raw if c != '\ufffd' and not '\ud800' <= c <= '\udfff')
     text = unicodedata.normalize('NFC', text)
@@ -64,12 +68,12 @@ def sanitize_instruction(raw: str, max_chars: int) -> Instruction:
         else:
             chars.append(c)
     text = ' '.join(''.join(chars).split())
-    truncated = len(text) > max_chars
-    if truncated:
+    truncated = len(text) > max_chars or received > len(raw)
+    if len(text) > max_chars:
         cut = text[:max_chars]
         space = cut.rfind(' ')
         text = (cut[:space] if space >= max_chars * 0.8 else cut).rstrip()
-    return Instruction(text, len(raw), truncated, invalid, control)
+    return Instruction(text, received, truncated, invalid, control)
 
 
 # --- latest message buffer ----------------------------------------------------------------------
@@ -175,6 +179,14 @@ def build_observation(buffer: LatestBuffer, cameras: list[tuple[str, InputSource
         age = now_s - entry.received_s
         status = InputStatus(source.label, 'ok', age, entry.count)
         statuses.append(status)
+        if age < -stale_timeout_s:
+            # The clock jumped back (a looping bag under --clock, use_sim_time switched): a
+            # message "from the future" is as unusable as an old one.
+            status.state = 'stale'
+            status.detail = (f'{source.label}: stale, received {-age:.2f} s after the current '
+                             'time (the clock jumped back)')
+            problems[source.key] = status.detail
+            continue
         if age > stale_timeout_s:
             status.state = 'stale'
             status.detail = (f'{source.label}: stale, last message {age:.2f} s ago '

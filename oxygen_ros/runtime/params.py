@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 import re
 from typing import Any, Callable
@@ -82,12 +83,37 @@ def _check_device(value) -> str | None:
     return None
 
 
-def _check_path(kind: str) -> Callable[[Any], str | None]:
-    def check(value):
-        if value and not Path(value).expanduser().exists():
-            return f'{kind} {value!r} does not exist'
-        return None
-    return check
+MAX_PATH_CHARS = 4096
+
+
+def _usable_path(value: str, is_usable: Callable[[Path], bool]) -> bool:
+    """Whether `value` names a path that passes `is_usable`; never raises."""
+    if not isinstance(value, str) or len(value) > MAX_PATH_CHARS or '\x00' in value:
+        return False
+    try:
+        return is_usable(Path(value).expanduser())
+    except (OSError, RuntimeError, ValueError):   # ~unknownuser, name too long, bad bytes
+        return False
+
+
+def _check_checkpoint(value) -> str | None:
+    # One answer for missing, unreadable and wrong paths: a parameter service must not tell a
+    # DDS peer which files exist outside a checkpoint's layout.
+    def is_checkpoint(path: Path) -> bool:
+        weights = path / 'model.safetensors'
+        return path.is_dir() and weights.is_file() and os.access(weights, os.R_OK)
+    if value and not _usable_path(value, is_checkpoint):
+        return ('is not a readable checkpoint folder (expected a directory with '
+                'model.safetensors and config.json)')
+    return None
+
+
+def _check_tokenizer(value) -> str | None:
+    def is_model_file(path: Path) -> bool:
+        return path.suffix == '.model' and path.is_file() and os.access(path, os.R_OK)
+    if value and not _usable_path(value, is_model_file):
+        return 'is not a readable SentencePiece model file (expected a *.model file)'
+    return None
 
 
 def parse_decode_budget(value: str) -> int | None:
@@ -134,7 +160,7 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('autostart', True, 'Configure and activate on startup (false: wait for '
               'lifecycle transitions).', read_only=True),
     ParamSpec('checkpoint', '', "openpi checkpoint directory (model.safetensors, config.json, "
-              "assets/); '' = random weights of `preset`.", check=_check_path('checkpoint')),
+              "assets/); '' = random weights of `preset`.", check=_check_checkpoint),
     ParamSpec('preset', 'pi05-cpu', 'Model preset used with random weights (checkpoint empty).',
               check=_check_preset),
     ParamSpec('device', 'cpu', "Torch device: 'cpu', 'cuda', 'cuda:N'.", check=_check_device),
@@ -179,7 +205,7 @@ PARAMS: tuple[ParamSpec, ...] = (
               int_range=(0, 2**31 - 1)),
     ParamSpec('tokenizer', '', "SentencePiece model; '' = the checkpoint's tokenizer.model, or "
               'a tiny tokenizer trained offline (random weights).',
-              check=_check_path('tokenizer')),
+              check=_check_tokenizer),
 )
 PARAMS_BY_NAME = {spec.name: spec for spec in PARAMS}
 RUNTIME_PARAMS = frozenset(s.name for s in PARAMS if not s.configure_time)

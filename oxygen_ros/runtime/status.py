@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 OK, WARN, ERROR, STALE = 0, 1, 2, 3
+MAX_MESSAGE_CHARS = 300   # longer log / diagnostic messages are cut
 LEVEL_NAMES = {OK: 'OK', WARN: 'WARN', ERROR: 'ERROR', STALE: 'STALE'}
 
 
@@ -129,15 +130,22 @@ class ProblemLog:
     """
 
     def __init__(self, log: Callable[[int, str], None], repeat_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, history: int = 200):
+                 clock: Callable[[], float] = time.monotonic, history: int = 200,
+                 min_change_s: float = 1.0):
         self.log = log
         self.repeat_s = repeat_s
+        # A problem whose text keeps changing (a sender cycling through bad strings) is logged
+        # at most once per min_change_s per input, not once per distinct text.
+        self.min_change_s = min_change_s
         self.clock = clock
-        self._open: dict[str, list] = {}   # key -> [message, last logged time, repeats since]
+        self._open: dict[str, list] = {}   # key -> [message, last logged, repeats since,
+        #                                     last logged as new]
         self._lock = threading.Lock()       # the tick, input callbacks and the engine all log
         self.history: collections.deque[tuple[int, str]] = collections.deque(maxlen=history)
 
     def _emit(self, level: int, message: str) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:   # a 1 MB field must not make a 1 MB log line
+            message = message[:MAX_MESSAGE_CHARS - 25] + f'... ({len(message)} chars)'
         self.history.append((level, message))
         self.log(level, message)
 
@@ -151,9 +159,10 @@ class ProblemLog:
         for key, message in problems.items():
             full = f'{group}/{key}'
             state = self._open.get(full)
-            if state is None or _shape(state[0]) != _shape(message):
+            if state is None or (_shape(state[0]) != _shape(message)
+                                 and now - state[3] >= self.min_change_s):
                 self._emit(level, message)
-                self._open[full] = [message, now, 0]
+                self._open[full] = [message, now, 0, now]
             elif now - state[1] >= self.repeat_s:
                 self._emit(level, f'{message} (still; {state[2] + 1} times in '
                                   f'{now - state[1]:.0f} s)')
@@ -181,7 +190,7 @@ class ProblemLog:
         if state is None or now - state[1] >= self.repeat_s:
             suffix = f' ({state[2]} more since)' if state and state[2] else ''
             self._emit(level, message + suffix)
-            self._open['event/' + key] = [message, now, 0]
+            self._open['event/' + key] = [message, now, 0, now]
         else:
             state[2] += 1
 
