@@ -30,6 +30,8 @@ from oxygen_ros.bag.typestore import (COMPRESSED_IMAGE, IMAGE, JOINT_STATE, make
 from oxygen_ros.bag.writer import OutputBag, qos_profile
 from oxygen_ros.ros.qos import INSTRUCTION
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # all close the bag cleanly
+
 logger = logging.getLogger(__name__)
 
 ROS_TYPES = {IMAGE: Image, COMPRESSED_IMAGE: CompressedImage, JOINT_STATE: JointState,
@@ -156,17 +158,22 @@ def _no_rclpy_signal_handlers() -> dict:
 
 @contextlib.contextmanager
 def _sigint_sets(stop: threading.Event):
-    """While inside, SIGINT sets `stop` (main thread only; elsewhere signals cannot be set)."""
+    """While inside, SIGINT, SIGTERM and SIGHUP set `stop`: the bag is closed as on Ctrl-C.
+
+    Main thread only (elsewhere signals cannot be set).
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set())
+                for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        # None: the previous handler was not installed from Python (e.g. rclpy's own).
-        signal.signal(signal.SIGINT, previous if previous is not None
-                      else signal.default_int_handler)
+        for sig, handler in previous.items():
+            # None: the previous handler was not installed from Python (e.g. rclpy's own).
+            signal.signal(sig, handler if handler is not None else (
+                signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL))
 
 
 def record_demo_main(args) -> int:

@@ -398,12 +398,45 @@ def test_interrupted_replay_keeps_what_was_written(tmp_path, demo_bag, params):
     _partial_output_ok(tmp_path / 'out', 4, 'interrupted')
 
 
+def test_overwrite_never_deletes_the_input_or_a_foreign_bag(tmp_path, params):
+    # Regression (#11): `replay d/recording.mcap --out d --overwrite` deleted the input and a
+    # sibling recording.
+    folder = write_demo_bag(tmp_path / 'd', params, 0.3, image_hw=IMAGE_HW, start_ns=START_NS)
+    recording = next(folder.glob('*.mcap'))
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(BagError, match='holds or is inside the input bag'):
+        Replay(recording, folder, params, overwrite=True).run()
+    with pytest.raises(BagError, match='holds or is inside the input bag'):
+        Replay(folder, folder / 'out', params, overwrite=True).run()
+    other = write_demo_bag(tmp_path / 'other', params, 0.3, image_hw=IMAGE_HW,
+                           start_ns=START_NS)   # a bag, but not one a replay wrote
+    with pytest.raises(BagError, match='not a bag oxygen-ros wrote'):
+        Replay(folder, other, params, overwrite=True).run()
+    assert sorted(p.name for p in folder.iterdir()) == before and any(other.iterdir())
+    # A replay's own output is overwritten as asked.
+    Replay(folder, tmp_path / 'out', params).run()
+    assert Replay(folder, tmp_path / 'out', params, overwrite=True).run().status == 'complete'
+
+
+def test_idle_gap_is_jumped_and_ticks_are_capped(tmp_path, params):
+    # Regression (#11): a first message at log time 0 meant 17 billion ticks (92k ticks and
+    # 16 MB of /diagnostics in 4 s, never ending).
+    store = make_typestore()
+    stray = (0, params.resolve('instruction'), STRING, string_msg(store, 'pick up the red block'))
+    bag = write_bag(tmp_path / 'gap', params, store=store, extra=[stray])
+    summary, frames = replay(bag, tmp_path / 'out', params)
+    assert summary.status == 'complete' and summary.idle_ticks > 10**10
+    assert summary.ticks < 100 and summary.frames >= TICKS - 2
+    with pytest.raises(BagError, match=r'after 3 ticks \(the cap\)'):
+        replay(bag, tmp_path / 'capped', params, max_ticks=3)
+
+
 def test_output_exists_and_bad_rate(tmp_path, demo_bag, params):
     (tmp_path / 'out').mkdir()
     (tmp_path / 'out' / 'notes.txt').write_text('keep me')
     with pytest.raises(BagError, match='exists; expected a new path'):
         Replay(demo_bag, tmp_path / 'out', params)
-    with pytest.raises(BagError, match='not a rosbag2; not overwriting'):
+    with pytest.raises(BagError, match='not a bag oxygen-ros wrote'):
         Replay(demo_bag, tmp_path / 'out', params, overwrite=True).run()
     assert (tmp_path / 'out' / 'notes.txt').exists()
     with pytest.raises(BagError, match="rate 'fast'; expected 'recorded', 'max' or a speed"):
@@ -432,7 +465,10 @@ def test_cli_error_is_one_line_and_nonzero(tmp_path, demo_bag, capsys):
     assert 'Traceback' not in err
 
 
-def test_cli_ctrl_c_closes_output(tmp_path, params):
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=['SIGINT', 'SIGTERM', 'SIGHUP'])
+def test_cli_ctrl_c_closes_output(tmp_path, params, sig):
+    # Regression (#11): SIGTERM left an unreadable MCAP; only SIGINT was handled.
     bag = write_demo_bag(tmp_path / 'in', params, 20.0, image_hw=IMAGE_HW, camera_hz=5,
                          state_hz=10, start_ns=START_NS)
     out = tmp_path / 'out'
@@ -446,7 +482,7 @@ def test_cli_ctrl_c_closes_output(tmp_path, params):
     while not out.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
     time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, (stdout, stderr)
     assert 'stopping after this tick' in stderr and 'Traceback' not in stderr

@@ -167,27 +167,32 @@ def replay_main(args: argparse.Namespace) -> int:
     return 0
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # all close the bag cleanly
+
+
 @contextlib.contextmanager
 def _stop_on_sigint(replay):
-    """First Ctrl-C: stop after the current tick; second: stop at once.
+    """First Ctrl-C (or SIGTERM, SIGHUP): stop after the current tick; second: stop at once.
 
-    Why not the default KeyboardInterrupt: raised inside a C extension it can make CPython
-    (3.11) end the process with SIGINT even after it was handled, losing the exit code.
+    Either way the output bag is closed and readable. Why not the default KeyboardInterrupt:
+    raised inside a C extension it can make CPython (3.11) end the process with SIGINT even
+    after it was handled, losing the exit code; SIGTERM's default would lose the bag.
     """
-    def on_sigint(signum, frame):
+    def on_signal(signum, frame):
         if replay.stop_requested:
             raise KeyboardInterrupt
         replay.request_stop()
-        print('oxygen-ros replay: stopping after this tick (Ctrl-C again to abort)',
-              file=sys.stderr)
+        print(f'oxygen-ros replay: {signal.Signals(signum).name}: stopping after this tick '
+              '(again to abort)', file=sys.stderr)
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _print_partial(summary) -> None:

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 CAMERA_TYPES = (IMAGE, COMPRESSED_IMAGE)
 COPY_MODES = ('inputs', 'all', 'none')
+DEFAULT_MAX_TICKS = 5_000_000            # ~5.8 days at 10 Hz; idle gaps do not count
+MAX_SKIP_REASONS = 20                    # distinct skip reasons kept in the summary
 DIAGNOSTICS_TOPIC = '/diagnostics'
 
 
@@ -134,6 +136,7 @@ class ReplaySummary:
     ticks: int = 0                       # ticks run (frames + skipped)
     frames: int = 0                      # engine frames (one action chunk each)
     skipped_ticks: int = 0               # ticks without an observation (as the node skips)
+    idle_ticks: int = 0                  # ticks jumped over in idle gaps (nothing to do)
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)   # reason -> ticks
     actions: int = 0
     tokens: int = 0
@@ -159,7 +162,8 @@ class ReplaySummary:
         lines = [
             f'replay {self.status}: {self.bag} -> {self.out}',
             f'  frames {self.frames} of {self.ticks} ticks'
-            + (f' ({self.skipped_ticks} skipped: {reasons})' if self.skipped_ticks else ''),
+            + (f' ({self.skipped_ticks} skipped: {reasons})' if self.skipped_ticks else '')
+            + (f'; {self.idle_ticks} idle ticks jumped over' if self.idle_ticks else ''),
             f'  action chunks {self.actions}; tokens {self.tokens} in {self.token_messages} '
             f'messages; narrations {self.narrations}'
             + (f' (finished: {finished})' if finished else '')
@@ -247,13 +251,15 @@ class Replay:
                  system=None, rate: str | float | None = 'max', storage: str = 'mcap',
                  overwrite: bool = False, copy: str = 'inputs', progress: bool = False,
                  on_frame: Callable[[Observation, FrameResult], None] | None = None,
-                 node_name: str = 'oxygen_node'):
+                 node_name: str = 'oxygen_node', max_ticks: int = DEFAULT_MAX_TICKS):
         if copy not in COPY_MODES:
             raise BagError(f'copy {copy!r}; expected one of {COPY_MODES}')
         self.bag_path = Path(bag)
         self.out_path = Path(out)
-        if self.out_path.resolve() == self.bag_path.resolve():
-            raise BagError(f'output {out} is the input bag; expected another path')
+        bag_abs, out_abs = self.bag_path.resolve(), self.out_path.resolve()
+        if out_abs == bag_abs or out_abs in bag_abs.parents or bag_abs in out_abs.parents:
+            raise BagError(f'output {out} is, holds or is inside the input bag {bag}; expected '
+                           'a path apart from it')
         if self.out_path.exists() and not overwrite:   # say so before loading a model
             raise BagError(f'output {out} exists; expected a new path (or --overwrite)')
         self.params = params
@@ -265,6 +271,7 @@ class Replay:
         self.progress = progress
         self.on_frame = on_frame
         self.node_name = node_name
+        self.max_ticks = max_ticks
         self.store = make_typestore()
         self.summary = ReplaySummary(str(bag), str(out))
         self.description: dict = {}          # what the node reports about its engine
@@ -338,6 +345,8 @@ class Replay:
         loop = FrameLoop(self.system, builder.inputs, stats=diag.stats)
         sink = _BagOutputs(self, out)
         tick = 0
+        last_input_ns = start_ns
+        stale_ns = round(p.settings.stale_frame_timeout_s * 1e9)
 
         def run_ticks_before(limit_ns: float) -> None:
             nonlocal tick
@@ -345,6 +354,20 @@ class Replay:
                 tick_ns = start_ns + round(tick * p.period_ns)
                 if tick_ns >= limit_ns:
                     return
+                if tick_ns > last_input_ns + stale_ns and not self.system.num_live_requests:
+                    # An idle gap (every input stale, no request running): the node would
+                    # tick without doing anything until the next message. Jump to it.
+                    resume = min(n_ticks, math.ceil((limit_ns - start_ns) / p.period_ns))
+                    if resume > tick:
+                        summary.idle_ticks += resume - tick
+                        progress.update(resume - tick)
+                        tick = resume
+                        continue
+                if summary.ticks >= self.max_ticks:
+                    raise BagError(f'replay stopped after {self.max_ticks} ticks (the cap): the '
+                                   f'bag spans up to {n_ticks - summary.idle_ticks} ticks at '
+                                   f'{p.settings.control_rate_hz:g} Hz; raise max_ticks or '
+                                   'replay a shorter bag')
                 self._pace(tick_ns - start_ns, wall_start)
                 self._check_stop()
                 self._tick(tick_ns, builder, loop, sink, out, diag)
@@ -361,6 +384,7 @@ class Replay:
             run_ticks_before(time_ns)
             summary.input_messages += 1
             if conn.id in inputs_ids:
+                last_input_ns = time_ns
                 try:
                     builder.update(conn, time_ns, raw)
                 except BagError as err:
@@ -407,6 +431,8 @@ class Replay:
             summary.skipped_ticks += 1
             for why in outcome.problems.values():
                 why = _reason_kind(why)
+                if why not in summary.skipped and len(summary.skipped) >= MAX_SKIP_REASONS:
+                    why = 'other reasons'   # distinct texts from a bad sender stay bounded
                 summary.skipped[why] = summary.skipped.get(why, 0) + 1
         if outcome.result is not None:
             for finished in outcome.result.finished:

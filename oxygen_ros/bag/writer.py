@@ -73,9 +73,9 @@ class OutputBag:
         if self.path.exists():
             if not self.overwrite:
                 raise BagError(f'output {self.path} exists; expected a new path (or --overwrite)')
-            if not _looks_like_bag(self.path):
-                raise BagError(f'output {self.path} exists and is not a rosbag2; not '
-                               'overwriting it')
+            if not _written_by_oxygen_ros(self.path):
+                raise BagError(f'output {self.path} exists and is not a bag oxygen-ros wrote '
+                               '(no oxygen_ros entry in its metadata.yaml); not overwriting it')
             shutil.rmtree(self.path) if self.path.is_dir() else self.path.unlink()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         writer = Writer(self.path, version=ROSBAG2_VERSION,
@@ -138,9 +138,23 @@ class OutputBag:
         writer.close()
 
 
-def _looks_like_bag(path: Path) -> bool:
-    if path.is_file():
-        return path.suffix == '.mcap'
+def _written_by_oxygen_ros(path: Path) -> bool:
+    """Whether `path` is a rosbag2 folder whose metadata says this package wrote it.
+
+    Only such a folder may be removed by --overwrite: a bare .mcap file, or a folder that only
+    looks like a bag (another tool's recording, a folder of recordings), is never deleted.
+    """
+    import yaml
+
+    if not path.is_dir():
+        return False
     names = {p.name for p in path.iterdir()}
-    return bool(names) and all(n == 'metadata.yaml' or n.endswith(('.mcap', '.db3', '.zstd'))
-                               for n in names)
+    if 'metadata.yaml' not in names or not all(
+            n == 'metadata.yaml' or n.endswith(('.mcap', '.db3', '.zstd')) for n in names):
+        return False
+    try:
+        meta = yaml.safe_load((path / 'metadata.yaml').read_text())
+        custom = meta['rosbag2_bagfile_information'].get('custom_data') or {}
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return False
+    return any(str(key).startswith('oxygen_ros.') for key in custom)
