@@ -64,7 +64,7 @@ from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.inputs import InputSet, InputSource, sanitize_instruction
 from oxygen_ros.runtime.params import (check_value, NODE_NAME, PARAMS, PARAMS_BY_NAME,
                                        parse_decode_budget, ROBOT_IO, robot_defaults,
-                                       RUNTIME_PARAMS, Settings)
+                                       RUNTIME_PARAMS, SAFETY_LIMITS, Settings)
 from oxygen_ros.runtime.status import build_statuses, ERROR, LoopStats, OK, ProblemLog, WARN
 
 try:   # Jazzy+ names the event classes event_handler; Humble only has qos_event.
@@ -276,8 +276,14 @@ class OxygenNode(LifecycleNode):
 
     def _on_set_parameters(self, params: list[Parameter]) -> SetParametersResult:
         reasons = []
+        active = self._lifecycle == 'active'
         for param in params:
             spec = PARAMS_BY_NAME.get(param.name)
+            if param.name == 'use_sim_time' and active and not self._declaring:
+                # Switching clocks mid-run makes every input look stale or fresh at random.
+                reasons.append('use_sim_time: can only change while not active (deactivate '
+                               'first)')
+                continue
             if spec is None:
                 continue
             try:
@@ -291,6 +297,12 @@ class OxygenNode(LifecycleNode):
             elif spec.configure_time and self._lifecycle not in ('unconfigured', 'finalized'):
                 reasons.append(f'{param.name}: can only change while unconfigured (node is '
                                f'{self._lifecycle}): deactivate, cleanup, set it, configure')
+            elif (active and param.name in SAFETY_LIMITS and not self._declaring
+                  and not self._value('allow_unsafe_changes')
+                  and param.value > self._value(param.name)):
+                reasons.append(f'{param.name}: raising it while active loosens a safety limit '
+                               f'({self._value(param.name):g} -> {param.value:g}); deactivate '
+                               'first, or start the node with allow_unsafe_changes:=true')
         changes = {p.name: p.value for p in params if p.name in RUNTIME_PARAMS}
         if not reasons and self._engine is not None:
             why = self._check_fits(changes)

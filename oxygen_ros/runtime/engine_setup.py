@@ -119,6 +119,41 @@ def _checkpoint(settings: Settings, device: str, dtype: torch.dtype):
                                     'tokenizer': str(tokenizer_path)}, warnings
 
 
+def available_memory_bytes(device: str) -> int | None:
+    """Memory a new allocation on `device` can use now (None when unknown)."""
+    if device.startswith('cuda'):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        with open('/proc/meminfo') as f:
+            for line in f:
+                if line.startswith('MemAvailable:'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_pool_fits(settings: Settings, config, dtype: torch.dtype) -> None:
+    """Refuse an explicit kv_capacity whose pool would take more than half the free memory.
+
+    A parameter set over DDS (kv_capacity=1024 of a large model) must fail configure with a
+    reason, not take the robot computer out of memory.
+    """
+    if not settings.kv_capacity:
+        return
+    b = config.backbone
+    slot_len = config.prefix_len + settings.tokens_per_request + 32   # prefix + forced + N
+    per_slot = 2 * b.depth * slot_len * b.num_kv_heads * b.head_dim * dtype.itemsize
+    need = settings.kv_capacity * per_slot
+    free = available_memory_bytes(settings.device)
+    if free is not None and need > free // 2:
+        raise EngineSetupError(
+            f'kv_capacity {settings.kv_capacity} needs {need / 2**30:.2f} GiB of KV cache, more '
+            f'than half the free memory of {settings.device} ({free / 2**30:.2f} GiB): use '
+            f'kv_capacity 0 (sized from N and k) or at most {max(free // 2 // per_slot, 1)}')
+
+
 def warm_up(model, frontend: Frontend, settings: Settings) -> None:
     """Run one throwaway frame (own 2-slot scheduler) so the first real tick is not slow.
 
@@ -159,6 +194,7 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
         # Loader errors (bad safetensors header, tokenizer/vocab mismatch, ...) carry their own
         # reason; say which step failed.
         raise EngineSetupError(f'loading the model failed: {err}') from err
+    check_pool_fits(settings, model.config, dtype)
     if warmup:
         warm_up(model, frontend, settings)
     policy = policy_for(settings, frontend.eos_id)

@@ -159,6 +159,8 @@ def _check_template(value) -> str | None:
 PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('autostart', True, 'Configure and activate on startup (false: wait for '
               'lifecycle transitions).', read_only=True),
+    ParamSpec('allow_unsafe_changes', False, 'Allow loosening safety limits while active '
+              '(raising stale_frame_timeout_s); set at startup only.', read_only=True),
     ParamSpec('checkpoint', '', "openpi checkpoint directory (model.safetensors, config.json, "
               "assets/); '' = random weights of `preset`.", check=_check_checkpoint),
     ParamSpec('preset', 'pi05-cpu', 'Model preset used with random weights (checkpoint empty).',
@@ -194,11 +196,14 @@ PARAMS: tuple[ParamSpec, ...] = (
               check=_check_decode_budget),
     ParamSpec('request_every_n_frames', 1, 'Start a language request every n frames (0 = no '
               'language).', configure_time=False, int_range=(0, 1_000_000)),
-    ParamSpec('kv_capacity', 0, 'KV pool slots; 0 = sized from N, k and the request rate.',
-              int_range=(0, 4096)),
+    ParamSpec('kv_capacity', 0, 'KV pool slots; 0 = sized from N, k and the request rate '
+              '(configure refuses a pool larger than half the free memory).',
+              int_range=(0, 1024)),
+    # A robot must not act on old inputs: at most 5 s, and only tightened while active.
     ParamSpec('stale_frame_timeout_s', 0.5, 'A camera or joint state older than this (node '
-              'clock, time of receipt) stops the action path.', configure_time=False,
-              float_range=(0.01, 3600.0)),
+              'clock, time of receipt) stops the action path; while active it can only be '
+              'lowered (unless allow_unsafe_changes).', configure_time=False,
+              float_range=(0.01, 5.0)),
     ParamSpec('max_instruction_chars', 500, 'Longer instructions are truncated (and reported).',
               configure_time=False, int_range=(1, 100_000)),
     ParamSpec('seed', 0, 'Seed of random weights, flow-matching noise and request arrivals.',
@@ -209,6 +214,9 @@ PARAMS: tuple[ParamSpec, ...] = (
 )
 PARAMS_BY_NAME = {spec.name: spec for spec in PARAMS}
 RUNTIME_PARAMS = frozenset(s.name for s in PARAMS if not s.configure_time)
+# Runtime parameters that must not be loosened while the robot is being driven: name -> the
+# direction that loosens them.
+SAFETY_LIMITS = {'stale_frame_timeout_s': 'up'}
 
 
 def check_value(name: str, value: Any) -> str | None:
