@@ -219,11 +219,42 @@ RUNTIME_PARAMS = frozenset(s.name for s in PARAMS if not s.configure_time)
 SAFETY_LIMITS = {'stale_frame_timeout_s': 'up'}
 
 
+def _type_problem(default: Any, value: Any) -> str | None:
+    """Why `value` has not the parameter's type (the type of its default), or None.
+
+    ROS parameters arrive typed, but a YAML file read by the replay can hold anything.
+    """
+    def kind(v) -> str:
+        if isinstance(v, bool):
+            return 'a bool'
+        if isinstance(v, int):
+            return 'an integer'
+        if isinstance(v, float):
+            return 'a number'
+        if isinstance(v, str):
+            return 'a string'
+        if isinstance(v, (list, tuple)):
+            return 'a list of ' + (kind(v[0]).split(' ', 1)[1] + 's' if v else 'values')
+        return f'a {type(v).__name__}'
+    expected = kind(default)
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return None   # 10 for 10.0
+    if isinstance(default, list):
+        ok = isinstance(value, (list, tuple)) and all(
+            type(v) is type(default[0]) for v in value) if default else True
+    else:
+        ok = type(value) is type(default)
+    return None if ok else f'expected {expected}, got {kind(value)}'
+
+
 def check_value(name: str, value: Any) -> str | None:
     """Return why `value` is not acceptable for parameter `name`, or None when it is."""
     spec = PARAMS_BY_NAME.get(name)
     if spec is None:
         return None
+    why = _type_problem(spec.default, value)
+    if why:
+        return why
     if spec.int_range is not None:
         lo, hi = spec.int_range
         if not lo <= value <= hi:
