@@ -99,3 +99,18 @@ def test_kv_capacity_that_does_not_fit_in_memory_fails_configure(harness, monkey
     model = {s.name.split(': ')[1]: s for s in h.node.diagnostic_statuses()}['model']
     assert 'more than half the free memory' in model.message
     assert not _set(h.node, 'kv_capacity', 4096).successful   # beyond the range
+
+
+def test_discovery_defaults_to_this_machine():
+    # Finding: installed entry points used ROS defaults (subnet discovery).
+    from oxygen_ros.ros.node import default_discovery_to_localhost
+
+    env = {}
+    assert 'LOCALHOST' in default_discovery_to_localhost(env)
+    assert env == {'ROS_AUTOMATIC_DISCOVERY_RANGE': 'LOCALHOST'}
+    env = {'ROS_DISTRO': 'humble'}
+    default_discovery_to_localhost(env)
+    assert env['ROS_LOCALHOST_ONLY'] == '1'
+    env = {'ROS_AUTOMATIC_DISCOVERY_RANGE': 'SUBNET'}
+    assert 'from the environment' in default_discovery_to_localhost(env)
+    assert env == {'ROS_AUTOMATIC_DISCOVERY_RANGE': 'SUBNET'}

@@ -644,6 +644,27 @@ def make_executor(context=None) -> SingleThreadedExecutor:
     return SingleThreadedExecutor(context=context)
 
 
+DISCOVERY_VARIABLES = ('ROS_AUTOMATIC_DISCOVERY_RANGE', 'ROS_LOCALHOST_ONLY', 'ROS_STATIC_PEERS')
+
+
+def default_discovery_to_localhost(environ=os.environ) -> str:
+    """Keep DDS discovery on this machine unless the environment chose otherwise.
+
+    ROS's own default is the whole subnet (domain 0): any peer there could replace the task,
+    feed cameras or reconfigure the node. A robot that must be reached from other machines
+    says so with ROS_AUTOMATIC_DISCOVERY_RANGE=SUBNET (README, "DDS and security"). Returns
+    what was decided, for the startup log. Must run before rclpy.init().
+    """
+    chosen = {k: environ[k] for k in DISCOVERY_VARIABLES if environ.get(k)}
+    if chosen:
+        return ', '.join(f'{k}={v}' for k, v in chosen.items()) + ' (from the environment)'
+    if environ.get('ROS_DISTRO') == 'humble':   # predates ROS_AUTOMATIC_DISCOVERY_RANGE
+        environ['ROS_LOCALHOST_ONLY'] = '1'
+        return 'ROS_LOCALHOST_ONLY=1 (oxygen_node default)'
+    environ['ROS_AUTOMATIC_DISCOVERY_RANGE'] = 'LOCALHOST'
+    return 'ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (oxygen_node default)'
+
+
 def main(args=None, *, fast_exit: bool = True) -> int:
     """Run oxygen_node until Ctrl-C (console script and `ros2 run oxygen_ros oxygen_node`).
 
@@ -651,11 +672,14 @@ def main(args=None, *, fast_exit: bool = True) -> int:
     interpreter's own teardown of torch takes over a second (measured 1.2 s here) and has
     nothing left to release; without it Ctrl-C ends the node well within a second.
     """
+    discovery = default_discovery_to_localhost()
     rclpy.init(args=args)
     node = None
     executor = make_executor()
     try:
         node = OxygenNode()
+        node.get_logger().info(f'DDS discovery: {discovery}, ROS_DOMAIN_ID='
+                               f'{os.environ.get("ROS_DOMAIN_ID", "0 (default)")}')
         executor.add_node(node)
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
