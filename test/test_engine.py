@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from oxygen_ros.engine import (FixedBudget, Frontend, LanguagePolicy, make_system,
-                               random_observation, random_setup, Scheduler)
+from oxygen_ros.engine import (FixedBudget, Frontend, LanguagePolicy, make_engine, make_system,
+                               random_observation, random_setup)
 from oxygen_ros.engine.budget import AdaptiveBudget
 from oxygen_ros.model import get_preset
 
@@ -50,7 +50,7 @@ def run(system, frames, observe=obs):
         actions[frame] = result.action.actions
         results.append(result)
         requests.update((f.origin_frame, f) for f in result.finished)
-    while getattr(system, 'active', None):
+    while system.num_live_requests:
         system.advance_language()
         results.append(system.last_result)
         requests.update((f.origin_frame, f) for f in system.last_result.finished)
@@ -181,13 +181,13 @@ def test_act_returns_before_any_language_work(setup, monkeypatch):
     system = make_system('oxygen', model, frontend, LanguagePolicy(max_new_tokens=6), k=2)
     system.step(obs(0))
     calls.clear()
-    before = [len(r.token_ids) for r in system.active]
+    before = [len(r.token_ids) for r in system.scheduler.active]
     action = system.act(obs(1))
     assert action.frame_index == 1 and action.actions.shape == (CFG.action_horizon, 7)
-    assert calls == [] and [len(r.token_ids) for r in system.active] == before
-    assert len(system.active) == 1                                  # frame 1's request not yet
+    assert calls == [] and [len(r.token_ids) for r in system.scheduler.active] == before
+    assert len(system.scheduler.active) == 1                                  # frame 1's request not yet
     system.advance_language()
-    assert 'decode_step' in calls and len(system.active) == 2
+    assert 'decode_step' in calls and len(system.scheduler.active) == 2
 
 
 def test_no_slot_leaks_with_random_arrivals(setup):
@@ -208,14 +208,13 @@ def test_no_slot_leaks_with_random_arrivals(setup):
             if rng.random() < 0.2:
                 system.advance_language()                           # language-only tick
                 seen.update(f.request_id for f in system.last_result.finished)
-        while system.active:
+        while system.num_live_requests:
             system.advance_language()
             seen.update(f.request_id for f in system.last_result.finished)
         system.check()
         assert system.pool.num_in_use == 0 and system.pool.bytes_in_use == 0
         assert system.pool.peak_slots_in_use <= capacity
-        assert seen == set(range(system._next_request_id))          # every request reported
-        assert not system._first_hidden
+        assert seen == set(range(system.scheduler.num_requests))    # every request reported
 
 
 def test_pool_full_evicts_oldest_and_keeps_its_text(setup):
@@ -322,8 +321,9 @@ def test_adaptive_budget_meets_the_deadline_with_a_fake_clock(setup, monkeypatch
     timed('decode_step', lambda kv, slots, *a: cost['step0'] + cost['per_row'] * len(slots))
     period = 0.100
     policy = LanguagePolicy(max_new_tokens=30, eos_id=None)
-    system = Scheduler(model, frontend, policy, AdaptiveBudget(period, k_max=30, margin=0.0),
-                       clock=clock, debug=True)
+    system = make_engine('oxygen-adaptive', model, frontend, policy,
+                         AdaptiveBudget(period, k_max=30, margin=0.0), sizing_k=1, clock=clock,
+                         debug=True)
     ks, frame_times = [], []
     for frame in range(14):
         if frame == 8:
@@ -380,7 +380,7 @@ def test_arrival_queue_overflow_is_refused_and_reported(setup):
     refused = [f for f in finished if f.finish_reason == 'refused']
     arrived = sum(policy.arrivals(f) for f in range(5))
     assert refused and all(f.token_ids == [] and 'queue' in f.error for f in refused)
-    assert len(finished) == arrived - system._queued                # nothing silently lost
+    assert len(finished) == arrived - system.scheduler.num_queued                # nothing silently lost
     assert sorted(f.request_id for f in finished) == list(range(len(finished)))
 
 
@@ -392,6 +392,6 @@ def test_act_twice_releases_the_skipped_frame(setup):
     system.act(obs(1))                      # the node missed advance_language() for frame 0
     assert system.pool.num_in_use == 1
     system.advance_language()
-    assert [r.origin_frame for r in system.active] == [1]
+    assert [r.origin_frame for r in system.scheduler.active] == [1]
     result = make_system('shared', model, frontend, LanguagePolicy(max_new_tokens=3)).step(obs(0))
     assert result.k == 3 and result.finished[0].token_ids

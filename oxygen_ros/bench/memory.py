@@ -79,9 +79,7 @@ def probe(args: argparse.Namespace) -> dict:
             peak_kb = read_status_kb('VmHWM')
             above_kb = peak_kb - runtime_kb
     finally:
-        close = getattr(system, 'close', None)
-        if close is not None:
-            close()
+        system.close()
     cuda_mb = math.nan
     if cuda and not workers:
         cuda_mb = torch.cuda.max_memory_allocated() / 2**20
