@@ -109,8 +109,7 @@ class Engine:
         slot = self.scheduler.allocate_frame_slot(frame.index)
         try:
             self.runner.prefill(frame.prepared.tensors, slot)
-            cfg = self.runner.model.config
-            noise = frame_noise(self.seed, frame.index, cfg.action_horizon, cfg.action_dim)
+            noise = frame_noise(self.seed, frame.index, *self.runner.action_shape)
             normalized = self.runner.sample_actions(slot, noise)            # [H, A]
             with self._frontend_clock():
                 actions = self.frontend.robot_actions(normalized, frame.prepared)

@@ -91,6 +91,12 @@ class ModelRunner:
         self.seconds = dict.fromkeys(MODEL_CALLS, 0.0)   # model time since reset_times()
         self.last_call_s = 0.0                            # duration of the latest call
 
+    @property
+    def action_shape(self) -> tuple[int, int]:
+        """(H, A): rows and width of the model's action chunk (the noise's shape)."""
+        cfg = self.model.config
+        return cfg.action_horizon, cfg.action_dim
+
     def reset_times(self) -> None:
         self.seconds = dict.fromkeys(MODEL_CALLS, 0.0)
 
