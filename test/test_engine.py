@@ -185,7 +185,7 @@ def test_act_returns_before_any_language_work(setup, monkeypatch):
     action = system.act(obs(1))
     assert action.frame_index == 1 and action.actions.shape == (CFG.action_horizon, 7)
     assert calls == [] and [len(r.token_ids) for r in system.scheduler.active] == before
-    assert len(system.scheduler.active) == 1                                  # frame 1's request not yet
+    assert len(system.scheduler.active) == 1                        # frame 1's request not yet
     system.advance_language()
     assert 'decode_step' in calls and len(system.scheduler.active) == 2
 
@@ -380,7 +380,7 @@ def test_arrival_queue_overflow_is_refused_and_reported(setup):
     refused = [f for f in finished if f.finish_reason == 'refused']
     arrived = sum(policy.arrivals(f) for f in range(5))
     assert refused and all(f.token_ids == [] and 'queue' in f.error for f in refused)
-    assert len(finished) == arrived - system.scheduler.num_queued                # nothing silently lost
+    assert len(finished) == arrived - system.scheduler.num_queued   # nothing silently lost
     assert sorted(f.request_id for f in finished) == list(range(len(finished)))
 
 
