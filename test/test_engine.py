@@ -395,3 +395,34 @@ def test_act_twice_releases_the_skipped_frame(setup):
     assert [r.origin_frame for r in system.scheduler.active] == [1]
     result = make_system('shared', model, frontend, LanguagePolicy(max_new_tokens=3)).step(obs(0))
     assert result.k == 3 and result.finished[0].token_ids
+
+
+@pytest.mark.parametrize('options', [{'max_holes_per_row': 0.0},
+                                     {'max_holes_per_row': 1.0, 'bucket_sizes': (4, 8)}])
+def test_padding_rows_change_no_token(setup, options):
+    """Holes filled with padding rows, batches padded to buckets: the same tokens."""
+    model, frontend = setup
+    eos_id = oracle(model, frontend, obs(2), 6, None)[2]
+    policy = LanguagePolicy(max_new_tokens=6, eos_id=eos_id)
+    system = make_system('oxygen', model, frontend, policy, k=1, debug=True,
+                         runner_options=options)
+    calls = []
+    original = model.decode_step
+
+    def record(kv, slots, *args):
+        calls.append(slots.tolist())
+        return original(kv, slots, *args)
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(model, 'decode_step', record)
+    try:
+        _, requests, _ = run(system, range(8))
+    finally:
+        monkeypatch.undo()
+    for f, req in requests.items():
+        assert req.token_ids == oracle(model, frontend, obs(f), 6, eos_id), f
+    if 'bucket_sizes' in options:
+        assert {len(c) for c in calls} <= {4, 8}
+    else:
+        # Holes are left as they are: the model gathered non-adjacent slots.
+        assert any(c != list(range(c[0], c[0] + len(c))) for c in calls)
