@@ -30,4 +30,4 @@ def test_parallel_matches_isolated(tmp_path):
         assert [d.text for d in got.deltas] == [d.text for d in want.deltas]
         t = got.timings
         assert t.prefill_s > 0 and t.decode_s > 0 and 0 <= t.overhead_s < t.total_s
-        assert got.kv_usage['slots_total'] == 2 + 2         # one pool per process
+        assert got.kv_usage['slots_total'] == 1 + 2         # action: frame slot; language: 2
