@@ -113,7 +113,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _prefix(self, slot: int) -> PrefixCache:
-        """The prefix of one slot as the model's PrefixCache (views of the store)."""
+        """Return the prefix of one slot as the model's PrefixCache (views of the store)."""
         s = self.store
         one = slice(slot, slot + 1)
         return PrefixCache(self.kv, s.slot_ids[one], s.prefix_valid[one], s.n_valid[one],

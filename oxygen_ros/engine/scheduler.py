@@ -113,7 +113,7 @@ class Scheduler:
         return slot
 
     def after_actions(self) -> None:
-        """The action task is done; without prefix sharing it lets its slot go at once."""
+        """End the action task; without prefix sharing its slot is released at once."""
         if not self.share_prefix:
             self.drop_frame()
 
@@ -249,7 +249,7 @@ class Scheduler:
             self.batch_sizes.append(plan.size)
 
     def fail(self, request_ids: list[int], error: BaseException) -> None:
-        """A model call on these requests failed: end them (and only them) with 'error'."""
+        """End these requests (and only them) with 'error': a model call on them failed."""
         logger.error('language step failed for requests %s: %r', request_ids, error)
         live = {r.request_id: r for r in self.active}
         for request_id in request_ids:
