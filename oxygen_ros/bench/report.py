@@ -234,7 +234,9 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
                          for m in result.memory]), '',
                   'Above runtime = peak RSS while serving minus the RSS of the imported runtime '
                   '(weights + KV + activations); for parallel, the sum over its two worker '
-                  'processes.', '']
+                  'processes. MKL fast memory manager '
+                  f'{"on" if result.memory[0].get("mkl_fast_mm", True) else "off"} in the '
+                  'probes (MKL_DISABLE_FAST_MM; it caches a GEMM buffer per row count).', '']
     parts += ['## Files', ''] + [f'- `{p.name}`' for p in paths.values()] + ['']
     return '\n'.join(parts)
 

@@ -343,6 +343,10 @@ def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [package_root, env.get('PYTHONPATH')]))
+    # Why: MKL's fast memory manager keeps a packing buffer per GEMM row count (3.2 MB each
+    # for rows 4..8 of the pi05-cpu LM head), so decode batches of 4..8 rows would leave
+    # ~16 MB cached that no request uses. Off for every probe alike; MKL reads it at load.
+    env.setdefault('MKL_DISABLE_FAST_MM', '1')
     frames = group.max_warmup + opts.memory_frames
 
     def one(spec: SystemSpec) -> dict:

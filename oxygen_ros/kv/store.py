@@ -24,7 +24,23 @@ there, so the batch keeps a static shape without a whole null slot of memory.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """Zeroed storage; on the CPU its pages become resident only when first written.
+
+    Why: torch.zeros writes every byte at once, so a slot that is never used (the pool's
+    spare, the unused tail of every slot) would still count in the resident memory. numpy's
+    zeros takes zero pages from the kernel (calloc), which cost nothing until touched.
+    """
+    if torch.device(device).type != 'cpu':
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class KVStore:
@@ -42,8 +58,8 @@ class KVStore:
         shape = (num_layers, num_slots, self.slot_len, num_kv_heads, head_dim)
         # Zeroed, not empty: masked-out positions still enter attention matmuls with weight 0,
         # and 0 * NaN from uninitialised memory would poison the row.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)              # [L, S, T, G, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)              # [L, S, T, G, D]
+        self.k = zeros(shape, dtype, device)                                  # [L, S, T, G, D]
+        self.v = zeros(shape, dtype, device)                                  # [L, S, T, G, D]
         self.prefix_valid = torch.zeros(num_slots, prefix_len, dtype=torch.bool,
                                         device=device)                        # [S, P]
         self.n_valid = torch.zeros(num_slots, dtype=torch.long, device=device)  # [S]
