@@ -9,8 +9,8 @@ line. What it reports:
   cuda_peak_mb      torch.cuda.max_memory_allocated while serving (CUDA only)
 For 'parallel' the two worker processes are what is measured (the parent only drives them):
 peak_rss_mb is their sum and above_runtime_mb subtracts one runtime per worker.
-The benchmark starts probes with MKL_DISABLE_FAST_MM=1 (see run.probe_memory) unless the
-environment sets it; the JSON line says which (`mkl_fast_mm`).
+The benchmark starts probes with MKL_DISABLE_FAST_MM=1 (see run.probe_memory) unless its own
+environment has MKL_DISABLE_FAST_MM=0; the JSON line says which (`mkl_fast_mm`).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def probe(args: argparse.Namespace) -> dict:
             'above_runtime_mb': above_kb / 1024, 'cuda_peak_mb': cuda_mb,
             'kv_pool_mb': getattr(getattr(system, 'pool', None), 'total_bytes', math.nan) / 2**20,
             'threads': args.threads,
-            'mkl_fast_mm': os.environ.get('MKL_DISABLE_FAST_MM', '0') in ('', '0')}
+            'mkl_fast_mm': 'MKL_DISABLE_FAST_MM' not in os.environ}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -345,8 +345,12 @@ def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [package_root, env.get('PYTHONPATH')]))
     # Why: MKL's fast memory manager keeps a packing buffer per GEMM row count (3.2 MB each
     # for rows 4..8 of the pi05-cpu LM head), so decode batches of 4..8 rows would leave
-    # ~16 MB cached that no request uses. Off for every probe alike; MKL reads it at load.
-    env.setdefault('MKL_DISABLE_FAST_MM', '1')
+    # ~16 MB cached that no request uses. Off for every probe alike (MKL reads it at load;
+    # any value disables it, so MKL_DISABLE_FAST_MM=0 here means: leave MKL's default).
+    if env.get('MKL_DISABLE_FAST_MM') == '0':
+        del env['MKL_DISABLE_FAST_MM']
+    else:
+        env['MKL_DISABLE_FAST_MM'] = '1'
     frames = group.max_warmup + opts.memory_frames
 
     def one(spec: SystemSpec) -> dict:
