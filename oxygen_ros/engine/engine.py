@@ -23,7 +23,7 @@ from typing import Callable
 from oxygen_ros.engine.budget import Budget, UnlimitedBudget
 from oxygen_ros.engine.frontend import Frontend, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
-from oxygen_ros.engine.runner import ModelRunner
+from oxygen_ros.engine.runner import ModelRunner, Runner
 from oxygen_ros.engine.scheduler import Scheduler
 from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
 from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
@@ -50,7 +50,7 @@ class _Frame:
 class Engine:
     """A System over one model: oxygen, oxygen-adaptive, shared or isolated (see make_engine)."""
 
-    def __init__(self, name: str, scheduler: Scheduler, runner: ModelRunner, frontend: Frontend,
+    def __init__(self, name: str, scheduler: Scheduler, runner: Runner, frontend: Frontend,
                  *, seed: int = 0, debug: bool = False,
                  clock: Callable[[], float] = time.perf_counter):
         self.system = name

@@ -19,7 +19,7 @@ host. The step's one sync is reading back the next token ids, which the schedule
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +28,29 @@ from oxygen_ros.kv import KVStore
 from oxygen_ros.model.pi05 import KVTensors, Pi05Model, PrefixCache
 
 MODEL_CALLS = ('prefill', 'action', 'decode')
+
+
+class Runner(Protocol):
+    """What the engine needs of a model runner (ModelRunner, or a fake one in tests)."""
+
+    seconds: dict[str, float]     # model time per call kind (MODEL_CALLS) since reset_times()
+    last_call_s: float            # duration of the latest call
+    action_shape: tuple[int, int]  # (H, A) of the action chunk
+
+    def reset_times(self) -> None:
+        """Start a new frame's model-time accounting."""
+
+    def prefill(self, tensors: dict, slot: int) -> None:
+        """Write an observation's prefix K/V and prefix state into `slot`."""
+
+    def sample_actions(self, slot: int, noise: np.ndarray) -> np.ndarray:
+        """Return normalised actions [H, A] from the prefix in `slot`."""
+
+    def first_tokens(self, slots: list[int]) -> list[int]:
+        """Return each slot's first generated token (from its prefix)."""
+
+    def decode(self, slots: list[int], gen_lens: list[int], tokens: list[int]) -> list[int]:
+        """Run one batched decode step; return each row's next token."""
 
 
 def padded_rows(slots: Sequence[int], num_slots: int, max_holes: int,
