@@ -87,8 +87,11 @@ def test_systems_agree_token_for_token(setup, eos):
         assert req.token_ids == oracle(model, frontend, obs(f), 7, eos_id)
     reasons = {r.finish_reason for r in reference.values()}
     assert reasons == ({'eos', 'length'} if eos else {'length'})
-    for name, k in [('shared', 1), ('oxygen', 1), ('oxygen', 2), ('oxygen', 3)]:
-        system = make_system(name, model, frontend, policy, k=k, debug=True)
+    for name, k in [('shared', 1), ('oxygen', 1), ('oxygen', 2), ('oxygen', 3),
+                    ('oxygen-adaptive', 7)]:
+        # Adaptive: a deadline near the action path's time, so k varies from frame to frame.
+        system = make_system(name, model, frontend, policy, k=k, debug=True,
+                             frame_period_s=0.02)
         actions, requests, results = run(system, frames)
         assert {f: r.token_ids for f, r in requests.items()} == \
             {f: r.token_ids for f, r in reference.items()}, (name, k)
