@@ -17,6 +17,7 @@ from oxygen_ros.bench.phases import PhaseCosts
 from oxygen_ros.bench.plan import (build_groups, divisors, Group, quick_options, SystemSpec,
                                    WARMUP_FRAMES)
 from oxygen_ros.engine.types import ActionOutput, FinishedRequest, FrameResult, TokenDelta, Timings
+from oxygen_ros.kv import FinishReason
 
 EXPECTED_RUN_COLUMNS = {
     'sweep', 'workload', 'system', 'label', 'steps', 'n_tokens', 'k', 'arrival_rate', 'lengths',
@@ -92,11 +93,12 @@ def test_replot_from_result_json(quick_run):
 # ---- token identity -----------------------------------------------------------------------
 
 def test_compare_tokens_detects_changed_and_accepts_evicted_prefix():
-    ref = {0: RequestRecord((5, 6, 7), 'length', 2), 1: RequestRecord((8, 9, 10), 'length', 3)}
-    same = {0: RequestRecord((5, 6, 7), 'length', 0), 1: RequestRecord((8, 9), 'evicted', 1)}
+    length, evicted = FinishReason.LENGTH, FinishReason.EVICTED
+    ref = {0: RequestRecord((5, 6, 7), length, 2), 1: RequestRecord((8, 9, 10), length, 3)}
+    same = {0: RequestRecord((5, 6, 7), length, 0), 1: RequestRecord((8, 9), evicted, 1)}
     check = compare_tokens(ref, same)
     assert check.identical and check.compared == 2
-    changed = {0: RequestRecord((5, 6, 7), 'length', 0), 1: RequestRecord((8, 4, 10), 'length', 3)}
+    changed = {0: RequestRecord((5, 6, 7), length, 0), 1: RequestRecord((8, 4, 10), length, 3)}
     check = compare_tokens(ref, changed)
     assert check.identical is False and check.mismatched == [1]
     assert compare_tokens(ref, {}).identical is None

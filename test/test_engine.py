@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from oxygen_ros.engine import (FixedBudget, Frontend, LanguagePolicy, make_system,
-                               random_observation, random_setup, Scheduler)
+from oxygen_ros.engine import (FixedBudget, Frontend, LanguagePolicy, make_engine, make_system,
+                               random_observation, random_setup)
 from oxygen_ros.engine.budget import AdaptiveBudget
 from oxygen_ros.model import get_preset
 
@@ -50,7 +50,7 @@ def run(system, frames, observe=obs):
         actions[frame] = result.action.actions
         results.append(result)
         requests.update((f.origin_frame, f) for f in result.finished)
-    while getattr(system, 'active', None):
+    while system.num_live_requests:
         system.advance_language()
         results.append(system.last_result)
         requests.update((f.origin_frame, f) for f in system.last_result.finished)
@@ -87,8 +87,11 @@ def test_systems_agree_token_for_token(setup, eos):
         assert req.token_ids == oracle(model, frontend, obs(f), 7, eos_id)
     reasons = {r.finish_reason for r in reference.values()}
     assert reasons == ({'eos', 'length'} if eos else {'length'})
-    for name, k in [('shared', 1), ('oxygen', 1), ('oxygen', 2), ('oxygen', 3)]:
-        system = make_system(name, model, frontend, policy, k=k, debug=True)
+    for name, k in [('shared', 1), ('oxygen', 1), ('oxygen', 2), ('oxygen', 3),
+                    ('oxygen-adaptive', 7)]:
+        # Adaptive: a deadline near the action path's time, so k varies from frame to frame.
+        system = make_system(name, model, frontend, policy, k=k, debug=True,
+                             frame_period_s=0.02)
         actions, requests, results = run(system, frames)
         assert {f: r.token_ids for f, r in requests.items()} == \
             {f: r.token_ids for f, r in reference.items()}, (name, k)
@@ -181,13 +184,13 @@ def test_act_returns_before_any_language_work(setup, monkeypatch):
     system = make_system('oxygen', model, frontend, LanguagePolicy(max_new_tokens=6), k=2)
     system.step(obs(0))
     calls.clear()
-    before = [len(r.token_ids) for r in system.active]
+    before = [len(r.token_ids) for r in system.scheduler.active]
     action = system.act(obs(1))
     assert action.frame_index == 1 and action.actions.shape == (CFG.action_horizon, 7)
-    assert calls == [] and [len(r.token_ids) for r in system.active] == before
-    assert len(system.active) == 1                                  # frame 1's request not yet
+    assert calls == [] and [len(r.token_ids) for r in system.scheduler.active] == before
+    assert len(system.scheduler.active) == 1                        # frame 1's request not yet
     system.advance_language()
-    assert 'decode_step' in calls and len(system.active) == 2
+    assert 'decode_step' in calls and len(system.scheduler.active) == 2
 
 
 def test_no_slot_leaks_with_random_arrivals(setup):
@@ -208,14 +211,13 @@ def test_no_slot_leaks_with_random_arrivals(setup):
             if rng.random() < 0.2:
                 system.advance_language()                           # language-only tick
                 seen.update(f.request_id for f in system.last_result.finished)
-        while system.active:
+        while system.num_live_requests:
             system.advance_language()
             seen.update(f.request_id for f in system.last_result.finished)
         system.check()
         assert system.pool.num_in_use == 0 and system.pool.bytes_in_use == 0
         assert system.pool.peak_slots_in_use <= capacity
-        assert seen == set(range(system._next_request_id))          # every request reported
-        assert not system._first_hidden
+        assert seen == set(range(system.scheduler.num_requests))    # every request reported
 
 
 def test_pool_full_evicts_oldest_and_keeps_its_text(setup):
@@ -322,8 +324,9 @@ def test_adaptive_budget_meets_the_deadline_with_a_fake_clock(setup, monkeypatch
     timed('decode_step', lambda kv, slots, *a: cost['step0'] + cost['per_row'] * len(slots))
     period = 0.100
     policy = LanguagePolicy(max_new_tokens=30, eos_id=None)
-    system = Scheduler(model, frontend, policy, AdaptiveBudget(period, k_max=30, margin=0.0),
-                       clock=clock, debug=True)
+    system = make_engine('oxygen-adaptive', model, frontend, policy,
+                         AdaptiveBudget(period, k_max=30, margin=0.0), sizing_k=1, clock=clock,
+                         debug=True)
     ks, frame_times = [], []
     for frame in range(14):
         if frame == 8:
@@ -380,7 +383,7 @@ def test_arrival_queue_overflow_is_refused_and_reported(setup):
     refused = [f for f in finished if f.finish_reason == 'refused']
     arrived = sum(policy.arrivals(f) for f in range(5))
     assert refused and all(f.token_ids == [] and 'queue' in f.error for f in refused)
-    assert len(finished) == arrived - system._queued                # nothing silently lost
+    assert len(finished) == arrived - system.scheduler.num_queued   # nothing silently lost
     assert sorted(f.request_id for f in finished) == list(range(len(finished)))
 
 
@@ -392,6 +395,37 @@ def test_act_twice_releases_the_skipped_frame(setup):
     system.act(obs(1))                      # the node missed advance_language() for frame 0
     assert system.pool.num_in_use == 1
     system.advance_language()
-    assert [r.origin_frame for r in system.active] == [1]
+    assert [r.origin_frame for r in system.scheduler.active] == [1]
     result = make_system('shared', model, frontend, LanguagePolicy(max_new_tokens=3)).step(obs(0))
     assert result.k == 3 and result.finished[0].token_ids
+
+
+@pytest.mark.parametrize('options', [{'max_holes_per_row': 0.0},
+                                     {'max_holes_per_row': 1.0, 'bucket_sizes': (4, 8)}])
+def test_padding_rows_change_no_token(setup, options):
+    """Holes filled with padding rows, batches padded to buckets: the same tokens."""
+    model, frontend = setup
+    eos_id = oracle(model, frontend, obs(2), 6, None)[2]
+    policy = LanguagePolicy(max_new_tokens=6, eos_id=eos_id)
+    system = make_system('oxygen', model, frontend, policy, k=1, debug=True,
+                         runner_options=options)
+    calls = []
+    original = model.decode_step
+
+    def record(kv, slots, *args):
+        calls.append(slots.tolist())
+        return original(kv, slots, *args)
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(model, 'decode_step', record)
+    try:
+        _, requests, _ = run(system, range(8))
+    finally:
+        monkeypatch.undo()
+    for f, req in requests.items():
+        assert req.token_ids == oracle(model, frontend, obs(f), 6, eos_id), f
+    if 'bucket_sizes' in options:
+        assert {len(c) for c in calls} <= {4, 8}
+    else:
+        # Holes are left as they are: the model gathered non-adjacent slots.
+        assert any(c != list(range(c[0], c[0] + len(c))) for c in calls)

@@ -126,9 +126,9 @@ def test_policy_lengths_template_and_sizing():
     assert lengths == {5, 10, 30} and mixed.max_request_len == 30
     assert LanguagePolicy(prompt_template='Say: {instruction}').prompt_text('go') == 'Say: go'
     assert LanguagePolicy().prompt_text('go') == ''
-    # ceil(N/k) + 1 requests + 1 frame slot + 1 spare
-    assert default_num_slots(LanguagePolicy(max_new_tokens=30), 5) == 6 + 3
-    assert default_num_slots(LanguagePolicy(max_new_tokens=10), 3) == 4 + 3
+    # ceil(N/k) slots (the frame's own adopted by its request) + 1 spare
+    assert default_num_slots(LanguagePolicy(max_new_tokens=30), 5) == 6 + 1
+    assert default_num_slots(LanguagePolicy(max_new_tokens=10), 3) == 4 + 1
     with pytest.raises(ValueError):
         LanguagePolicy(max_new_tokens=0)
 

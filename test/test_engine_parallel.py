@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from oxygen_ros.engine import LanguagePolicy, make_system, random_observation, random_setup
+from oxygen_ros.engine import (LanguagePolicy, make_system, random_observation, random_setup,
+                               System)
 from oxygen_ros.model import get_preset
 
 CFG = get_preset('tiny').replace(max_token_len=64)
@@ -19,6 +20,9 @@ def test_parallel_matches_isolated(tmp_path):
     isolated = make_system('isolated', model, frontend, policy)
     reference = [isolated.step(obs(f)) for f in range(3)]
     with make_system('parallel', model, frontend, policy) as parallel:
+        assert isinstance(parallel, System) and isinstance(isolated, System)
+        idle = parallel.advance_language()                   # no frame sent: an empty result
+        assert idle.frame_index == -1 and not idle.deltas and parallel.num_live_requests == 0
         results = [parallel.step(obs(f)) for f in range(3)]
         procs = list(parallel._procs.values())
         assert all(p.is_alive() for p in procs)
@@ -30,4 +34,4 @@ def test_parallel_matches_isolated(tmp_path):
         assert [d.text for d in got.deltas] == [d.text for d in want.deltas]
         t = got.timings
         assert t.prefill_s > 0 and t.decode_s > 0 and 0 <= t.overhead_s < t.total_s
-        assert got.kv_usage['slots_total'] == 2 + 2         # one pool per process
+        assert got.kv_usage['slots_total'] == 1 + 2         # action: frame slot; language: 2

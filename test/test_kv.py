@@ -4,23 +4,46 @@ from hypothesis import given, settings, strategies as st
 import pytest
 import torch
 
-from oxygen_ros.kv import build_decode_batch, KVPool, RequestState, unbatch
+from oxygen_ros.engine.runner import padded_rows
+from oxygen_ros.kv import FinishReason, KVPool, KVStore, RequestState
 
-L, P, G, KVH, D = 2, 6, 4, 1, 8    # layers, prefix len, generated capacity, kv heads, head dim
+L, P, G, KVH, D, W = 2, 6, 4, 1, 8, 5   # layers, prefix, generated capacity, kv heads, dim, width
+SLOT_BYTES = 100
 
 
 def make_pool(num_slots=3):
-    return KVPool(L, num_slots, P, G, KVH, D)
+    return KVPool(num_slots, SLOT_BYTES)
 
 
-def test_pool_shapes_and_bytes():
+def test_store_shapes_bytes_and_prefix_state():
+    store = KVStore(L, 3, P, G, KVH, D, W)
+    # One scratch entry after the generated capacity, for padding rows.
+    assert store.k.shape == (L, 3, P + G + 1, KVH, D) == store.v.shape
+    assert store.scratch_gen_len == G and store.slot_len == P + G + 1
+    assert store.prefix_valid.shape == (3, P) and store.prefix_valid.dtype == torch.bool
+    assert store.n_valid.shape == (3,) and store.last_hidden.shape == (3, W)
+    per_slot = 2 * L * (P + G + 1) * KVH * D * 4 + P + 8 + W * 4
+    assert store.bytes_per_slot == per_slot and store.total_bytes == 3 * per_slot
+    store.record_prefix(1, torch.arange(P) < 4, torch.tensor(4), torch.ones(W))
+    assert store.prefix_valid.sum(-1).tolist() == [0, 4, 0]
+    assert store.n_valid.tolist() == [0, 4, 0] and store.last_hidden[1].sum() == W
+    assert store.slot_ids[1:2].tolist() == [1]
+
+
+def test_pool_is_ids_and_counts():
     pool = make_pool(3)
-    assert pool.k.shape == (L, 3, P + G, KVH, D) == pool.v.shape
-    assert pool.prefix_valid.shape == (3, P) and pool.prefix_valid.dtype == torch.bool
-    per_slot = 2 * L * (P + G) * KVH * D * 4 + P
-    assert pool.bytes_per_slot == per_slot
-    assert pool.total_bytes == 3 * per_slot
+    assert pool.total_bytes == 3 * SLOT_BYTES
     assert pool.bytes_in_use == 0 and pool.num_free == 3
+
+
+def test_lowest_free_slot_first_keeps_live_slots_a_run():
+    pool = make_pool(4)
+    assert [pool.allocate(f'r {i}') for i in range(3)] == [0, 1, 2]
+    pool.release(1, 'r 1')
+    assert pool.allocate('r 3') == 1               # the hole is refilled before slot 3
+    pool.release(0, 'r 0')
+    pool.release(2, 'r 2')
+    assert pool.allocate('r 4') == 0
 
 
 def test_allocate_until_full_then_refuse_without_change():
@@ -38,15 +61,12 @@ def test_allocate_until_full_then_refuse_without_change():
 def test_refcount_adopt_and_release():
     pool = make_pool(2)
     slot = pool.allocate('frame 0')
-    pool.set_prefix_valid(slot, torch.tensor([True] * 4 + [False] * 2))
     pool.retain(slot, 'request 0')                 # the request adopts the frame's slot
     assert pool.refcount(slot) == 2
     assert pool.release(slot, 'frame 0') is False  # still held by the request
     assert pool.num_in_use == 1
-    assert pool.prefix_valid[slot].sum() == 4      # the request still needs the mask
     assert pool.release(slot, 'request 0') is True
     assert pool.num_in_use == 0 and pool.bytes_in_use == 0
-    assert not pool.prefix_valid[slot].any()       # reset on free
     assert pool.peak_slots_in_use == 1
     pool.check()
 
@@ -92,8 +112,7 @@ def test_printable_accounting():
 
 
 def test_request_state_counters():
-    req = RequestState(0, slot=1, origin_frame=3, n_valid=5, prefix_len=P, max_new_tokens=3,
-                       eos_id=1)
+    req = RequestState(0, slot=1, origin_frame=3, max_new_tokens=3, eos_id=1)
     assert req.needs_prefix_token and req.tokens_left == 3 and req.age(5) == 2
     req.accept_prefix_token(7)
     assert req.next_input_token() == 7 and req.gen_len == 0
@@ -106,8 +125,7 @@ def test_request_state_counters():
 
 
 def test_request_state_eos_and_forced_tokens():
-    req = RequestState(1, slot=0, origin_frame=0, n_valid=5, prefix_len=P, max_new_tokens=5,
-                       eos_id=1, forced=[40, 41])
+    req = RequestState(1, slot=0, origin_frame=0, max_new_tokens=5, eos_id=1, forced=[40, 41])
     assert not req.needs_prefix_token              # the template is fed first
     assert req.kv_entries_needed == 2 + 4
     assert req.next_input_token() == 40
@@ -117,48 +135,30 @@ def test_request_state_eos_and_forced_tokens():
     assert req.token_ids == [12] and req.next_input_token() == 12
     req.accept_decode_step(1)
     assert req.finished and req.finish_reason == 'eos' and req.token_ids == [12, 1]
-    with pytest.raises(AssertionError):
+    assert req.finish_reason is FinishReason.EOS and req.finish_reason.completed
+    with pytest.raises(ValueError):
         req.finish('tired')
 
 
-def _live_request(rid, slot, n_valid, gen_len, last):
-    req = RequestState(rid, slot=slot, origin_frame=rid, n_valid=n_valid, prefix_len=P,
-                       max_new_tokens=G + 1, eos_id=None)
-    req.accept_prefix_token(last)
-    for _ in range(gen_len):
-        req.accept_decode_step(last)
-    return req
+def test_finish_reasons_are_strings_with_completed():
+    assert [r.completed for r in FinishReason] == [True, True, False, False, False]
+    assert FinishReason.LENGTH == 'length' and f'{FinishReason.EVICTED}' == 'evicted'
+    assert {FinishReason.ERROR: 1}['error'] == 1   # same hash as its value
 
 
-def test_batch_is_indices_not_copies():
-    pool = make_pool(4)
-    slots = [pool.allocate(f'request {i}') for i in range(3)]
-    for slot, n in zip(slots, (2, 6, 4)):
-        pool.set_prefix_valid(slot, torch.arange(P) < n)
-    reqs = [_live_request(0, slots[2], 4, 0, 11), _live_request(1, slots[0], 2, 3, 12),
-            _live_request(2, slots[1], 6, 1, 13)]
-    k_ptr = pool.k.data_ptr()
-    batch = build_decode_batch(pool, reqs)
-    assert batch.request_ids == [0, 1, 2]
-    assert batch.slots.tolist() == [slots[2], slots[0], slots[1]]
-    assert batch.n_valid.tolist() == [4, 2, 6] and batch.gen_len.tolist() == [0, 3, 1]
-    assert batch.tokens.tolist() == [11, 12, 13]
-    assert batch.prefix_valid.sum(-1).tolist() == [4, 2, 6]
-    assert all(t.dtype == torch.long for t in (batch.slots, batch.n_valid, batch.gen_len))
-    assert pool.k.data_ptr() == k_ptr              # nothing moved in the pool
-    unbatch(batch, reqs, [21, 22, 23])
-    assert [r.token_ids[-1] for r in reqs] == [21, 22, 23]
-    assert [r.gen_len for r in reqs] == [1, 4, 2]
-    with pytest.raises(AssertionError):
-        unbatch(batch, reqs[::-1], [1, 2, 3])      # row order must match
-
-
-def test_batch_refuses_overflowing_request():
-    pool = make_pool(1)
-    slot = pool.allocate('request 0')
-    req = _live_request(0, slot, 3, G, 5)          # G entries written: storage is full
-    with pytest.raises(AssertionError):
-        build_decode_batch(pool, [req])
+def test_padded_rows_fill_holes_and_buckets():
+    # A run stays as it is.
+    assert padded_rows([2, 3, 4], 8, max_holes=1) == ([2, 3, 4], [0, 1, 2])
+    # One hole becomes a padding row: a run of slots, the real rows at their positions.
+    assert padded_rows([0, 1, 3], 8, max_holes=1) == ([0, 1, 2, 3], [0, 1, 3])
+    # Too many holes: a gather instead.
+    assert padded_rows([0, 3, 6], 8, max_holes=1) == ([0, 3, 6], [0, 1, 2])
+    # Buckets: pad with the slots after the run, then before it, then repeats.
+    assert padded_rows([1, 2], 8, 0, (4, 8)) == ([1, 2, 3, 4], [0, 1])
+    assert padded_rows([5, 6], 7, 0, (4,)) == ([3, 4, 5, 6], [2, 3])
+    assert padded_rows([0, 1], 2, 0, (4,)) == ([0, 1, 0, 0], [0, 1])
+    assert padded_rows([0, 4], 8, 0, (4,)) == ([0, 4, 0, 0], [0, 1])
+    assert padded_rows(list(range(5)), 8, 0, (4,)) == (list(range(5)), list(range(5)))
 
 
 @settings(max_examples=60, deadline=None)

@@ -18,9 +18,7 @@ import math
 import numpy as np
 
 from ..engine.types import FinishedRequest, FrameResult
-
-COMPLETE_REASONS = ('length', 'eos')   # requests whose full token list can be compared
-PARTIAL_REASONS = ('evicted',)         # requests whose tokens must be a prefix of the reference
+from ..kv import FinishReason
 
 
 @dataclasses.dataclass
@@ -45,7 +43,7 @@ class RequestRecord:
     """A finished language request, keyed by its origin frame in SystemLog.requests."""
 
     token_ids: tuple[int, ...]
-    finish_reason: str
+    finish_reason: FinishReason   # completed (eos/length): the whole text; evicted: a prefix
     finish_frame: int       # frame in which it ended; -1 when it ended while draining
 
 
@@ -89,18 +87,19 @@ class SystemLog:
 
     def record_finished(self, finished: list[FinishedRequest], frame_index: int) -> None:
         for req in finished:
-            if req.finish_reason == 'refused':
+            reason = FinishReason(req.finish_reason)
+            if reason is FinishReason.REFUSED:
                 self.refused += 1
                 continue   # never started: no tokens, no origin-frame cache
-            self.requests[req.origin_frame] = RequestRecord(
-                tuple(req.token_ids), req.finish_reason, frame_index)
+            self.requests[req.origin_frame] = RequestRecord(tuple(req.token_ids), reason,
+                                                            frame_index)
 
     def completion_times(self) -> list[float]:
         """Seconds from origin-frame start to end of the finishing frame, measured window."""
         window = set(self.measured_frames)
         return [self.frame_end_s[r.finish_frame] - self.frame_start_s[origin]
                 for origin, r in self.requests.items()
-                if r.finish_frame in window and r.finish_reason in COMPLETE_REASONS
+                if r.finish_frame in window and r.finish_reason.completed
                 and origin in self.frame_start_s]
 
     def count(self, reason: str) -> int:
@@ -130,11 +129,11 @@ def compare_tokens(reference: dict[int, RequestRecord],
     compared, mismatched = 0, []
     for origin, cand in sorted(candidate.items()):
         ref = reference.get(origin)
-        if ref is None or ref.finish_reason not in COMPLETE_REASONS:
+        if ref is None or not ref.finish_reason.completed:
             continue
-        if cand.finish_reason in COMPLETE_REASONS:
+        if cand.finish_reason.completed:
             same = cand.token_ids == ref.token_ids
-        elif cand.finish_reason in PARTIAL_REASONS:
+        elif cand.finish_reason is FinishReason.EVICTED:
             same = cand.token_ids == ref.token_ids[:len(cand.token_ids)]
         else:
             continue

@@ -9,6 +9,8 @@ line. What it reports:
   cuda_peak_mb      torch.cuda.max_memory_allocated while serving (CUDA only)
 For 'parallel' the two worker processes are what is measured (the parent only drives them):
 peak_rss_mb is their sum and above_runtime_mb subtracts one runtime per worker.
+The benchmark starts probes with MKL_DISABLE_FAST_MM=1 (see run.probe_memory) unless its own
+environment has MKL_DISABLE_FAST_MM=0; the JSON line says which (`mkl_fast_mm`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 import sys
 
 
@@ -79,9 +82,7 @@ def probe(args: argparse.Namespace) -> dict:
             peak_kb = read_status_kb('VmHWM')
             above_kb = peak_kb - runtime_kb
     finally:
-        close = getattr(system, 'close', None)
-        if close is not None:
-            close()
+        system.close()
     cuda_mb = math.nan
     if cuda and not workers:
         cuda_mb = torch.cuda.max_memory_allocated() / 2**20
@@ -89,7 +90,8 @@ def probe(args: argparse.Namespace) -> dict:
             'runtime_mb': runtime_kb / 1024, 'peak_rss_mb': peak_kb / 1024,
             'above_runtime_mb': above_kb / 1024, 'cuda_peak_mb': cuda_mb,
             'kv_pool_mb': getattr(getattr(system, 'pool', None), 'total_bytes', math.nan) / 2**20,
-            'threads': args.threads}
+            'threads': args.threads,
+            'mkl_fast_mm': 'MKL_DISABLE_FAST_MM' not in os.environ}
 
 
 def build_parser() -> argparse.ArgumentParser:

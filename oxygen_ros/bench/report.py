@@ -227,13 +227,16 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
         parts += [f'## Peak memory ({plan.workloads[0]} N={plan.headline_n}, fresh process per '
                   'system)', '',
                   table(['system', 'processes', 'peak RSS MB', 'above runtime MB', 'CUDA peak MB',
-                         'KV pool MB', f'{key} / action-only'],
+                         'KV pool MB', f'{key} / action-only', 'peak RSS / action-only'],
                         [[m['label'], m['processes'], m['peak_rss_mb'], m['above_runtime_mb'],
-                          m['cuda_peak_mb'], m['kv_pool_mb'], m[f'{key}_vs_action_only']]
+                          m['cuda_peak_mb'], m['kv_pool_mb'], m[f'{key}_vs_action_only'],
+                          m['peak_rss_vs_action_only']]
                          for m in result.memory]), '',
                   'Above runtime = peak RSS while serving minus the RSS of the imported runtime '
                   '(weights + KV + activations); for parallel, the sum over its two worker '
-                  'processes.', '']
+                  'processes. MKL fast memory manager '
+                  f'{"on" if result.memory[0].get("mkl_fast_mm", True) else "off"} in the '
+                  'probes (MKL_DISABLE_FAST_MM; it caches a GEMM buffer per row count).', '']
     parts += ['## Files', ''] + [f'- `{p.name}`' for p in paths.values()] + ['']
     return '\n'.join(parts)
 

@@ -29,8 +29,9 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ..engine import (Frontend, identity_norm_stats, LanguagePolicy, make_system,
-                      random_observation, random_setup, Scheduler)
+from ..engine import (action_only_policy, Engine, Frontend, identity_norm_stats,
+                      LanguagePolicy, make_engine, make_system, random_observation,
+                      random_setup, System, UnlimitedBudget)
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
 from .measure import compare_tokens, max_action_diff, summarize, SystemLog
@@ -145,16 +146,12 @@ class OtherLoad:
         return max(0.0, 100 * ((busy - busy0) - (own - own0)) / ((wall - wall0) * cores))
 
 
-def action_only_policy(policy: LanguagePolicy) -> LanguagePolicy:
-    """Return the same policy with no language requests at all."""
-    return dataclasses.replace(policy, every_n_frames=0, arrival_rate=None)
-
-
 def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
-                      policy: LanguagePolicy, period_s: float, seed: int):
-    """Build one system of a group ('action-only' is a Scheduler with no requests)."""
+                      policy: LanguagePolicy, period_s: float, seed: int) -> System:
+    """Build one system of a group ('action-only' is an Engine with no requests)."""
     if spec.name == 'action-only':
-        return Scheduler(model, frontend, action_only_policy(policy), None, seed=seed)
+        return make_engine('action-only', model, frontend, action_only_policy(policy),
+                           UnlimitedBudget(), seed=seed)
     kwargs = {'seed': seed}
     if spec.name == 'oxygen':
         kwargs['k'] = spec.k
@@ -163,15 +160,15 @@ def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
     return make_system(spec.name, model, frontend, policy, **kwargs)
 
 
-def drain(system, log: SystemLog) -> None:
+def drain(system: System, log: SystemLog) -> None:
     """Decode requests still running after the measured frames to the end (untimed).
 
     An adaptive budget may choose k = 0 for a few calls in a row (it then forces k = 1), so the
     bound is generous; running into it means language stopped progressing.
     """
-    if not isinstance(system, Scheduler):
+    if not isinstance(system, Engine):
         return
-    for _ in range(64 * (system.pool.max_gen_len + 2)):
+    for _ in range(64 * (system.scheduler.max_gen_len + 2)):
         if not system.num_live_requests:
             return
         log.record_finished(system.advance_language().finished, -1)
@@ -288,9 +285,7 @@ def run_group(group: Group, models: ModelCache, period_s: float, opts: BenchOpti
             drain(system, logs[spec])
     finally:
         for system in systems.values():
-            close = getattr(system, 'close', None)
-            if close is not None:
-                close()
+            system.close()
     while len(probe.samples['prefill']) < MIN_PROBE_SAMPLES:
         probe.sample()
     costs = probe.costs()
@@ -348,6 +343,14 @@ def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [package_root, env.get('PYTHONPATH')]))
+    # Why: MKL's fast memory manager keeps a packing buffer per GEMM row count (3.2 MB each
+    # for rows 4..8 of the pi05-cpu LM head), so decode batches of 4..8 rows would leave
+    # ~16 MB cached that no request uses. Off for every probe alike (MKL reads it at load;
+    # any value disables it, so MKL_DISABLE_FAST_MM=0 here means: leave MKL's default).
+    if env.get('MKL_DISABLE_FAST_MM') == '0':
+        del env['MKL_DISABLE_FAST_MM']
+    else:
+        env['MKL_DISABLE_FAST_MM'] = '1'
     frames = group.max_warmup + opts.memory_frames
 
     def one(spec: SystemSpec) -> dict:

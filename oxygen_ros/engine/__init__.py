@@ -1,19 +1,26 @@
-"""The OxyGen engine: frame scheduler over the unified KV pool, decode budgets, baselines."""
+"""The OxyGen engine: scheduler, model runner, output processor, budgets, the compared systems."""
 
-from oxygen_ros.engine.baselines import (IsolatedScheduler, make_system, ParallelSystem,
-                                         SharedScheduler, SYSTEMS)
-from oxygen_ros.engine.budget import AdaptiveBudget, FixedBudget, StepCostModel
+from oxygen_ros.engine.baselines import (action_only_policy, make_system, ParallelSystem,
+                                         SYSTEMS)
+from oxygen_ros.engine.budget import (AdaptiveBudget, Budget, FixedBudget, StepCostModel,
+                                      UnlimitedBudget)
+from oxygen_ros.engine.engine import Engine, make_engine
 from oxygen_ros.engine.frontend import (Frontend, identity_norm_stats, random_observation,
                                         random_setup)
-from oxygen_ros.engine.scheduler import PRESSURE_POLICIES, Scheduler
+from oxygen_ros.engine.output import OutputProcessor
+from oxygen_ros.engine.runner import ModelRunner
+from oxygen_ros.engine.scheduler import Admission, PRESSURE_POLICIES, Scheduler, StepPlan
+from oxygen_ros.engine.system import System
 from oxygen_ros.engine.types import (ActionOutput, FinishedRequest, FrameResult, Observation,
                                      TokenDelta, Timings)
 from oxygen_ros.engine.workload import (default_num_slots, get_workload, LanguagePolicy,
                                         Workload, WORKLOADS)
+from oxygen_ros.kv import FinishReason
 
-__all__ = ['ActionOutput', 'AdaptiveBudget', 'default_num_slots', 'FinishedRequest',
-           'FixedBudget', 'FrameResult', 'Frontend', 'get_workload', 'identity_norm_stats',
-           'IsolatedScheduler', 'LanguagePolicy', 'make_system', 'Observation',
+__all__ = ['action_only_policy', 'ActionOutput', 'AdaptiveBudget', 'Admission', 'Budget',
+           'default_num_slots', 'Engine', 'FinishedRequest', 'FinishReason', 'FixedBudget',
+           'FrameResult', 'Frontend', 'get_workload', 'identity_norm_stats', 'LanguagePolicy',
+           'make_engine', 'make_system', 'ModelRunner', 'Observation', 'OutputProcessor',
            'ParallelSystem', 'PRESSURE_POLICIES', 'random_observation', 'random_setup',
-           'Scheduler', 'SharedScheduler', 'StepCostModel', 'SYSTEMS', 'TokenDelta', 'Timings',
-           'Workload', 'WORKLOADS']
+           'Scheduler', 'StepCostModel', 'StepPlan', 'System', 'SYSTEMS', 'TokenDelta',
+           'Timings', 'UnlimitedBudget', 'Workload', 'WORKLOADS']

@@ -1,4 +1,4 @@
-"""Baselines behind the Scheduler interface (act / advance_language / step), and make_system.
+"""The compared systems behind the one System protocol, and make_system.
 
     isolated   action task (prefill + denoise), then language task with its OWN second prefill
                and a full N-token decode, sequentially in the same frame (the paper's baseline)
@@ -6,7 +6,7 @@
                decodes to completion in its frame
     parallel   two model instances in two processes, each with its own prefill, one thread each
                (the naive parallel baseline: it doubles weights and prefill work)
-    oxygen     shared prefill + cross-frame continuous batching, fixed k (engine.scheduler)
+    oxygen     shared prefill + cross-frame continuous batching, fixed k
     oxygen-adaptive  the same with a deadline-adaptive k
 All of them produce the same greedy tokens and the same actions for the same frames.
 """
@@ -21,9 +21,9 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from oxygen_ros.engine.budget import AdaptiveBudget, FixedBudget
+from oxygen_ros.engine.budget import AdaptiveBudget, Budget, FixedBudget, UnlimitedBudget
+from oxygen_ros.engine.engine import Engine, make_engine
 from oxygen_ros.engine.frontend import Frontend
-from oxygen_ros.engine.scheduler import _Frame, Scheduler
 from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
 from oxygen_ros.engine.workload import LanguagePolicy
 from oxygen_ros.model.config import Pi05Config
@@ -34,52 +34,9 @@ logger = logging.getLogger(__name__)
 SYSTEMS = ('isolated', 'parallel', 'shared', 'oxygen', 'oxygen-adaptive')
 
 
-class SharedScheduler(Scheduler):
-    """One prefill per frame for both tasks; each request decodes to completion in its frame."""
-
-    system = 'shared'
-
-    def __init__(self, model, frontend, policy, **kwargs):
-        super().__init__(model, frontend, policy, None, **kwargs)
-
-
-class IsolatedScheduler(Scheduler):
-    """The two tasks run as if alone: no shared cache, no batching, sequential."""
-
-    system = 'isolated'
-
-    def __init__(self, model, frontend, policy, **kwargs):
-        super().__init__(model, frontend, policy, None, **kwargs)
-
-    def _action_task(self, frame: _Frame):
-        out = super()._action_task(frame)
-        # The action task owns its cache only while it runs.
-        self._drop_frame(frame)
-        return out
-
-    def _start_request(self, frame: _Frame) -> None:
-        """Language task: a second prefill of the same observation into a slot of its own."""
-        rid = self._take_request_id()
-        holder = f'request {rid}'
-        slot = self._allocate(holder)
-        try:
-            prefix = self.runner.prefill(frame.prepared.tensors, slot)
-        except Exception as err:   # a language failure must not reach the action path
-            self.pool.release(slot, holder)
-            req = self._new_request(frame, None, None, rid)
-            logger.error('request %d: language prefill failed: %r', rid, err)
-            req.finish('error', repr(err))
-            self._ended.append(req)
-            return
-        self._new_request(frame, slot, prefix, rid)
-
-    def language_task(self, obs: Observation) -> FrameResult:
-        """Only the language half of a frame (the parallel baseline's language process)."""
-        frame = self._begin_frame(obs)
-        frame.act_s = self.clock() - frame.started
-        self._frame = frame
-        self.advance_language()
-        return self.last_result
+def action_only_policy(policy: LanguagePolicy) -> LanguagePolicy:
+    """Return the same policy with no language requests at all."""
+    return dataclasses.replace(policy, every_n_frames=0, arrival_rate=None)
 
 
 # ---- parallel: two processes ---------------------------------------------------------------
@@ -95,11 +52,11 @@ def _worker_main(role: str, config: dict, state_dict: dict, dtype: torch.dtype, 
         model.to(device).eval()
         del state_dict
         if role == 'action':
-            system = Scheduler(model, frontend, dataclasses.replace(policy, every_n_frames=0,
-                                                                    arrival_rate=None),
-                               None, seed=seed)
+            system = make_engine('action-only', model, frontend, action_only_policy(policy),
+                                 UnlimitedBudget(), seed=seed)
         else:
-            system = IsolatedScheduler(model, frontend, policy, seed=seed)
+            system = make_engine('isolated', model, frontend, policy, UnlimitedBudget(),
+                                 share_prefix=False, seed=seed)
     except Exception as err:   # reported to the parent, which raises
         outbox.put(('error', repr(err)))
         return
@@ -134,6 +91,7 @@ class ParallelSystem:
                  seed: int = 0, threads: int = 1, timeout_s: float = 600.0):
         self.frontend = frontend
         self.policy = policy
+        self.budget: Budget = UnlimitedBudget()   # every request completes in its frame
         self.timeout_s = timeout_s
         self.clock = time.perf_counter
         ctx = mp.get_context('spawn')
@@ -196,10 +154,18 @@ class ParallelSystem:
     def set_policy(self, policy: LanguagePolicy) -> None:
         raise NotImplementedError('the parallel baseline fixes its policy at start')
 
-    def advance_language(self) -> FrameResult | None:
-        """Wait for the language process's reply for the frame sent by act()."""
+    def advance_language(self) -> FrameResult:
+        """Wait for the language process's reply for the frame sent by act().
+
+        Without a pending frame nothing runs (no request outlives its frame here): the result
+        is an empty language-only frame.
+        """
         if self._pending is None:
-            return None
+            self.last_result = FrameResult(
+                frame_index=-1, action=None, deltas=[], finished=[],
+                k=self.policy.max_request_len, decode_steps=0, batch_sizes=[],
+                active_requests=0, timings=Timings(), kv_usage={})
+            return self.last_result
         start = self.clock()
         index, _, act_s = self._pending
         self._pending = None
@@ -254,25 +220,27 @@ class ParallelSystem:
 def make_system(name: str, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy, *,
                 k: int = 5, frame_period_s: float | None = None, num_slots: int | None = None,
                 pressure: str = 'evict_oldest', seed: int = 0, debug: bool = False,
-                **adaptive_kw):
+                runner_options: dict | None = None, **adaptive_kw) -> Engine | ParallelSystem:
     """Build system `name` (one of SYSTEMS) over one model and frontend.
 
     k: tokens per request per frame for 'oxygen' (and k_max for 'oxygen-adaptive' unless
     given in adaptive_kw); frame_period_s: the deadline of 'oxygen-adaptive' (required).
+    runner_options: ModelRunner options (bucket_sizes, compile_decode, max_holes_per_row).
     """
-    common = dict(num_slots=num_slots, pressure=pressure, seed=seed, debug=debug)
+    if name == 'parallel':
+        return ParallelSystem(model, frontend, policy, seed=seed)
     if name == 'oxygen':
-        return Scheduler(model, frontend, policy, FixedBudget(k), **common)
-    if name == 'oxygen-adaptive':
+        budget, sizing_k = FixedBudget(k), k
+    elif name == 'oxygen-adaptive':
         if frame_period_s is None:
             raise ValueError('oxygen-adaptive needs frame_period_s (the frame deadline)')
         adaptive_kw.setdefault('k_max', max(k, policy.max_request_len))
-        return Scheduler(model, frontend, policy, AdaptiveBudget(frame_period_s, **adaptive_kw),
-                         **common)
-    if name == 'shared':
-        return SharedScheduler(model, frontend, policy, **common)
-    if name == 'isolated':
-        return IsolatedScheduler(model, frontend, policy, **common)
-    if name == 'parallel':
-        return ParallelSystem(model, frontend, policy, seed=seed)
-    raise ValueError(f'unknown system {name!r}; expected one of {SYSTEMS}')
+        # Sized for k = 1: the budget may give any frame a single token step.
+        budget, sizing_k = AdaptiveBudget(frame_period_s, **adaptive_kw), 1
+    elif name in ('shared', 'isolated'):
+        budget, sizing_k = UnlimitedBudget(), None
+    else:
+        raise ValueError(f'unknown system {name!r}; expected one of {SYSTEMS}')
+    return make_engine(name, model, frontend, policy, budget, share_prefix=name != 'isolated',
+                       num_slots=num_slots, sizing_k=sizing_k, pressure=pressure, seed=seed,
+                       debug=debug, **(runner_options or {}))

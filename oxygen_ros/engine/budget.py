@@ -9,10 +9,54 @@ request's very first token) the LM head on the prefix's last hidden state. The s
 from __future__ import annotations
 
 import bisect
+import sys
+from typing import Protocol
+
+
+class Budget(Protocol):
+    """What the scheduler asks of a decode budget (FixedBudget, AdaptiveBudget, Unlimited)."""
+
+    unlimited: bool        # True: every request decodes to completion in its first frame
+
+    def choose(self, elapsed_s: float, batch_size: int) -> int:
+        """Return k for this frame (elapsed_s: frame time so far; batch_size: live requests)."""
+
+    def allow_more(self, elapsed_s: float, batch_size: int) -> bool:
+        """Whether another step at `batch_size` rows still fits in this frame."""
+
+    def observe_action(self, seconds: float) -> None:
+        """Record the action path time of a frame."""
+
+    def observe_decode(self, batch_size: int, seconds: float) -> None:
+        """Record the time of one token step over `batch_size` rows."""
+
+
+class UnlimitedBudget:
+    """No cross-frame batching: each request runs to completion in the frame it starts."""
+
+    unlimited = True
+    k_max = sys.maxsize
+
+    def choose(self, elapsed_s: float, batch_size: int) -> int:
+        return sys.maxsize
+
+    def allow_more(self, elapsed_s: float, batch_size: int) -> bool:
+        return True
+
+    def observe_action(self, seconds: float) -> None:
+        """Unused: nothing to plan."""
+
+    def observe_decode(self, batch_size: int, seconds: float) -> None:
+        """Unused: nothing to plan."""
+
+    def __str__(self) -> str:
+        return 'UnlimitedBudget()'
 
 
 class FixedBudget:
     """The paper's setting: exactly k token steps per request per frame."""
+
+    unlimited = False
 
     def __init__(self, k: int):
         if k < 1:
@@ -106,6 +150,8 @@ class AdaptiveBudget:
     `allow_more()` re-checks the clock before each further step, so a frame whose steps run
     slower than estimated stops early instead of overrunning by k steps.
     """
+
+    unlimited = False
 
     def __init__(self, frame_period_s: float, k_max: int = 16, margin: float = 0.05,
                  ema: float = 0.3, prior_step_s: float | None = None,

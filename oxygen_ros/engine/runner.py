@@ -1,40 +1,124 @@
-"""ModelRunner: the one place where slot ids become tensor indices and the model is called.
+"""ModelRunner: owns every tensor of the engine and executes the scheduler's plans.
 
-Every model call is timed here (with a device sync on CUDA, so the clock sees the work), which
-is how the scheduler tells model time from its own overhead.
+It holds the KVStore (prefix K/V plus per-slot prefix state: valid mask, n_valid, last hidden)
+and is the one place where slot ids become tensor indices and the model is called. Every
+model call is timed here (with a device sync on CUDA, so the clock sees the work), which is
+how the engine tells model time from its own overhead.
+
+Decode batches keep the cache readable as a view and the shapes static where asked:
+  * holes: rows on slots 3, 4, 6 run as 3, 4, 5, 6 with a padding row on 5, so the model reads
+    one run of slots (a view) instead of gathering them; a padding row writes only the slot's
+    scratch entry (see kv/store.py) and its logits are dropped.
+  * buckets (optional, for CUDA graphs / torch.compile): the batch is padded to the next
+    bucket size with padding rows, so a step has one of a few static shapes.
+Slot ids, lengths and tokens enter the device as one [3, B] copy into a persistent buffer;
+per-slot prefix state is read on the device by index, so nothing inside a step waits on the
+host. The step's one sync is reading back the next token ids, which the scheduler needs.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from oxygen_ros.kv import DecodeBatch, KVPool
+from oxygen_ros.kv import KVStore
 from oxygen_ros.model.pi05 import KVTensors, Pi05Model, PrefixCache
 
 MODEL_CALLS = ('prefill', 'action', 'decode')
 
 
-class ModelRunner:
-    """Runs prefill / sample_actions / first token / decode_step against the pool's storage."""
+class Runner(Protocol):
+    """What the engine needs of a model runner (ModelRunner, or a fake one in tests)."""
 
-    def __init__(self, model: Pi05Model, pool: KVPool,
-                 clock: Callable[[], float] = time.perf_counter):
+    seconds: dict[str, float]     # model time per call kind (MODEL_CALLS) since reset_times()
+    last_call_s: float            # duration of the latest call
+    action_shape: tuple[int, int]  # (H, A) of the action chunk
+
+    def reset_times(self) -> None:
+        """Start a new frame's model-time accounting."""
+
+    def prefill(self, tensors: dict, slot: int) -> None:
+        """Write an observation's prefix K/V and prefix state into `slot`."""
+
+    def sample_actions(self, slot: int, noise: np.ndarray) -> np.ndarray:
+        """Return normalised actions [H, A] from the prefix in `slot`."""
+
+    def first_tokens(self, slots: list[int]) -> list[int]:
+        """Return each slot's first generated token (from its prefix)."""
+
+    def decode(self, slots: list[int], gen_lens: list[int], tokens: list[int]) -> list[int]:
+        """Run one batched decode step; return each row's next token."""
+
+
+def padded_rows(slots: Sequence[int], num_slots: int, max_holes: int,
+                bucket_sizes: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    """Lay out a decode batch: (slot of every padded row, padded row index of each real row).
+
+    slots: ascending, distinct. Holes inside the run of slots become padding rows when at most
+    `max_holes` of them; then the batch grows to the smallest bucket that holds it (if any),
+    with padding rows on slots next to the run where the pool has them, so it stays a run.
+    """
+    rows = list(slots)
+    real = list(range(len(slots)))
+    span = slots[-1] - slots[0] + 1
+    if 0 < span - len(slots) <= max_holes:
+        rows = list(range(slots[0], slots[-1] + 1))
+        real = [s - slots[0] for s in slots]
+    target = min((b for b in bucket_sizes if b >= len(rows)), default=len(rows))
+    need = target - len(rows)
+    if need and rows == list(range(rows[0], rows[0] + len(rows))):
+        after = list(range(rows[-1] + 1, min(num_slots, rows[-1] + 1 + need)))
+        num_before = min(need - len(after), rows[0])
+        before = list(range(rows[0] - num_before, rows[0]))
+        real = [i + num_before for i in real]
+        rows = before + rows + after
+        need -= len(before) + len(after)
+    rows += [rows[0]] * need    # past the pool's size: a repeat, any slot will do
+    return rows, real
+
+
+class ModelRunner:
+    """Runs prefill / sample_actions / first tokens / decode steps against its KVStore.
+
+    max_holes_per_row: holes filled per real row of a decode batch (see padded_rows); 0 turns
+    hole filling off. bucket_sizes: pad decode batches to these sizes (GPU capture); () = off.
+    compile_decode: run decode steps through torch.compile (a GPU option; off on CPU).
+    """
+
+    def __init__(self, model: Pi05Model, num_slots: int, max_gen_len: int, *,
+                 clock: Callable[[], float] = time.perf_counter,
+                 max_holes_per_row: float = 0.25, bucket_sizes: Sequence[int] = (),
+                 compile_decode: bool = False):
         cfg = model.config
-        b = cfg.backbone
-        expected = (b.depth, pool.num_slots, pool.slot_len, b.num_kv_heads, b.head_dim)
-        assert tuple(pool.k.shape) == expected, f'pool {tuple(pool.k.shape)} != {expected}'
-        assert pool.prefix_len == cfg.prefix_len, f'pool P {pool.prefix_len} != {cfg.prefix_len}'
+        backbone = cfg.backbone
+        device = next(model.parameters()).device
         self.model = model
-        self.pool = pool
-        self.kv = KVTensors(pool.k, pool.v)   # views of the pool's storage, no copy
+        self.store = KVStore(backbone.depth, num_slots, cfg.prefix_len, max_gen_len,
+                             backbone.num_kv_heads, backbone.head_dim, backbone.width,
+                             dtype=model.compute_dtype, device=device)
+        self.kv = KVTensors(self.store.k, self.store.v)   # views of the store, no copy
         self.clock = clock
-        self.device = pool.k.device
+        self.device = device
+        self.max_holes_per_row = max_holes_per_row
+        self.bucket_sizes = tuple(sorted(bucket_sizes))
+        # Looked up per call unless compiled, so a wrapped model.decode_step takes effect.
+        self._compiled_decode = (torch.compile(model.decode_step, dynamic=False)
+                                 if compile_decode else None)
+        # Persistent device inputs (slots, gen_len, tokens) of a decode step: fixed addresses
+        # for graph capture; on the CPU the host tensor is used as it is.
+        max_rows = max((num_slots,) + self.bucket_sizes)
+        self._step_inputs = torch.zeros(3, max_rows, dtype=torch.long, device=device)
         self.seconds = dict.fromkeys(MODEL_CALLS, 0.0)   # model time since reset_times()
         self.last_call_s = 0.0                            # duration of the latest call
+
+    @property
+    def action_shape(self) -> tuple[int, int]:
+        """(H, A): rows and width of the model's action chunk (the noise's shape)."""
+        cfg = self.model.config
+        return cfg.action_horizon, cfg.action_dim
 
     def reset_times(self) -> None:
         self.seconds = dict.fromkeys(MODEL_CALLS, 0.0)
@@ -51,38 +135,70 @@ class ModelRunner:
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
 
-    def prefill(self, tensors: dict[str, torch.Tensor], slot: int) -> PrefixCache:
-        """Write one observation's prefix K/V into `slot`; record its valid mask in the pool."""
+    def _prefix(self, slot: int) -> PrefixCache:
+        """Return the prefix of one slot as the model's PrefixCache (views of the store)."""
+        s = self.store
+        one = slice(slot, slot + 1)
+        return PrefixCache(self.kv, s.slot_ids[one], s.prefix_valid[one], s.n_valid[one],
+                           s.last_hidden[one], s.prefix_len)
+
+    # ---- the action path ---------------------------------------------------------------------
+
+    def prefill(self, tensors: dict[str, torch.Tensor], slot: int) -> None:
+        """Write one observation's prefix K/V and prefix state into `slot`."""
         start = self.clock()
         prefix = self.model.prefill(**tensors, kv=self.kv,
-                                    slots=torch.tensor([slot], dtype=torch.long))
-        self.pool.set_prefix_valid(slot, prefix.valid[0])
+                                    slots=self.store.slot_ids[slot:slot + 1])
+        self.store.record_prefix(slot, prefix.valid[0], prefix.n_valid[0],
+                                 prefix.last_hidden[0])
         self._sync()
         self._add('prefill', start)
-        return prefix
 
-    def sample_actions(self, prefix: PrefixCache, noise: np.ndarray) -> np.ndarray:
-        """Flow matching from `noise` [H, A] over the cached prefix -> float32 numpy [H, A]."""
+    def sample_actions(self, slot: int, noise: np.ndarray) -> np.ndarray:
+        """Flow matching from `noise` [H, A] over the prefix in `slot` -> float32 [H, A]."""
         start = self.clock()
         noise_t = torch.from_numpy(noise)[None].to(self.device)           # [1, H, A]
-        actions = self.model.sample_actions(prefix, noise_t)[0]
+        actions = self.model.sample_actions(self._prefix(slot), noise_t)[0]
         out = actions.to('cpu', torch.float32).numpy()                      # syncs
         self._add('action', start)
         return out
 
-    def first_token(self, last_hidden: torch.Tensor) -> int:
-        """Greedy first generated token from the prefix's last hidden state [1, W]."""
-        start = self.clock()
-        with torch.no_grad():
-            token = int(self.model.lm_logits(last_hidden).argmax(-1)[0])   # syncs
-        self._add('decode', start)
-        return token
+    # ---- the language path -------------------------------------------------------------------
 
-    def decode(self, batch: DecodeBatch) -> list[int]:
-        """One batched decode step; greedy next token per row (row order of the batch)."""
+    @torch.no_grad()
+    def first_tokens(self, slots: list[int]) -> list[int]:
+        """Greedy first generated token of each slot, from its prefix's last hidden state."""
         start = self.clock()
-        logits = self.model.decode_step(self.kv, batch.slots, batch.prefix_valid, batch.n_valid,
-                                        batch.gen_len, batch.tokens)        # [B, vocab]
-        tokens = logits.argmax(-1).tolist()                                  # syncs
+        index = torch.tensor(slots, dtype=torch.long).to(self.device)
+        hidden = self.store.last_hidden.index_select(0, index)              # [B, W]
+        tokens = self.model.lm_logits(hidden).argmax(-1).tolist()           # syncs
         self._add('decode', start)
         return tokens
+
+    @torch.no_grad()
+    def decode(self, slots: list[int], gen_lens: list[int], tokens: list[int]) -> list[int]:
+        """One batched decode step (slots ascending); greedy next token of every row."""
+        start = self.clock()
+        s = self.store
+        max_holes = int(self.max_holes_per_row * len(slots))
+        rows, real = padded_rows(slots, s.num_slots, max_holes, self.bucket_sizes)
+        fill = {i: (g, t) for i, g, t in zip(real, gen_lens, tokens)}
+        # Padding rows write the scratch entry and feed token 0; their logits are dropped.
+        pad = (s.scratch_gen_len, 0)
+        host = torch.tensor([rows, [fill.get(i, pad)[0] for i in range(len(rows))],
+                             [fill.get(i, pad)[1] for i in range(len(rows))]],
+                            dtype=torch.long)                                # [3, B]
+        if self.device.type == 'cpu':
+            inputs = host
+        else:
+            inputs = self._step_inputs[:, :len(rows)]
+            inputs.copy_(host, non_blocking=True)
+        slot_index, gen_len, fed = inputs
+        prefix_valid = s.prefix_valid.index_select(0, slot_index)           # [B, P]
+        n_valid = s.n_valid.index_select(0, slot_index)                     # [B]
+        decode_step = self._compiled_decode or self.model.decode_step
+        logits = decode_step(self.kv, slot_index, prefix_valid, n_valid, gen_len,
+                             fed)                                            # [B, vocab]
+        every = logits.argmax(-1).tolist()                                   # syncs
+        self._add('decode', start)
+        return [every[i] for i in real]

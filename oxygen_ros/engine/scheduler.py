@@ -1,418 +1,291 @@
-"""The OxyGen frame scheduler: one prefill per frame, shared by actions and language.
+"""The scheduler: decides what the language path does, in slot ids and counters.
 
-One frame, in the order the work happens (the ROS node publishes between 1 and 2):
+It owns the request states σ, the slot pool's ids and the decode budget, and nothing with a
+tensor in it: the engine asks it for a plan, has the model runner execute the plan, and hands
+the resulting token ids back (vLLM v1's schedule() / update_from_output(), smaller).
 
-    1. act(obs)            prefill(obs) -> slot s_t of the pool       (frame holds s_t)
-                           sample_actions(s_t) -> actions             returned at once
-    2. advance_language()  admission: a request starting at t adopts s_t (zero copy),
-                           otherwise s_t is released
-                           budget: k token steps per live request (fixed or adaptive)
-                           ONE batched decode_step per token step over all live requests,
-                           whatever frame they started at (ragged n_valid / gen_len)
-                           finished requests (eos / length) release their slots
+One frame, as the engine drives it:
 
-The scheduler thinks in ids and counters; tensors appear only inside the ModelRunner. Under
-pressure language gives way, never the action path: the frame's slot is taken by evicting the
-oldest request if it must be, and a failing decode step ends only the requests in that step.
+    act            allocate_frame_slot(t) -> s_t   (evicts the oldest request if it must)
+                   ... runner prefills s_t, computes actions ...
+                   after_actions()                 (isolated: the action task lets s_t go)
+    advance        begin_language()
+                   admit(t, forced) -> Admission   a request starting at t adopts s_t (zero
+                                                   copy) or, isolated, gets a slot of its own
+                                                   to prefill; the frame's hold on s_t ends
+                   choose_k(elapsed) -> k          k token steps per live request
+                   schedule() -> StepPlan | None   first tokens (LM head on the prefix), then
+                   update(plan, token_ids)         ONE batched decode step per token step
+                   fail(plan, error)               over every live request, whatever frame
+                   end_language() -> touched, ended    it started at
+
+Under pressure language gives way, never the action path: the frame's slot is taken by
+evicting the oldest request if it must be, and a failing step ends only its own rows.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import time
-from typing import Callable
 
-from oxygen_ros.engine.budget import AdaptiveBudget, FixedBudget
-from oxygen_ros.engine.frontend import Frontend, PreparedObservation
-from oxygen_ros.engine.runner import ModelRunner
-from oxygen_ros.engine.types import (ActionOutput, FinishedRequest, FrameResult, Observation,
-                                     TokenDelta, Timings)
-from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
-from oxygen_ros.kv import build_decode_batch, KVPool, RequestState, unbatch
-from oxygen_ros.model.pi05 import Pi05Model, PrefixCache
+from oxygen_ros.engine.budget import Budget
+from oxygen_ros.engine.workload import LanguagePolicy
+from oxygen_ros.kv import FinishReason, KVPool, RequestState
 
 logger = logging.getLogger(__name__)
 
 PRESSURE_POLICIES = ('evict_oldest', 'refuse_new')
-DEFAULT_MAX_FORCED_TOKENS = 32   # storage reserved per slot for a prompt template's tokens
 
 
 @dataclasses.dataclass
-class _Frame:
-    """Bookkeeping of the frame between act() and advance_language()."""
+class StepPlan:
+    """One token step over some live requests, for the runner to execute (plain ints)."""
 
-    index: int
-    instruction: str
-    prepared: PreparedObservation
-    started: float                      # clock() when act() began (the frame's deadline origin)
-    act_s: float = 0.0                  # wall time of act()
-    slot: int | None = None             # frame slot, held as 'frame {index}' until admission
-    prefix: PrefixCache | None = None   # views of the frame slot + last hidden state
-    action: ActionOutput | None = None  # what act() returned
+    first_token: bool        # True: each row's token comes from its prefix (LM head only)
+    request_ids: list[int]   # row b belongs to request request_ids[b]
+    slots: list[int]         # pool slot of each row, ascending
+    gen_lens: list[int]      # K/V entries already written after the prefix (decode rows)
+    tokens: list[int]        # token fed at this step (decode rows)
+
+    @property
+    def size(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclasses.dataclass
+class Admission:
+    """The request a frame started, and whether its slot still needs a prefill."""
+
+    request_id: int          # the new request
+    slot: int                # pool slot it holds
+    needs_prefill: bool      # False: it adopted the frame's slot, whose prefix is there
 
 
 class Scheduler:
-    """System 'oxygen': cross-task KV sharing + cross-frame continuous batching.
+    """Admission, budget, eviction and the rows of every step; no tensors.
 
-    budget: FixedBudget(k) (the paper), AdaptiveBudget(period) (deadline-driven), or None
-    (every request decodes to completion in its first frame: the 'shared' baseline).
+    share_prefix: True (oxygen, shared) a request adopts its frame's slot; False (isolated)
+    the action task releases the frame slot and the request is prefilled into a slot of its
+    own. max_gen_len: generated K/V entries a slot can hold (forced + N - 1 per request).
     """
 
-    system = 'oxygen'
-
-    def __init__(self, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy,
-                 budget: FixedBudget | AdaptiveBudget | None = None, *,
-                 num_slots: int | None = None, pressure: str = 'evict_oldest', seed: int = 0,
-                 max_forced_tokens: int | None = None, debug: bool = False,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, policy: LanguagePolicy, budget: Budget, pool: KVPool, max_gen_len: int,
+                 *, pressure: str = 'evict_oldest', share_prefix: bool = True,
+                 max_forced_tokens: int = 0):
         if pressure not in PRESSURE_POLICIES:
             raise ValueError(f'pressure must be one of {PRESSURE_POLICIES}, got {pressure!r}')
-        cfg = model.config
-        self.model = model
-        self.frontend = frontend
         self.policy = policy
         self.budget = budget
+        self.pool = pool
+        self.max_gen_len = max_gen_len
         self.pressure = pressure
-        self.seed = seed
-        self.debug = debug
-        self.clock = clock
-        if max_forced_tokens is None:
-            max_forced_tokens = DEFAULT_MAX_FORCED_TOKENS if policy.prompt_template else 0
+        self.share_prefix = share_prefix
         self.max_forced_tokens = max_forced_tokens
-        # A request writes forced + N - 1 entries after the prefix (its last token is not fed).
-        max_gen_len = max_forced_tokens + policy.max_request_len - 1
-        param = next(model.parameters())
-        self.pool = KVPool(cfg.backbone.depth, num_slots or self.default_num_slots(),
-                           cfg.prefix_len, max_gen_len, cfg.backbone.num_kv_heads,
-                           cfg.backbone.head_dim, dtype=model.compute_dtype,
-                           device=param.device)
-        self.runner = ModelRunner(model, self.pool, clock)
-        self.active: list[RequestState] = []     # live requests, oldest first
-        self._first_hidden = {}                  # request id -> [1, W] prefix last hidden state
-        self._ended: list[RequestState] = []     # ended since the last advance_language()
-        self._frame: _Frame | None = None
-        self._queued = 0                         # arrived requests waiting for a frame
-        self._next_frame_index = 0
-        self._next_request_id = 0
-        self._last_frame_index = -1
-        self._frontend_s = 0.0                   # frontend time since the frame began
-        self.last_result: FrameResult | None = None
+        self.active: list[RequestState] = []       # live requests, oldest first
+        self.num_queued = 0                        # arrived requests waiting for a frame
+        self.num_requests = 0                      # request ids handed out (refused included)
+        self.batch_sizes: list[int] = []           # rows of each decode step this frame
+        self._frame: tuple[int, int] | None = None  # (frame index, slot) the frame holds
+        self._quota: dict[int, int] = {}           # request id -> token steps left this frame
+        self._touched: dict[int, RequestState] = {}  # requests this frame reports on
+        self._ended: list[RequestState] = []       # ended since the last end_language()
 
-    # ---- sizing --------------------------------------------------------------------------
+    # ---- the action path -----------------------------------------------------------------
 
-    def default_num_slots(self) -> int:
-        """ceil(N/k) + 1 requests + 1 frame slot + 1 spare (k = 1 for an adaptive budget)."""
-        if self.budget is None:
-            return 2
-        return default_num_slots(self.policy, self.budget.k if isinstance(
-            self.budget, FixedBudget) else 1)
+    def allocate_frame_slot(self, frame_index: int) -> int:
+        """Take a slot for the frame's prefix, evicting the oldest requests if the pool is full.
 
-    def _unlimited_k(self) -> int:
-        """Token steps that finish any request in one frame (forced tokens included)."""
-        return self.pool.max_gen_len + 1
-
-    # ---- 1. the action path ------------------------------------------------------------------
-
-    def act(self, obs: Observation) -> ActionOutput:
-        """Prefill the observation into a pool slot and compute its actions; no language work.
-
-        Raises ValueError for a malformed observation (nothing allocated); the action path
-        always gets a slot, evicting the oldest language request if the pool is full.
+        Raises RuntimeError (nothing changed) when no slot is free and no request holds one.
         """
-        frame = self._begin_frame(obs)
-        normalized, actions = self._action_task(frame)
-        frame.act_s = self.clock() - frame.started
-        self._frame = frame
-        if self.budget is not None:
-            self.budget.observe_action(frame.act_s)
-        frame.action = ActionOutput(frame.index, actions, normalized, frame.act_s, obs.stamp)
-        return frame.action
-
-    def _begin_frame(self, obs: Observation) -> _Frame:
-        started = self.clock()
-        if self._frame is not None:
-            # act() twice without advance_language(): the earlier frame gets no language.
-            logger.warning('frame %d: act() called again before advance_language(); frame %d '
-                           'starts no request', self._frame.index, self._frame.index)
-            self._drop_frame(self._frame)
-            self._frame = None
-        self.runner.reset_times()
-        self._frontend_s = 0.0
-        index = self._next_frame_index if obs.frame_index is None else int(obs.frame_index)
-        with self._frontend_clock():
-            prepared = self.frontend.prepare(obs)    # may raise: nothing is held yet
-        self._next_frame_index = index + 1
-        self._last_frame_index = index
-        return _Frame(index, obs.instruction, prepared, started)
-
-    def _action_task(self, frame: _Frame):
-        """Prefill into a fresh slot, denoise; the frame keeps holding the slot."""
-        holder = f'frame {frame.index}'
-        frame.slot = self._allocate(holder)
-        try:
-            frame.prefix = self.runner.prefill(frame.prepared.tensors, frame.slot)
-            cfg = self.model.config
-            noise = frame_noise(self.seed, frame.index, cfg.action_horizon, cfg.action_dim)
-            normalized = self.runner.sample_actions(frame.prefix, noise)   # [H, A]
-            with self._frontend_clock():
-                actions = self.frontend.robot_actions(normalized, frame.prepared)
-        except BaseException:
-            self.pool.release(frame.slot, holder)
-            frame.slot = frame.prefix = None
-            raise
-        return normalized, actions
-
-    def _allocate(self, holder: str) -> int:
-        """Take a slot for `holder`, evicting the oldest language requests if the pool is full."""
+        assert self._frame is None, f'frame {self._frame[0]} still holds a slot'
+        holder = f'frame {frame_index}'
         slot = self.pool.allocate(holder)
         while slot is None and self.active:
             victim = self.active[0]
             logger.warning('KV pool full: evicting request %d (frame %d, %d tokens) for %s',
                            victim.request_id, victim.origin_frame, len(victim.token_ids), holder)
-            self._end(victim, 'evicted')
+            self._end(victim, FinishReason.EVICTED)
             slot = self.pool.allocate(holder)
         if slot is None:
             raise RuntimeError(f'KV pool has no slot for {holder} and no request to evict:\n'
                                f'{self.pool}')
+        self._frame = (frame_index, slot)
         return slot
 
-    def _drop_frame(self, frame: _Frame) -> None:
-        if frame.slot is not None:
-            self.pool.release(frame.slot, f'frame {frame.index}')
-            frame.slot = frame.prefix = None
+    def after_actions(self) -> None:
+        """End the action task; without prefix sharing its slot is released at once."""
+        if not self.share_prefix:
+            self.drop_frame()
 
-    # ---- 2. the language path -----------------------------------------------------------------
+    def drop_frame(self) -> None:
+        """Release the frame's slot (if it still holds one); no request starts on it."""
+        if self._frame is not None:
+            index, slot = self._frame
+            self.pool.release(slot, f'frame {index}')
+            self._frame = None
 
-    def advance_language(self) -> FrameResult:
-        """Admit this frame's request, run the frame's batched decode steps, release finished.
+    # ---- admission -------------------------------------------------------------------------
 
-        Returns the frame's FrameResult (also kept in `self.last_result`). Without a preceding
-        act() it just advances the live requests (no new request).
+    def begin_language(self) -> None:
+        """Start a frame's language work: every live request is reported on at its end."""
+        self._touched = {r.request_id: r for r in self.active}
+        self.batch_sizes = []
+        self._quota = {}
+
+    def admit(self, frame_index: int, forced: list[int]) -> Admission | None:
+        """Queue this frame's arrivals and start at most one request; end the frame's hold.
+
+        forced: the prompt template's token ids for a request starting now (may be []).
         """
-        start = self.clock()
-        frame, self._frame = self._frame, None
-        if frame is None:
-            self.runner.reset_times()
-            self._frontend_s = 0.0
-        else:
-            self._admit(frame)
-        live_before = list(self.active)
-        if self.budget is None:
-            k, reported_k = self._unlimited_k(), self.policy.max_request_len
-        else:
-            elapsed = self.clock() - (frame.started if frame else start)
-            k = reported_k = self.budget.choose(elapsed, len(self.active))
-        batch_sizes = self._token_steps(k, frame.started if frame else start)
-        for req in [r for r in self.active if r.finished]:
-            self._end(req, req.finish_reason)
-        deltas, finished = self._report(live_before)
-        total_s = (frame.act_s if frame else 0.0) + self.clock() - start
-        self._record(frame, reported_k, batch_sizes, deltas, finished, total_s)
-        if self.debug:
-            self.check()
-        return self.last_result
-
-    def step(self, obs: Observation) -> FrameResult:
-        """act() then advance_language(): one whole frame."""
-        self.act(obs)
-        return self.advance_language()
-
-    # ---- the System protocol's controls ---------------------------------------------------------
-
-    @property
-    def num_live_requests(self) -> int:
-        """Language requests still running (they advance even on a tick without a frame)."""
-        return len(self.active)
-
-    def set_budget(self, budget: FixedBudget | AdaptiveBudget | None) -> None:
-        """Use `budget` from the next frame on (the pool keeps its size)."""
-        self.budget = budget
-
-    def set_policy(self, policy: LanguagePolicy) -> None:
-        """Use `policy` for requests that arrive from the next frame on."""
-        self.policy = policy
-
-    def close(self) -> None:
-        """Release nothing held outside this process (present for the System protocol)."""
-
-    def _admit(self, frame: _Frame) -> None:
-        """Queue this frame's arrivals; start at most one request, on this frame's cache."""
-        arrivals = self.policy.arrivals(frame.index)
-        accepted = min(arrivals, self.policy.max_queue - self._queued)
-        self._queued += accepted
+        arrivals = self.policy.arrivals(frame_index)
+        accepted = min(arrivals, self.policy.max_queue - self.num_queued)
+        self.num_queued += accepted
         for _ in range(arrivals - accepted):
-            self._refuse(frame, 'request queue full')
-        if self._queued:
-            self._queued -= 1
-            self._start_request(frame)
-        self._drop_frame(frame)
+            self._refuse(frame_index, 'request queue full')
+        admission = None
+        if self.num_queued:
+            self.num_queued -= 1
+            admission = self._start_request(frame_index, forced)
+        self.drop_frame()
+        return admission
 
-    def _start_request(self, frame: _Frame) -> None:
-        """Start a request on the frame's slot (adopted: its prefix is already there)."""
-        if self.pressure == 'refuse_new' and self.pool.num_free < 1:
-            # Adopting would leave no slot for the next frame's action path.
-            self._refuse(frame, f'KV pool full ({self.pool.num_in_use}/{self.pool.num_slots})')
-            return
-        req = self._new_request(frame, frame.slot, frame.prefix)
-        self.pool.retain(frame.slot, f'request {req.request_id}')
-
-    def _new_request(self, frame: _Frame, slot: int | None, prefix: PrefixCache | None,
-                     request_id: int | None = None) -> RequestState:
-        """Create the request σ of this frame; it is live (in self.active) iff it has a prefix."""
-        with self._frontend_clock():
-            forced = self.frontend.encode_text(self.policy.prompt_text(frame.instruction))
+    def _start_request(self, frame_index: int, forced: list[int]) -> Admission | None:
         if len(forced) > self.max_forced_tokens:
             logger.warning('prompt template has %d tokens, keeping the first %d',
                            len(forced), self.max_forced_tokens)
             forced = forced[:self.max_forced_tokens]
+        n_tokens = self.policy.request_len(frame_index)
+        # Storage bound (a policy set later may ask more than the slots were sized for).
+        fits = self.max_gen_len - len(forced) + 1
+        if n_tokens > fits:
+            logger.warning('request of %d tokens shortened to %d (KV slot length)', n_tokens,
+                           fits)
+            n_tokens = fits
+        if self.share_prefix:
+            assert self._frame is not None and self._frame[0] == frame_index, (
+                f'no slot of frame {frame_index} to adopt')
+            if self.pressure == 'refuse_new' and self.pool.num_free < 1:
+                # Adopting would leave no slot for the next frame's action path.
+                self._refuse(frame_index, f'KV pool full ({self.pool.num_in_use}/'
+                                          f'{self.pool.num_slots})')
+                return None
+            slot, needs_prefill = self._frame[1], False
+            request_id = self._take_request_id()
+            self.pool.retain(slot, f'request {request_id}')
+        else:
+            request_id = self._take_request_id()
+            slot, needs_prefill = self.pool.allocate(f'request {request_id}'), True
+            if slot is None:
+                self._refuse(frame_index, f'KV pool full ({self.pool.num_slots} slots)',
+                             request_id)
+                return None
+        req = RequestState(request_id=request_id, slot=slot, origin_frame=frame_index,
+                           max_new_tokens=n_tokens, eos_id=self.policy.eos_id,
+                           forced=list(forced))
+        self.active.append(req)
+        self._touched[request_id] = req
+        return Admission(request_id, slot, needs_prefill)
+
+    def _refuse(self, frame_index: int, why: str, request_id: int | None = None) -> None:
         req = RequestState(
             request_id=self._take_request_id() if request_id is None else request_id,
-            slot=slot, origin_frame=frame.index,
-            n_valid=int(prefix.n_valid[0]) if prefix is not None else 0,
-            prefix_len=self.pool.prefix_len,
-            max_new_tokens=self.policy.request_len(frame.index), eos_id=self.policy.eos_id,
-            forced=forced)
-        if prefix is not None:
-            self._first_hidden[req.request_id] = prefix.last_hidden    # [1, W]
-            self.active.append(req)
-        return req
-
-    def _refuse(self, frame: _Frame, why: str) -> None:
-        req = self._new_request(frame, None, None)
-        logger.warning('request %d (frame %d) refused: %s', req.request_id, frame.index, why)
-        req.finish('refused', why)
+            slot=None, origin_frame=frame_index, max_new_tokens=0, eos_id=self.policy.eos_id)
+        logger.warning('frame %d: language request %d refused: %s', frame_index,
+                       req.request_id, why)
+        req.finish(FinishReason.REFUSED, why)
         self._ended.append(req)
 
     def _take_request_id(self) -> int:
-        rid = self._next_request_id
-        self._next_request_id += 1
-        return rid
+        self.num_requests += 1
+        return self.num_requests - 1
 
-    def _token_steps(self, k: int, frame_start: float) -> list[int]:
-        """Advance every live request by up to k tokens; return the decode batch sizes.
+    # ---- token steps -----------------------------------------------------------------------
+
+    def choose_k(self, elapsed_s: float) -> int:
+        """Ask the budget for this frame's k; return the k to report (N when unlimited)."""
+        k = self.budget.choose(elapsed_s, len(self.active))
+        self._quota = {r.request_id: k for r in self.active}
+        return self.policy.max_request_len if self.budget.unlimited else k
+
+    def schedule(self, elapsed_s: float) -> StepPlan | None:
+        """Next step of this frame: first tokens, then decode steps; None when done.
 
         A request's first token comes from its prefix (LM head only) and counts as one of its
-        k; every other token is one row of a batched decode_step.
+        k; every other token is one row of a batched decode step. Before every decode step
+        but the first, the budget may stop the frame (an adaptive deadline).
         """
-        quota = {r.request_id: k for r in self.active}
-        for req in list(self.active):
-            if req.needs_prefix_token and quota[req.request_id] > 0:
-                try:
-                    token = self.runner.first_token(self._first_hidden[req.request_id])
-                except Exception as err:   # a language failure must not reach the action path
-                    self._fail([req], err)
-                    continue
+        first = [r for r in self.active if r.needs_prefix_token and self._quota[r.request_id]]
+        if first:
+            return StepPlan(True, [r.request_id for r in first], [r.slot for r in first], [], [])
+        rows = [r for r in self.active if self._quota[r.request_id]]
+        if not rows:
+            return None
+        if self.batch_sizes and not self.budget.allow_more(elapsed_s, len(rows)):
+            return None
+        # Slot order: a run of slots is read as a view of the cache.
+        rows.sort(key=lambda r: r.slot)
+        for req in rows:
+            # The entry written now sits at P + gen_len; it must fit in the slot.
+            assert req.gen_len < self.max_gen_len, (
+                f'request {req.request_id}: gen_len {req.gen_len} >= {self.max_gen_len}')
+        return StepPlan(False, [r.request_id for r in rows], [r.slot for r in rows],
+                        [r.gen_len for r in rows], [r.next_input_token() for r in rows])
+
+    def update(self, plan: StepPlan, token_ids: list[int], seconds: float) -> None:
+        """Give each row its next token (argmax of its logits); end finished requests."""
+        assert len(token_ids) == plan.size, f'{len(token_ids)} tokens for {plan.size} rows'
+        live = {r.request_id: r for r in self.active}
+        for request_id, token in zip(plan.request_ids, token_ids):
+            req = live[request_id]
+            if plan.first_token:
                 req.accept_prefix_token(token)
-                quota[req.request_id] -= 1
-                del self._first_hidden[req.request_id]
-        batch_sizes = []
-        while True:
-            rows = [r for r in self.active if not r.finished and quota[r.request_id] > 0
-                    and not r.needs_prefix_token]
-            if not rows:
-                return batch_sizes
-            if batch_sizes and not self._budget_allows(frame_start, len(rows)):
-                return batch_sizes
-            # Slot order: consecutive slots let the model read the cache as a view.
-            rows.sort(key=lambda r: r.slot)
-            batch = build_decode_batch(self.pool, rows)
-            try:
-                next_tokens = self.runner.decode(batch)
-            except Exception as err:   # a language failure must not reach the action path
-                self._fail(rows, err)
-                continue
-            if self.budget is not None:
-                self.budget.observe_decode(batch.size, self.runner.last_call_s)
-            unbatch(batch, rows, next_tokens)
-            for req in rows:
-                quota[req.request_id] -= 1
-            batch_sizes.append(batch.size)
+            else:
+                req.accept_decode_step(token)
+            self._quota[request_id] -= 1
+            if req.finished:
+                self._end(req, req.finish_reason)
+        if not plan.first_token:
+            self.budget.observe_decode(plan.size, seconds)
+            self.batch_sizes.append(plan.size)
 
-    def _budget_allows(self, frame_start: float, batch_size: int) -> bool:
-        if self.budget is None:
-            return True
-        return self.budget.allow_more(self.clock() - frame_start, batch_size)
+    def fail(self, request_ids: list[int], error: BaseException) -> None:
+        """End these requests (and only them) with 'error': a model call on them failed."""
+        logger.error('language step failed for requests %s: %r', request_ids, error)
+        live = {r.request_id: r for r in self.active}
+        for request_id in request_ids:
+            if request_id in live:
+                self._end(live[request_id], FinishReason.ERROR, repr(error))
 
-    def _fail(self, requests: list[RequestState], err: Exception) -> None:
-        ids = [r.request_id for r in requests]
-        logger.error('language step failed for requests %s: %r', ids, err)
-        for req in requests:
-            self._end(req, 'error', repr(err))
-
-    def _end(self, req: RequestState, reason: str, error: str = '') -> None:
+    def _end(self, req: RequestState, reason: FinishReason, error: str = '') -> None:
         """Finish `req` (if not yet) and give its slot back."""
         req.finish(reason, error)
         if req.slot is not None:
             self.pool.release(req.slot, f'request {req.request_id}')
             req.slot = None
-        if req in self.active:
-            self.active.remove(req)
-        self._first_hidden.pop(req.request_id, None)
+        self.active.remove(req)
+        self._quota.pop(req.request_id, None)
         self._ended.append(req)
 
-    # ---- 3. results -----------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _frontend_clock(self):
-        """Count the enclosed time as frontend work (conversion, not scheduling)."""
-        start = self.clock()
-        try:
-            yield
-        finally:
-            self._frontend_s += self.clock() - start
-
-    def _report(self, live_before: list[RequestState]):
-        """Deltas of every request touched this frame, and the requests that ended."""
-        with self._frontend_clock():
-            return self._report_inner(live_before)
-
-    def _report_inner(self, live_before: list[RequestState]):
+    def end_language(self) -> tuple[list[RequestState], list[RequestState]]:
+        """Close the frame's language work: (requests touched, requests ended), by id."""
         ended, self._ended = self._ended, []
-        touched = {r.request_id: r for r in live_before}
-        touched.update((r.request_id, r) for r in self.active)
+        touched = dict(self._touched)
         touched.update((r.request_id, r) for r in ended)
-        deltas, finished = [], []
-        for rid in sorted(touched):
-            req = touched[rid]
-            n_old = req.num_reported
-            new = req.take_new_tokens()
-            if not new and not req.finished:
-                continue
-            text = self.frontend.decode_delta(req.token_ids, n_old, final=req.finished)
-            deltas.append(TokenDelta(rid, req.origin_frame, new, text, len(req.token_ids),
-                                     req.finished, req.finish_reason))
-        for req in sorted(ended, key=lambda r: r.request_id):
-            finished.append(FinishedRequest(
-                req.request_id, req.origin_frame, list(req.token_ids),
-                self.frontend.decode(req.token_ids), req.finish_reason,
-                self._last_frame_index - req.origin_frame + 1, req.error))
-        return deltas, finished
-
-    def _record(self, frame, k, batch_sizes, deltas, finished, total_s) -> None:
-        seconds = self.runner.seconds
-        timings = Timings(prefill_s=seconds['prefill'], action_s=seconds['action'],
-                          decode_s=seconds['decode'], total_s=total_s,
-                          act_s=frame.act_s if frame else 0.0, frontend_s=self._frontend_s)
-        timings.overhead_s = max(total_s - timings.model_s, 0.0)
-        self.last_result = FrameResult(
-            frame_index=frame.index if frame else -1, action=frame.action if frame else None,
-            deltas=deltas, finished=finished, k=k,
-            decode_steps=len(batch_sizes), batch_sizes=batch_sizes,
-            active_requests=len(self.active), timings=timings, kv_usage=self.pool.usage())
+        self._touched = {}
+        return ([touched[i] for i in sorted(touched)],
+                sorted(ended, key=lambda r: r.request_id))
 
     # ---- invariants -------------------------------------------------------------------------
 
     def check(self) -> None:
-        """Assert pool and request invariants (run after every frame in debug mode)."""
+        """Assert pool and request invariants (the engine runs it after every frame in debug)."""
         self.pool.check()
         for req in self.active:
             assert not req.finished, f'finished request {req.request_id} still active'
             assert req.slot is not None
             assert self.pool.holders(req.slot) == (f'request {req.request_id}',), (
                 f'request {req.request_id}: slot {req.slot} held by {self.pool.holders(req.slot)}')
-            assert req.gen_len <= self.pool.max_gen_len
+            assert req.gen_len <= self.max_gen_len
         slots = [r.slot for r in self.active]
         assert len(set(slots)) == len(slots), f'two requests share a slot: {slots}'
         if self._frame is None:
@@ -420,9 +293,7 @@ class Scheduler:
             assert self.pool.num_in_use == len(self.active), (
                 f'leak: {self.pool.num_in_use} slots in use, {len(self.active)} requests\n'
                 f'{self.pool}')
-        assert self.pool.num_in_use <= self.pool.num_slots
-        assert set(self._first_hidden) <= {r.request_id for r in self.active}
 
     def __str__(self) -> str:
-        return (f'{self.system}: {len(self.active)} live requests, budget {self.budget}, '
-                f'{self._queued} queued\n{self.pool}')
+        return (f'{len(self.active)} live requests, budget {self.budget}, '
+                f'{self.num_queued} queued\n{self.pool}')

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from oxygen_ros.kv.request import FinishReason
 
 
 @dataclasses.dataclass
@@ -39,7 +43,7 @@ class TokenDelta:
     text: str                       # decoded text of exactly these tokens
     tokens_so_far: int              # generated tokens of the request including these
     done: bool                      # True on the request's last delta
-    finish_reason: str = ''         # '' while running; eos/length/evicted/error/refused
+    finish_reason: FinishReason | str = ''   # '' while running, else a FinishReason
 
 
 @dataclasses.dataclass
@@ -50,7 +54,7 @@ class FinishedRequest:
     origin_frame: int               # frame it started at
     token_ids: list[int]            # all generated tokens (EOS included when it stopped there)
     text: str                       # full decoded text
-    finish_reason: str              # eos/length/evicted/error/refused
+    finish_reason: FinishReason     # why it ended (.completed: eos or length)
     frames: int                     # frames it was alive (1 = finished in its first frame)
     error: str = ''                 # exception text ('error') or refusal reason ('refused')
 

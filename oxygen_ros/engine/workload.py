@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from oxygen_ros.model.robots import get_robot, RobotSpec
+
 
 def frame_rng(seed: int, frame_index: int, stream: int = 0) -> np.random.Generator:
     """Return a generator that depends only on (seed, frame_index, stream), not call order.
@@ -79,36 +81,59 @@ class LanguagePolicy:
         return 0.0 if self.every_n_frames == 0 else 1.0 / self.every_n_frames
 
 
-def default_num_slots(policy: LanguagePolicy, k: int) -> int:
-    """Pool capacity: ceil(N/k) + 1 live requests + 1 frame being acted on + 1 spare.
+def default_num_slots(policy: LanguagePolicy, k: int | None) -> int:
+    """Pool capacity: the one sizing rule, ceil(N/k) + 1 (k None: no cross-frame batching).
 
-    A request of N tokens at k tokens per frame lives ceil(N/k) frames; with one request per
-    frame that many overlap, plus the one starting now. The frame slot is what the action path
-    allocates before it knows whether a request will adopt it; the spare absorbs the frame
-    where a request finishes after the next frame's slot was taken.
+    A request of N tokens at k tokens per frame (its first token counts) lives ceil(N/k)
+    frames: started in frame t, it finishes in the advance_language() of frame
+    t + ceil(N/k) - 1. At most one request starts per frame, so when act() of frame t needs a
+    slot, the requests of frames t - ceil(N/k) + 1 .. t - 1 are live: ceil(N/k) slots with
+    the frame's own, which its request then adopts (no second slot). The + 1 is the spare
+    the 'refuse_new' pressure policy keeps free when it admits, so the next frame's action
+    path never waits; an adaptive budget sizes with k = 1 (its k may drop to 1 any frame).
+    Forced prompt-template tokens are not counted: a request that outlives its frames under
+    a long template is evicted for the action path, never the other way round.
+    Without requests the pool is the frame slot alone.
     """
     if policy.requests_per_frame() == 0:
+        return 1
+    if k is None:
         return 2
-    return math.ceil(policy.max_request_len / max(k, 1)) + 3
+    return math.ceil(policy.max_request_len / max(k, 1)) + 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """A reference robot setup from the OxyGen paper (all cameras 224² in the real model)."""
+    """A reference robot setup from the OxyGen paper; its facts come from the RobotSpec."""
 
     name: str
     robot: str                  # robot adapter name in oxygen_ros.model.robots
-    num_cameras: int            # cameras the robot actually sends
-    state_dim: int              # robot state vector length
-    action_dim: int             # robot action vector length
-    horizon: int                # H, action rows per chunk
+
+    @property
+    def spec(self) -> RobotSpec:
+        return get_robot(self.robot)
+
+    @property
+    def num_cameras(self) -> int:
+        """Cameras the model is fed (all 224² in the real model)."""
+        return len(self.spec.cameras)
+
+    @property
+    def state_dim(self) -> int:
+        return self.spec.state_dim
+
+    @property
+    def action_dim(self) -> int:
+        return self.spec.action_dim
+
+    @property
+    def horizon(self) -> int:
+        """H, action rows per chunk."""
+        return self.spec.horizon
 
 
-WORKLOADS: dict[str, Workload] = {
-    'libero': Workload('libero', 'libero', num_cameras=2, state_dim=8, action_dim=7, horizon=10),
-    'droid': Workload('droid', 'droid', num_cameras=2, state_dim=8, action_dim=8, horizon=10),
-    'aloha': Workload('aloha', 'aloha', num_cameras=3, state_dim=14, action_dim=14, horizon=10),
-}
+WORKLOADS: dict[str, Workload] = {name: Workload(name, name) for name in ('libero', 'droid',
+                                                                          'aloha')}
 
 
 def get_workload(name: str) -> Workload:

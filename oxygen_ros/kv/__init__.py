@@ -1,8 +1,7 @@
-"""Unified KV cache: slot pool, request state σ, batch/unbatch by index (torch only)."""
+"""Unified KV cache: slot ids (KVPool), the tensors behind them (KVStore), request state σ."""
 
-from oxygen_ros.kv.batch import DecodeBatch, build_decode_batch, unbatch
 from oxygen_ros.kv.pool import KVPool
-from oxygen_ros.kv.request import FINISH_REASONS, RequestState
+from oxygen_ros.kv.request import FINISH_REASONS, FinishReason, RequestState
+from oxygen_ros.kv.store import KVStore
 
-__all__ = ['DecodeBatch', 'FINISH_REASONS', 'KVPool', 'RequestState', 'build_decode_batch',
-           'unbatch']
+__all__ = ['FINISH_REASONS', 'FinishReason', 'KVPool', 'KVStore', 'RequestState']

@@ -1,65 +1,41 @@
-"""KVPool: the one owner of all KV-cache memory, handed out as slots.
+"""KVPool: slot ids, holders and accounting of the unified KV cache (no tensors).
 
-A slot holds one observation's prefix K/V (positions [0, P)) followed by the K/V of the tokens
-a language request generates from it (positions [P, T)). The action expert reads the prefix of
-a slot; a language request started at that frame adopts the same slot and appends to it, so a
-frame is prefilled once and its cache is never copied.
+A slot holds one observation's prefix K/V followed by the K/V of the tokens a language request
+generates from it. The action expert reads the prefix of a slot; a language request started at
+that frame adopts the same slot and appends to it, so a frame is prefilled once and its cache
+is never copied. The tensors behind the slots live in `KVStore`, owned by the model runner;
+what crosses this class's boundary is a slot id (int) or a count.
 
-Everything that crosses the pool's boundary is a slot id (int) or a count. Only the model
-runner turns ids into tensor indices.
+Allocation takes the lowest free id. With one request per frame the live requests then sit on
+the lowest ids and a finished request's slot is refilled first, so the slots a decode step
+reads form a run (the model reads a run of slots as a view, anything else as a gather).
 """
 
 from __future__ import annotations
 
-import torch
+import heapq
 
 
 class KVPool:
-    """Preallocated K/V storage for `num_slots` slots, with a free list and refcounts.
-
-    Shapes (letters used throughout kv/ and engine/):
-        L layers, S slots, T = P + max_gen_len positions per slot, KVH kv heads, D head dim.
-        k, v:          [L, S, T, KVH, D]  (model dtype)
-        prefix_valid:  [S, P] bool        (which prefix positions of each slot are real)
+    """`num_slots` slots with a free list and named holders.
 
     A slot is free when nobody holds it. Holders are names (e.g. 'frame 12', 'request 3');
     the refcount of a slot is its number of holders. Naming holders turns a double release
     or a release by the wrong party into an immediate error instead of a silent leak.
     """
 
-    def __init__(self, num_layers: int, num_slots: int, prefix_len: int, max_gen_len: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = 'cpu'):
+    def __init__(self, num_slots: int, bytes_per_slot: int = 0):
         if num_slots < 1:
             raise ValueError(f'num_slots must be >= 1, got {num_slots}')
-        if prefix_len < 1 or max_gen_len < 0:
-            raise ValueError(f'bad lengths: prefix_len={prefix_len}, max_gen_len={max_gen_len}')
-        self.num_layers = num_layers
         self.num_slots = num_slots
-        self.prefix_len = prefix_len            # P
-        self.max_gen_len = max_gen_len          # generated K/V entries a slot can hold
-        self.slot_len = prefix_len + max_gen_len  # T
-        shape = (num_layers, num_slots, self.slot_len, num_kv_heads, head_dim)
-        # Zeroed, not empty: masked-out positions still enter attention matmuls with weight 0,
-        # and 0 * NaN from uninitialised memory would poison the row.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)   # [L, S, T, KVH, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)   # [L, S, T, KVH, D]
-        self.prefix_valid = torch.zeros(num_slots, prefix_len, dtype=torch.bool,
-                                        device=device)            # [S, P]
-        # Lowest id first, so a quiet system keeps reusing the same (cache-warm) slots.
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.bytes_per_slot = bytes_per_slot    # K/V + prefix state of one slot (accounting)
+        self._free: list[int] = list(range(num_slots))   # a min-heap of free ids
         self._holders: list[list[str]] = [[] for _ in range(num_slots)]
         self.peak_slots_in_use = 0
         self.num_allocations = 0     # successful allocate() calls, for accounting
         self.num_refusals = 0        # allocate() calls that found the pool full
 
     # ---- sizes -----------------------------------------------------------------------------
-
-    @property
-    def bytes_per_slot(self) -> int:
-        """Bytes one slot occupies: its K and V rows plus its prefix_valid row."""
-        kv = 2 * self.k[:, 0].numel() * self.k.element_size()
-        return kv + self.prefix_len * self.prefix_valid.element_size()
 
     @property
     def total_bytes(self) -> int:
@@ -84,11 +60,11 @@ class KVPool:
     # ---- allocation --------------------------------------------------------------------
 
     def allocate(self, holder: str) -> int | None:
-        """Take a free slot for `holder`; None (and no change at all) when the pool is full."""
+        """Take the lowest free slot for `holder`; None (and no change at all) when full."""
         if not self._free:
             self.num_refusals += 1
             return None
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._holders[slot].append(holder)
         self.num_allocations += 1
         self.peak_slots_in_use = max(self.peak_slots_in_use, self.num_in_use)
@@ -108,10 +84,9 @@ class KVPool:
         holders.remove(holder)
         if holders:
             return False
-        # Reset the mask so a stale row can never be mistaken for a live prefix; K/V are left
-        # as they are (every position read is rewritten before it is read again).
-        self.prefix_valid[slot].zero_()
-        self._free.append(slot)
+        # K/V and prefix state are left as they are: the next prefill of the slot rewrites
+        # every entry a reader can see before anyone reads it.
+        heapq.heappush(self._free, slot)
         return True
 
     def refcount(self, slot: int) -> int:
@@ -127,20 +102,6 @@ class KVPool:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f'slot {slot} out of range [0, {self.num_slots})')
         return self._holders[slot]
-
-    # ---- data access (views, never copies) ----------------------------------------------------
-
-    def slot_view(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one slot as views, each [L, T, KVH, D]."""
-        assert self._holders_of(slot), f'slot {slot} is free'
-        return self.k[:, slot], self.v[:, slot]
-
-    def set_prefix_valid(self, slot: int, valid: torch.Tensor) -> None:
-        """Record which prefix positions of `slot` are real; valid: bool [P]."""
-        assert self._holders_of(slot), f'slot {slot} is free'
-        assert valid.shape == (self.prefix_len,), (
-            f'valid {tuple(valid.shape)} != ({self.prefix_len},)')
-        self.prefix_valid[slot].copy_(valid)
 
     # ---- accounting and invariants ------------------------------------------------------
 
@@ -162,26 +123,20 @@ class KVPool:
         free = self._free
         assert len(set(free)) == len(free), f'duplicate ids in free list {free}'
         assert all(0 <= s < self.num_slots for s in free), f'bad id in free list {free}'
+        free_set = set(free)
         for slot, holders in enumerate(self._holders):
-            in_free = slot in free
+            in_free = slot in free_set
             assert in_free == (not holders), (
                 f'slot {slot}: in free list={in_free} but holders={holders}')
             assert len(set(holders)) == len(holders), f'slot {slot}: duplicate holders {holders}'
         assert 0 <= self.num_in_use <= self.num_slots
         assert self.peak_slots_in_use <= self.num_slots
-        if free:
-            # Free slots carry no prefix mask (reset on release).
-            idx = torch.tensor(free, device=self.prefix_valid.device)
-            assert not bool(self.prefix_valid.index_select(0, idx).any()), (
-                'a free slot still has prefix_valid set')
 
     def __str__(self) -> str:
         mib = 1 / 2**20
         lines = [f'KVPool {self.num_in_use}/{self.num_slots} slots, '
                  f'{self.bytes_in_use * mib:.2f}/{self.total_bytes * mib:.2f} MiB in use '
-                 f'(peak {self.peak_slots_in_use} slots), '
-                 f'T={self.slot_len} (P={self.prefix_len} + {self.max_gen_len}), '
-                 f'{self.k.dtype}, {self.k.device}']
+                 f'(peak {self.peak_slots_in_use} slots)']
         for slot, holders in enumerate(self._holders):
             if holders:
                 lines.append(f'  slot {slot}: ' + ', '.join(holders))

@@ -8,14 +8,32 @@ Token ranges of a request in its slot (storage index, not RoPE position):
 
 F = len(forced), G = tokens generated so far. `gen_len` = K/V entries written after the prefix
 = the storage offset the next decode step writes at. RoPE positions continue from n_valid, so
-padding in the prefix costs no positions (the model handles that from n_valid).
+padding in the prefix costs no positions. n_valid is per-slot prefix state and lives with the
+K/V in the runner's KVStore; a request is counters and token ids only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
-FINISH_REASONS = ('eos', 'length', 'evicted', 'error', 'refused')
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended; a str, so it prints, compares and serialises as its value."""
+
+    EOS = 'eos'            # emitted the stop token
+    LENGTH = 'length'      # generated its N tokens
+    EVICTED = 'evicted'    # its slot was taken for the action path (tokens so far are valid)
+    ERROR = 'error'        # a model call on its rows failed
+    REFUSED = 'refused'    # never started (queue or pool full)
+
+    @property
+    def completed(self) -> bool:
+        """True when the request produced its whole text (eos or length)."""
+        return self in (FinishReason.EOS, FinishReason.LENGTH)
+
+
+FINISH_REASONS = tuple(FinishReason)
 
 
 @dataclasses.dataclass
@@ -25,15 +43,13 @@ class RequestState:
     request_id: int                 # unique, increasing in start order
     slot: int | None                # pool slot holding its K/V (None once released / refused)
     origin_frame: int               # frame whose prefix this request continues
-    n_valid: int                    # real prefix positions (RoPE offset of the first token)
-    prefix_len: int                 # P, storage offset of the first generated K/V entry
     max_new_tokens: int             # N: stop with 'length' after this many generated tokens
     eos_id: int | None = None       # stop with 'eos' after emitting this token (None: never)
     forced: list[int] = dataclasses.field(default_factory=list)   # prompt template ids to feed
     token_ids: list[int] = dataclasses.field(default_factory=list)  # generated so far
     gen_len: int = 0                # K/V entries written after the prefix
     finished: bool = False
-    finish_reason: str = ''         # '' while running, else one of FINISH_REASONS
+    finish_reason: FinishReason | str = ''   # '' while running
     num_reported: int = 0           # tokens already handed out in deltas
     error: str = ''                 # exception text ('error') or refusal reason ('refused')
 
@@ -81,13 +97,13 @@ class RequestState:
     def _emit(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))
         if self.eos_id is not None and token_id == self.eos_id:
-            self.finish('eos')
+            self.finish(FinishReason.EOS)
         elif len(self.token_ids) >= self.max_new_tokens:
-            self.finish('length')
+            self.finish(FinishReason.LENGTH)
 
-    def finish(self, reason: str, error: str = '') -> None:
+    def finish(self, reason: FinishReason | str, error: str = '') -> None:
         """Mark finished; the scheduler releases the slot (the pool is not touched here)."""
-        assert reason in FINISH_REASONS, f'unknown finish reason {reason!r}'
+        reason = FinishReason(reason)     # raises ValueError for an unknown reason
         if self.finished:
             return
         self.finished = True

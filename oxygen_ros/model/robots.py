@@ -67,6 +67,7 @@ class RobotSpec:
     state_dim: int
     action_dim: int
     asset_id: str                          # default norm stats under assets/<asset_id>/
+    horizon: int = 10                      # action rows per chunk in the paper's workloads
     ignored_cameras: tuple[str, ...] = ()  # accepted in observations but not fed to the model
     # Joints whose actions are deltas w.r.t. the current state (openpi AbsoluteActions).
     delta_action_mask: tuple[bool, ...] | None = None

@@ -1,0 +1,321 @@
+"""Scheduler and engine wiring against a fake runner and frontend: no model, milliseconds each.
+
+The fake runner's "model" is a pure function of (frame, position, fed token), so every request
+has a known reference stream: a request that reads a wrong slot, a stale prefix or a wrong
+length produces different tokens.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from oxygen_ros.engine import (AdaptiveBudget, default_num_slots, Engine, FinishReason,
+                               FixedBudget, LanguagePolicy, Observation, Scheduler, System,
+                               UnlimitedBudget)
+from oxygen_ros.engine.frontend import PreparedObservation
+from oxygen_ros.engine.runner import MODEL_CALLS
+from oxygen_ros.engine.workload import get_workload, WORKLOADS
+from oxygen_ros.kv import KVPool
+
+H, A = 2, 3          # action chunk of the fake model
+TEXT_TOKENS = 40     # fake tokens are 2 .. 41 (0 and 1 are never emitted unless asked)
+
+
+def first_token(frame):
+    return 2 + (frame * 7) % TEXT_TOKENS
+
+
+def next_token(frame, position, fed):
+    return 2 + (frame * 31 + position * 7 + fed * 3) % TEXT_TOKENS
+
+
+def reference(frame, n_tokens, eos_id=None):
+    """The fake model's own greedy stream for a request started at `frame`."""
+    tokens = [first_token(frame)]
+    while len(tokens) < n_tokens and tokens[-1] != eos_id:
+        tokens.append(next_token(frame, len(tokens), tokens[-1]))
+    return tokens
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class FakeRunner:
+    """Prefix = the frame index written into a slot; decode = next_token() of that frame."""
+
+    def __init__(self, num_slots, max_gen_len, clock, step_s=lambda rows: 0.0):
+        self.prefix = [None] * num_slots        # frame whose prefix each slot holds
+        self.written = [0] * num_slots          # generated entries written per slot
+        self.max_gen_len = max_gen_len
+        self.clock = clock
+        self.step_s = step_s                    # fake seconds of a decode step of B rows
+        self.fail_calls = set()                 # decode call numbers that raise
+        self.decode_calls = []                  # slots of every decode call
+        self.prefills = 0
+        self.seconds = dict.fromkeys(MODEL_CALLS, 0.0)
+        self.last_call_s = 0.0
+        self.action_shape = (H, A)
+
+    def reset_times(self):
+        self.seconds = dict.fromkeys(MODEL_CALLS, 0.0)
+
+    def prefill(self, tensors, slot):
+        self.prefills += 1
+        self.prefix[slot] = tensors['frame']
+        self.written[slot] = 0
+
+    def sample_actions(self, slot, noise):
+        assert noise.shape == (H, A)
+        return np.full((H, A), self.prefix[slot], dtype=np.float32)
+
+    def first_tokens(self, slots):
+        self.last_call_s = 0.0
+        return [first_token(self.prefix[s]) for s in slots]
+
+    def decode(self, slots, gen_lens, tokens):
+        self.decode_calls.append(list(slots))
+        if len(self.decode_calls) in self.fail_calls:
+            raise RuntimeError('injected decode failure')
+        assert slots == sorted(slots) and len(set(slots)) == len(slots)
+        out = []
+        for slot, gen_len, fed in zip(slots, gen_lens, tokens):
+            # K/V entries are appended in order: a request never skips or rewrites one.
+            assert gen_len == self.written[slot] < self.max_gen_len, (slot, gen_len)
+            self.written[slot] += 1
+            out.append(next_token(self.prefix[slot], gen_len + 1, fed))
+        self.last_call_s = self.step_s(len(slots))
+        self.clock.now += self.last_call_s
+        self.seconds['decode'] += self.last_call_s
+        return out
+
+
+class FakeFrontend:
+    def prepare(self, obs):
+        if obs.state is None:
+            raise ValueError('no state')
+        return PreparedObservation(None, {'frame': obs.frame_index})
+
+    def robot_actions(self, normalized, prepared):
+        return normalized
+
+    def encode_text(self, text):
+        return [100 + len(word) for word in text.split()]
+
+    def decode(self, ids):
+        return ''.join(f'<{i}>' for i in ids)
+
+    def decode_delta(self, ids, n_old, final):
+        return self.decode(ids[n_old:])
+
+
+def make(policy, budget, num_slots=None, sizing_k=None, share_prefix=True,
+         pressure='evict_oldest', step_s=lambda rows: 0.0):
+    clock = FakeClock()
+    if num_slots is None:
+        num_slots = default_num_slots(policy, sizing_k)
+    max_gen_len = policy.max_request_len - 1
+    runner = FakeRunner(num_slots, max_gen_len, clock, step_s)
+    scheduler = Scheduler(policy, budget, KVPool(num_slots, 10), max_gen_len,
+                          pressure=pressure, share_prefix=share_prefix)
+    return Engine('fake', scheduler, runner, FakeFrontend(), debug=True, clock=clock)
+
+
+def obs(frame):
+    return Observation(images={}, state=np.zeros(1), instruction='go', frame_index=frame)
+
+
+def run(engine, frames, drain=True):
+    """Step through frames (then drain); return ({origin frame: FinishedRequest}, results)."""
+    requests, results = {}, []
+    for frame in frames:
+        results.append(engine.step(obs(frame)))
+    while drain and engine.num_live_requests:
+        results.append(engine.advance_language())
+    for result in results:
+        requests.update((f.origin_frame, f) for f in result.finished)
+    return requests, results
+
+
+def is_run(slots):
+    return slots == list(range(slots[0], slots[0] + len(slots)))
+
+
+@pytest.mark.parametrize('eos', [False, True])
+@pytest.mark.parametrize('k', [1, 2, 3, 7])
+def test_fixed_k_streams_equal_the_models_own(k, eos):
+    eos_id = reference(1, 7)[3] if eos else None
+    policy = LanguagePolicy(max_new_tokens=7, eos_id=eos_id)
+    engine = make(policy, FixedBudget(k), sizing_k=k)
+    requests, results = run(engine, range(12))
+    assert sorted(requests) == list(range(12))
+    for frame, req in requests.items():
+        assert req.token_ids == reference(frame, 7, eos_id), frame
+        assert req.finish_reason.completed
+        assert req.text == ''.join(f'<{i}>' for i in req.token_ids)
+    assert all(r.k == k for r in results)
+    if eos:
+        assert {r.finish_reason for r in requests.values()} == {FinishReason.EOS,
+                                                                FinishReason.LENGTH}
+    assert engine.pool.num_in_use == 0
+
+
+def test_adaptive_k_streams_equal_the_models_own():
+    policy = LanguagePolicy(max_new_tokens=9, eos_id=None)
+    budget = AdaptiveBudget(0.010, k_max=9, margin=0.0)
+    engine = make(policy, budget, sizing_k=1, step_s=lambda rows: 0.001 + 0.0005 * rows)
+    requests, results = run(engine, range(10))
+    assert len({r.k for r in results}) >= 2                        # k really varied
+    for frame, req in requests.items():
+        assert req.token_ids == reference(frame, 9) and req.finish_reason == 'length'
+
+
+def test_unlimited_and_isolated_finish_in_their_frame():
+    policy = LanguagePolicy(max_new_tokens=5, eos_id=None)
+    for share_prefix, prefills in [(True, 4), (False, 8)]:
+        engine = make(policy, UnlimitedBudget(), share_prefix=share_prefix)
+        requests, results = run(engine, range(4), drain=False)
+        assert engine.pool.num_slots == 2 and engine.num_live_requests == 0
+        assert engine.runner.prefills == prefills                  # isolated prefills twice
+        assert all(r.k == 5 and r.finished[0].frames == 1 for r in results)
+        assert all(req.token_ids == reference(f, 5) for f, req in requests.items())
+
+
+def test_pool_of_ceil_n_over_k_plus_one_never_evicts():
+    """The reference workloads' (N, k) grid: one request per frame, EOS off."""
+    assert {get_workload(name).horizon for name in WORKLOADS} == {10}
+    for n in (5, 10, 15, 20, 30):
+        for k in [k for k in range(1, n + 1) if n % k == 0]:
+            policy = LanguagePolicy(max_new_tokens=n, eos_id=None)
+            for pressure in ('evict_oldest', 'refuse_new'):
+                engine = make(policy, FixedBudget(k), sizing_k=k, pressure=pressure)
+                assert engine.pool.num_slots == math.ceil(n / k) + 1
+                requests, _ = run(engine, range(2 * math.ceil(n / k) + 3))
+                assert all(r.finish_reason == 'length' for r in requests.values()), (n, k)
+                # The spare is never needed in steady state.
+                assert engine.pool.peak_slots_in_use == math.ceil(n / k)
+
+
+def test_steady_state_batches_are_runs_of_slots_but_for_one_hole():
+    """Lowest-free-first slots keep live requests on a run of slots.
+
+    The newest request takes its first token from its prefix, so it sits out the frame's
+    last step: that step has one hole (the runner fills it with a padding row).
+    """
+    for k in (1, 2, 5):
+        policy = LanguagePolicy(max_new_tokens=10, eos_id=None)
+        engine = make(policy, FixedBudget(k), sizing_k=k)
+        run(engine, range(12), drain=False)   # draining empties the run from its start
+        holes = [s[-1] - s[0] + 1 - len(s) for s in engine.runner.decode_calls]
+        assert max(holes) <= 1 and holes.count(0) >= holes.count(1) * (k - 1), k
+
+
+def test_pool_full_evicts_the_oldest_whose_tokens_stay_valid():
+    policy = LanguagePolicy(max_new_tokens=8, eos_id=None)
+    engine = make(policy, FixedBudget(1), num_slots=2)
+    requests, results = run(engine, range(6))
+    assert all(r.action is not None for r in results[:6])           # an action every frame
+    evicted = {f for f, r in requests.items() if r.finish_reason == 'evicted'}
+    assert evicted
+    for frame, req in requests.items():
+        full = reference(frame, 8)
+        if frame in evicted:
+            assert 0 < len(req.token_ids) < 8 and req.token_ids == full[:len(req.token_ids)]
+        else:
+            assert req.token_ids == full
+    assert requests[5].finish_reason == 'length'                     # the newest survives
+
+
+def test_refuse_new_keeps_a_slot_for_the_action_path():
+    policy = LanguagePolicy(max_new_tokens=4, eos_id=None)
+    engine = make(policy, FixedBudget(1), num_slots=2, pressure='refuse_new')
+    requests, _ = run(engine, range(8))
+    refused = {f for f, r in requests.items() if r.finish_reason == 'refused'}
+    assert refused and all(requests[f].token_ids == [] for f in refused)
+    assert all(r.token_ids == reference(f, 4) for f, r in requests.items() if f not in refused)
+
+
+def test_queue_overflow_is_refused_and_every_request_reported():
+    policy = LanguagePolicy(max_new_tokens=2, arrival_rate=3.0, max_queue=2, seed=0)
+    engine = make(policy, FixedBudget(2), sizing_k=2)
+    _, results = run(engine, range(6))
+    finished = [f for r in results for f in r.finished]
+    refused = [f for f in finished if f.finish_reason == 'refused']
+    assert refused and all('queue' in f.error and not f.token_ids for f in refused)
+    arrived = sum(policy.arrivals(f) for f in range(6))
+    assert len(finished) == arrived - engine.scheduler.num_queued
+    assert sorted(f.request_id for f in finished) == list(range(len(finished)))
+
+
+def test_decode_error_ends_only_the_rows_of_that_step():
+    policy = LanguagePolicy(max_new_tokens=6, eos_id=None)
+    engine = make(policy, FixedBudget(2), sizing_k=2)
+    engine.runner.fail_calls = {4}                 # 1st step of frame 2: frames 0, 1, 2
+    requests, _ = run(engine, range(5))
+    assert {f for f, r in requests.items() if r.finish_reason == 'error'} == {0, 1, 2}
+    for frame, req in requests.items():
+        full = reference(frame, 6)
+        if req.finish_reason == 'error':
+            assert 'injected' in req.error and req.token_ids == full[:len(req.token_ids)]
+        else:
+            assert req.token_ids == full
+    assert engine.pool.num_in_use == 0
+
+
+def test_random_arrivals_eos_and_language_only_ticks_leak_nothing():
+    rng = np.random.default_rng(0)
+    for seed in range(4):
+        policy = LanguagePolicy(arrival_rate=0.8, length_choices=(1, 3, 6, 10), seed=seed,
+                                eos_id=reference(0, 10)[1])
+        k = int(rng.integers(1, 4))
+        engine = make(policy, FixedBudget(k), sizing_k=k, num_slots=int(rng.integers(2, 6)))
+        seen = set()
+        for frame in range(30):
+            seen.update(f.request_id for f in engine.step(obs(frame)).finished)  # check()s
+            if rng.random() < 0.3:
+                seen.update(f.request_id for f in engine.advance_language().finished)
+        while engine.num_live_requests:
+            seen.update(f.request_id for f in engine.advance_language().finished)
+        assert engine.pool.num_in_use == 0
+        assert seen == set(range(engine.scheduler.num_requests))
+
+
+def test_act_twice_and_bad_observations_hold_nothing():
+    engine = make(LanguagePolicy(max_new_tokens=3), FixedBudget(1), sizing_k=1)
+    engine.act(obs(0))
+    engine.act(obs(1))                      # the runtime missed advance_language() of frame 0
+    assert engine.pool.num_in_use == 1
+    engine.advance_language()
+    assert [r.origin_frame for r in engine.scheduler.active] == [1]
+    bad = obs(2)
+    bad.state = None
+    with pytest.raises(ValueError):
+        engine.act(bad)
+    assert engine.pool.num_in_use == 1     # frame 1's request only
+    engine.check()
+
+
+def test_the_system_protocol_and_its_controls():
+    engine = make(LanguagePolicy(max_new_tokens=4), FixedBudget(2), sizing_k=2)
+    assert isinstance(engine, System)
+    engine.step(obs(0))
+    engine.set_budget(FixedBudget(4))
+    engine.set_policy(LanguagePolicy(max_new_tokens=4, every_n_frames=0))
+    result = engine.step(obs(1))
+    assert result.k == 4 and engine.num_live_requests == 0 and str(engine.budget) == \
+        'FixedBudget(k=4)'
+    engine.set_budget(None)                 # compatibility: None is unlimited
+    assert engine.budget.unlimited
+    engine.close()
+
+
+def test_sizing_rule():
+    policy = LanguagePolicy(max_new_tokens=30)
+    assert default_num_slots(policy, 5) == 7 and default_num_slots(policy, 4) == 9
+    assert default_num_slots(policy, None) == 2
+    assert default_num_slots(LanguagePolicy(every_n_frames=0), 5) == 1
