@@ -162,13 +162,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def fold_heads(q: torch.Tensor, G: int) -> torch.Tensor:
-    """q [B, Q, N, D] -> [B, G, r*Q, D]: the r = N/G query heads sharing a K/V head as rows."""
+    """Fold q [B, Q, N, D] -> [B, G, r*Q, D]: the r = N/G heads sharing a K/V head as rows."""
     B, Q, N, D = q.shape
     return q.view(B, Q, G, N // G, D).permute(0, 2, 3, 1, 4).reshape(B, G, N // G * Q, D)
 
 
 def unfold_heads(out: torch.Tensor, Q: int) -> torch.Tensor:
-    """Inverse of fold_heads for the attention output: [B, G, r*Q, D] -> [B, Q, N*D]."""
+    """Undo fold_heads on the attention output: [B, G, r*Q, D] -> [B, Q, N*D]."""
     B, G, rQ, D = out.shape
     return out.view(B, G, rQ // Q, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, G * rQ // Q * D)
 

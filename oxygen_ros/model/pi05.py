@@ -119,7 +119,7 @@ def write_rows(storage: torch.Tensor, slots: list[int], values: torch.Tensor) ->
 
 
 def attend_bucket(needed: int, limit: int) -> int:
-    """Static attend length for decode: the power of two >= needed (at least 8), capped at limit.
+    """Pick decode's static attend length: a power of two >= needed (>= 8), capped at limit.
 
     needed = max(gen_len) + 1 over the batch; limit = T - P. A caller that knows gen_len as
     ints picks the bucket, so a step's shapes take a few values only (one graph each).
@@ -225,7 +225,7 @@ class Pi05Model(nn.Module):
         return self
 
     def rope_tables(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE cos, sin float32 [>= length, D] on `device`; built once, grown on demand."""
+        """Return the RoPE tables cos, sin float32 [>= length, D] on `device` (built once)."""
         device = torch.device(device)
         table = self._rope_tables.get(device)
         if table is None or table[0].shape[0] < length:
