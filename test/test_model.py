@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from oxygen_ros.model import get_preset, KVTensors, Pi05Model
-from oxygen_ros.model.gemma import attention, attention_two_blocks, gated_residual, rope
+from oxygen_ros.model.gemma import (attention, attention_two_blocks, gated_residual, key_bias,
+                                    rope)
 from oxygen_ros.model.pi05 import attend_bucket, host_run, slot_rows, time_embedding
 
 ATOL = 2e-5
@@ -286,7 +287,7 @@ def test_attention_paths_agree():
     mask = torch.cat([mask1, torch.ones(B, K2, dtype=torch.bool)], 1)           # [B, K]
     per_query = attention(q, k, v, mask[:, None].expand(B, Q, -1))             # GQA SDPA
     folded = attention(q, k, v, mask[:, None])                                 # folded heads
-    two = attention_two_blocks(q, k1, v1, mask1, k2, v2)
+    two = attention_two_blocks(q, k1, v1, key_bias(mask1, q.dtype), k2, v2)
     torch.testing.assert_close(folded, per_query, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(two, per_query, atol=1e-6, rtol=1e-5)
 

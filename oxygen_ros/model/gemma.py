@@ -195,23 +195,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2).reshape(B, Q, N * D)
 
 
+def key_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Turn a key mask bool [B, K] into an additive bias [B, K]: 0 where True, -inf where not."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill(~mask, float('-inf'))
+
+
 def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
-                         mask1: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+                         bias1: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
     """Attention over the keys of two blocks with one softmax, without concatenating them.
 
-    q [B, Q, N, D]; k1, v1 [B, K1, G, D] with mask1 bool [B, K1] (True = may attend), e.g. a
+    q [B, Q, N, D]; k1, v1 [B, K1, G, D] with bias1 [B, K1] (key_bias of its mask), e.g. a
     slot's prefix read in place from the pool; k2, v2 [B, K2, G, D], all visible (the queries'
     own block). Every query sees the same keys. Equals
     `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, ones)[:, None])` but copies neither
-    block: each gives its own score block, one float32 softmax runs over both.
-    Returns [B, Q, N*D].
+    block when G = 1 (as in π0.5): each block gives its own scores, one float32 softmax runs
+    over both. Returns [B, Q, N*D].
     """
-    Q, D = q.shape[1], q.shape[3]
-    qg = fold_heads(q, k1.shape[2]) * D ** -0.5                                # [B, G, rQ, D]
-    s1 = torch.matmul(qg, k1.permute(0, 2, 3, 1)).float()                     # [B, G, rQ, K1]
-    s1 = s1.masked_fill(~mask1[:, None, None, :], float('-inf'))
-    s2 = torch.matmul(qg, k2.permute(0, 2, 3, 1)).float()                     # [B, G, rQ, K2]
-    p = torch.softmax(torch.cat([s1, s2], dim=-1), dim=-1).to(v1.dtype)
-    p1, p2 = p.split([s1.shape[-1], s2.shape[-1]], dim=-1)
-    out = torch.matmul(p1, v1.transpose(1, 2)) + torch.matmul(p2, v2.transpose(1, 2))
-    return unfold_heads(out, Q)                                                 # [B, Q, N*D]
+    B, Q, N, D = q.shape
+    G = k1.shape[2]
+    K1 = k1.shape[1]
+    qg = fold_heads(q, G).flatten(0, 1)                                       # [B*G, rQ, D]
+    bias1 = bias1.to(q.dtype).repeat_interleave(G, dim=0)[:, None]             # [B*G, 1, K1]
+    s1 = torch.baddbmm(bias1, qg, k1.permute(0, 2, 3, 1).flatten(0, 1), alpha=D ** -0.5)
+    s2 = torch.bmm(qg, k2.permute(0, 2, 3, 1).flatten(0, 1)) * D ** -0.5      # [B*G, rQ, K2]
+    p = torch.softmax(torch.cat([s1.float(), s2.float()], dim=-1), dim=-1).to(v1.dtype)
+    p1, p2 = p[..., :K1], p[..., K1:]                                          # one softmax
+    out = torch.baddbmm(torch.bmm(p2, v2.transpose(1, 2).flatten(0, 1)),
+                        p1, v1.transpose(1, 2).flatten(0, 1))                  # [B*G, rQ, D]
+    return unfold_heads(out.view(B, G, -1, D), Q)                              # [B, Q, N*D]

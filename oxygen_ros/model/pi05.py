@@ -37,7 +37,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import Pi05Config
-from .gemma import attention, attention_two_blocks, GemmaModel, rope_table
+from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, rope_table
 from .siglip import MultiModalProjector, SiglipVisionTower
 
 # Parameters that stay float32 when the model runs in bfloat16 (openpi's float32 islands).
@@ -306,7 +306,7 @@ class Pi05Model(nn.Module):
         prefix_kv = [(slot_rows(kv.k[i], prefix.slots, run, 0, P),
                       slot_rows(kv.v[i], prefix.slots, run, 0, P))        # 2 x [B, P, G, D]
                      for i in range(self.config.backbone.depth)]
-        prefix_valid = prefix.valid.to(device)                              # [B, P]
+        prefix_bias = key_bias(prefix.valid.to(device), self.compute_dtype)   # [B, P]
         positions = prefix.n_valid.to(device)[:, None] + torch.arange(H, device=device)
         cos, sin = self.rope_tables(P + H, device)
         cos, sin = cos[positions], sin[positions]                           # [B, H, D]
@@ -314,16 +314,17 @@ class Pi05Model(nn.Module):
         dt = -1.0 / steps
         for step in range(steps):
             t = torch.full((B,), 1.0 - step / steps, device=device)
-            x_t = x_t + dt * self.denoise_velocity(prefix_kv, prefix_valid, cos, sin, x_t, t)
+            x_t = x_t + dt * self.denoise_velocity(prefix_kv, prefix_bias, cos, sin, x_t, t)
         return x_t
 
     def denoise_velocity(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
-                         prefix_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """One expert pass: velocity v(x_t, t) [B, H, A].
 
-        prefix_kv: per layer (K, V) [B, P, G, D] of the prefix (read only); prefix_valid bool
-        [B, P]; cos, sin [B, H, D] at the action tokens' positions; x_t [B, H, A]; t [B].
+        prefix_kv: per layer (K, V) [B, P, G, D] of the prefix (read only); prefix_bias [B, P]
+        (key_bias of the valid mask); cos, sin [B, H, D] at the action tokens' positions;
+        x_t [B, H, A]; t [B].
         The H action tokens attend to the valid prefix and to each other (bidirectionally).
         """
         width = self.config.expert.width
@@ -332,7 +333,7 @@ class Pi05Model(nn.Module):
         x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
         for layer, (k_prefix, v_prefix) in zip(self.expert.layers, prefix_kv):
             def attend(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix):
-                return attention_two_blocks(q, k_prefix, v_prefix, prefix_valid, k, v)
+                return attention_two_blocks(q, k_prefix, v_prefix, prefix_bias, k, v)
             x = layer(x, cos, sin, attend, cond)
         x, _ = self.expert.norm(x, cond)
         return self.action_out_proj(x.to(self.action_out_proj.weight.dtype)).float()
