@@ -326,33 +326,39 @@ def _ragged_pool(model, num_slots=6):
 
 
 @torch.no_grad()
-def test_static_decode_with_null_slot_padding_equals_dynamic(model):
-    """attend_len buckets and padding rows on a null slot change nothing for the real rows."""
+def test_static_decode_with_padding_rows_equals_dynamic(model):
+    """attend_len buckets and padding rows change nothing for the real rows.
+
+    Padding rows as the engine makes them: on a null slot no real row uses, and on a real
+    row's slot writing that slot's last (scratch) entry, which no real row attends.
+    """
     P = model.config.prefix_len
     prefix, gen_len, tokens = _ragged_pool(model)
     kv = prefix.kv
+    T = kv.max_len
     saved = (kv.k.clone(), kv.v.clone())
     dynamic = model.decode_step(kv, prefix.slots, prefix.valid, prefix.n_valid, gen_len, tokens)
     after = (kv.k.clone(), kv.v.clone())
-    null = 5                                    # a slot no real row uses
-    pad = 2
-    slots = torch.cat([prefix.slots, torch.full((pad,), null)])
-    valid = torch.cat([prefix.valid, prefix.valid.new_zeros(pad, P)])
-    n_valid = torch.cat([prefix.n_valid, torch.zeros(pad, dtype=torch.long)])
-    gen = torch.cat([gen_len, torch.zeros(pad, dtype=torch.long)])
-    toks = torch.cat([tokens, torch.zeros(pad, dtype=torch.long)])
-    for attend_len in (attend_bucket(int(gen_len.max()) + 1, kv.max_len - P), kv.max_len - P):
+    null, scratch = 5, T - P - 1
+    slots = torch.cat([prefix.slots, torch.tensor([null, null, 4])])
+    valid = torch.cat([prefix.valid, prefix.valid.new_zeros(2, P), prefix.valid[:1]])
+    n_valid = torch.cat([prefix.n_valid, torch.tensor([0, 0, int(prefix.n_valid[0])])])
+    gen = torch.cat([gen_len, torch.tensor([0, 0, scratch])])
+    toks = torch.cat([tokens, torch.tensor([0, 0, 0])])
+    for attend_len in (attend_bucket(int(gen_len.max()) + 1, T - P), T - P):
         kv.k.copy_(saved[0])
         kv.v.copy_(saved[1])
         static = model.decode_step(kv, slots, valid, n_valid, gen, toks, attend_len=attend_len)
-        assert static.shape == (3 + pad, model.config.backbone.vocab_size)
+        assert static.shape == (6, model.config.backbone.vocab_size)
         torch.testing.assert_close(static[:3], dynamic, atol=1e-5, rtol=1e-5)
+        # Every real entry as the unpadded step left it (batch size changes matmul blocking,
+        # hence float rounding, not more); padding wrote only the null slot and a scratch entry.
         real = [s for s in range(kv.k.shape[1]) if s != null]
-        # Batch size changes matmul blocking, hence float rounding, not more.
-        torch.testing.assert_close(kv.k[:, real], after[0][:, real], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(kv.v[:, real], after[1][:, real], atol=1e-5, rtol=1e-5)
+        for new, ref in ((kv.k, after[0]), (kv.v, after[1])):
+            torch.testing.assert_close(new[:, real, :T - 1], ref[:, real, :T - 1], atol=1e-5,
+                                       rtol=1e-5)
     with pytest.raises(ValueError, match='cache length'):
-        model.decode_step(kv, slots, valid, n_valid, gen, toks, attend_len=kv.max_len - P + 1)
+        model.decode_step(kv, slots, valid, n_valid, gen, toks, attend_len=T - P + 1)
 
 
 @torch.no_grad()

@@ -355,13 +355,16 @@ class Pi05Model(nn.Module):
         its valid prefix plus storage [P, P + gen_len[b]]. The caller advances gen_len.
 
         attend_len (J): how many generated positions [P, P + J) the step reads, masked per row
-        to gen_len[b] + 1; needs J > max(gen_len) and P + J <= T (not checked: that would read
-        gen_len). Pick it with `attend_bucket` so shapes depend on (B, J) only; with ids on the
-        model's device the step then reads nothing on the host. Without it, J = max(gen_len)
-        + 1 from host gen_len, or T - P (the whole slot) when gen_len is on an accelerator.
+        to gen_len[b] + 1; needs J > gen_len[b] for every real row and P + J <= T (not
+        checked: that would read gen_len). Pick it with `attend_bucket` so shapes depend on
+        (B, J) only; with ids on the model's device the step then reads nothing on the host.
+        Without it, J = max(gen_len) + 1 from host gen_len, or T - P (the whole slot) when
+        gen_len is on an accelerator.
 
-        Padding rows may repeat a slot id that no real row uses (a reserved null slot): rows
-        are independent, so they change nothing in the other rows.
+        Padding rows (to fill a bucket or a hole in a run of slots) change nothing in the other
+        rows as long as they write an entry no real row attends: a reserved null slot, or any
+        slot's last entry (gen_len = T - P - 1, outside every real row's mask). Their gen_len
+        need not be below J; their logits are to be dropped.
         """
         P, T = prefix_valid.shape[1], kv.max_len
         if attend_len is None:
