@@ -108,7 +108,7 @@ class GemmaLayer(nn.Module):
                 cond: torch.Tensor | None = None) -> torch.Tensor:
         """Run the layer on x [B, Q, W] -> [B, Q, W].
 
-        cos, sin [B, Q, D]: RoPE rows at the tokens' positions (see `rope_table`).
+        cos, sin [B, Q, D]: RoPE rows at the tokens' positions (rows of a `rope_table`).
         attend(q [B, Q, N, D], k, v [B, Q, G, D]) -> [B, Q, N*D]: keeps k, v (K after RoPE)
         where the pass caches them and attends with the pass's keys and mask.
         cond [B, Wc]: the expert's adaRMS conditioning; None in the backbone.
@@ -138,12 +138,13 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) 
     return x + y if gate is None else x + gate * y
 
 
-def rope_table(length: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE tables for positions [0, length): cos, sin, each float32 [length, D]."""
+def rope_table(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE rows for integer positions [...] -> cos, sin, each float32 [..., D]."""
     D = head_dim
-    inv_freq = ROPE_THETA ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
-    angles = torch.arange(length, device=device).float()[:, None] * inv_freq   # [length, D/2]
-    angles = torch.cat([angles, angles], dim=-1)                                # [length, D]
+    inv_freq = ROPE_THETA ** (-torch.arange(0, D, 2, device=positions.device,
+                                            dtype=torch.float32) / D)
+    angles = positions.float()[..., None] * inv_freq                           # [..., D/2]
+    angles = torch.cat([angles, angles], dim=-1)                                # [..., D]
     return angles.cos(), angles.sin()
 
 
@@ -156,9 +157,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE at integer positions [B, Q] (builds a table; for references/tests)."""
-    cos, sin = rope_table(int(positions.max()) + 1, x.shape[-1], x.device)
-    return apply_rope(x, cos[positions], sin[positions])
+    """Rotate-half RoPE of x [B, Q, heads, D] at integer positions [B, Q] (no table kept)."""
+    return apply_rope(x, *rope_table(positions, x.shape[-1]))
 
 
 def fold_heads(q: torch.Tensor, G: int) -> torch.Tensor:

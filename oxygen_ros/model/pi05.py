@@ -231,7 +231,7 @@ class Pi05Model(nn.Module):
         if table is None or table[0].shape[0] < length:
             # Room for the prefix, the action suffix and a generous generation by default.
             size = max(length, self.config.prefix_len + self.config.action_horizon + 512)
-            table = rope_table(size, self.config.backbone.head_dim, device)
+            table = rope_table(torch.arange(size, device=device), self.config.backbone.head_dim)
             self._rope_tables[device] = table
         return table
 
