@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oxygen_ros.model import get_preset, Pi05Model
-from oxygen_ros.model.gemma import attention, gated_residual, rope
-from oxygen_ros.model.pi05 import time_embedding
+from oxygen_ros.model import get_preset, KVTensors, Pi05Model
+from oxygen_ros.model.gemma import (attention, attention_two_blocks, gated_residual, key_bias,
+                                    rope)
+from oxygen_ros.model.pi05 import attend_bucket, host_run, slot_rows, time_embedding
 
 ATOL = 2e-5
 
@@ -261,3 +262,136 @@ def test_prefill_rejects_wrong_shapes(model):
         pool = KVTensors.allocate(cfg, 2, cfg.prefix_len - 1)
         model.prefill(images, image_masks, tokens, token_masks, kv=pool,
                       slots=torch.tensor([0, 1, 0]))
+
+
+# ---- static-shape decode, in-place action path, one layer body ------------------------------
+
+def test_attend_bucket():
+    needed = (1, 8, 9, 16, 17, 40, 64)
+    assert [attend_bucket(n, 64) for n in needed] == [8, 8, 16, 16, 32, 64, 64]
+    assert attend_bucket(20, 24) == 24          # capped at T - P
+
+
+@torch.no_grad()
+def test_attention_paths_agree():
+    """Folded heads, GQA SDPA and the two-block form (strided prefix view) give one result."""
+    g = torch.Generator().manual_seed(0)
+    B, Q, N, G, D, K1, K2 = 2, 3, 4, 2, 8, 11, 3
+    q = torch.randn(B, Q, N, D, generator=g)
+    store = torch.randn(5, K1 + 4, G, D, generator=g)        # [S, T, G, D]
+    k1, v1 = store[1:3, :K1], store[2:4, :K1]                 # strided views, as in the pool
+    k2, v2 = torch.randn(2, B, K2, G, D, generator=g)
+    mask1 = torch.rand(B, K1, generator=g) > 0.4
+    mask1[:, 0] = True
+    k, v = torch.cat([k1, k2], 1), torch.cat([v1, v2], 1)
+    mask = torch.cat([mask1, torch.ones(B, K2, dtype=torch.bool)], 1)           # [B, K]
+    per_query = attention(q, k, v, mask[:, None].expand(B, Q, -1))             # GQA SDPA
+    folded = attention(q, k, v, mask[:, None])                                 # folded heads
+    two = attention_two_blocks(q, k1, v1, key_bias(mask1, q.dtype), k2, v2)
+    torch.testing.assert_close(folded, per_query, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(two, per_query, atol=1e-6, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_action_path_reads_prefix_in_place(model):
+    """A run of host slot ids is read as a view of the pool; scattered ids give the same."""
+    cfg = model.config
+    P = cfg.prefix_len
+    inputs = make_inputs(cfg, B=2, seed=12)
+    pool = KVTensors.allocate(cfg, num_slots=5, max_len=P + 4)
+    run = model.prefill(*inputs, kv=pool, slots=torch.tensor([1, 2]))
+    view = slot_rows(pool.k[0], run.slots, host_run(run.slots), 0, P)
+    assert view.data_ptr() == pool.k[0, 1].data_ptr()
+    assert host_run(torch.tensor([3, 1])) is None
+    pool2 = KVTensors.allocate(cfg, num_slots=5, max_len=P + 4)
+    scattered = model.prefill(*inputs, kv=pool2, slots=torch.tensor([4, 0]))
+    noise = torch.randn(2, cfg.action_horizon, cfg.action_dim)
+    torch.testing.assert_close(model.sample_actions(run, noise),
+                               model.sample_actions(scattered, noise), atol=0, rtol=0)
+
+
+def _ragged_pool(model, num_slots=6):
+    """Three requests in scattered slots [4, 1, 2], advanced to gen_len [0, 3, 5]."""
+    cfg = model.config
+    inputs = make_inputs(cfg, B=3, seed=13)
+    pool = KVTensors.allocate(cfg, num_slots=num_slots, max_len=cfg.prefix_len + 12)
+    prefix = model.prefill(*inputs, kv=pool, slots=torch.tensor([4, 1, 2]))
+    gen_len = [0, 3, 5]
+    for b, n in enumerate(gen_len):
+        row = prefix.row(b)
+        for j, token in enumerate(model.generate(row, n + 1, eos_id=None)[0][:n]):
+            model.decode_step(pool, row.slots, row.valid, row.n_valid, torch.tensor([j]),
+                              torch.tensor([token]))
+    return prefix, torch.tensor(gen_len), torch.tensor([11, 12, 13])
+
+
+@torch.no_grad()
+def test_static_decode_with_padding_rows_equals_dynamic(model):
+    """attend_len buckets and padding rows change nothing for the real rows.
+
+    Padding rows as the engine makes them: on a null slot no real row uses, and on a real
+    row's slot writing that slot's last (scratch) entry, which no real row attends.
+    """
+    P = model.config.prefix_len
+    prefix, gen_len, tokens = _ragged_pool(model)
+    kv = prefix.kv
+    T = kv.max_len
+    saved = (kv.k.clone(), kv.v.clone())
+    dynamic = model.decode_step(kv, prefix.slots, prefix.valid, prefix.n_valid, gen_len, tokens)
+    after = (kv.k.clone(), kv.v.clone())
+    null, scratch = 5, T - P - 1
+    slots = torch.cat([prefix.slots, torch.tensor([null, null, 4])])
+    valid = torch.cat([prefix.valid, prefix.valid.new_zeros(2, P), prefix.valid[:1]])
+    n_valid = torch.cat([prefix.n_valid, torch.tensor([0, 0, int(prefix.n_valid[0])])])
+    gen = torch.cat([gen_len, torch.tensor([0, 0, scratch])])
+    toks = torch.cat([tokens, torch.tensor([0, 0, 0])])
+    for attend_len in (attend_bucket(int(gen_len.max()) + 1, T - P), T - P):
+        kv.k.copy_(saved[0])
+        kv.v.copy_(saved[1])
+        static = model.decode_step(kv, slots, valid, n_valid, gen, toks, attend_len=attend_len)
+        assert static.shape == (6, model.config.backbone.vocab_size)
+        torch.testing.assert_close(static[:3], dynamic, atol=1e-5, rtol=1e-5)
+        # Every real entry as the unpadded step left it (batch size changes matmul blocking,
+        # hence float rounding, not more); padding wrote only the null slot and a scratch entry.
+        real = [s for s in range(kv.k.shape[1]) if s != null]
+        for new, ref in ((kv.k, after[0]), (kv.v, after[1])):
+            torch.testing.assert_close(new[:, real, :T - 1], ref[:, real, :T - 1], atol=1e-5,
+                                       rtol=1e-5)
+    with pytest.raises(ValueError, match='cache length'):
+        model.decode_step(kv, slots, valid, n_valid, gen, toks, attend_len=T - P + 1)
+
+
+@torch.no_grad()
+def test_decode_step_traces_as_one_graph(model):
+    """With attend_len the step has no graph break (no host read of a tensor value).
+
+    torch.compile runs with backend='eager' (tracing only, a few seconds); inductor on CPU
+    takes ~40 s here, so the compiled kernels themselves are not tested on CPU.
+    """
+    prefix, gen_len, tokens = _ragged_pool(model)
+    args = (prefix.kv, prefix.slots, prefix.valid, prefix.n_valid, gen_len, tokens)
+    ref = model.decode_step(*args, attend_len=8)
+    try:
+        model.compile_decode(mode=None, backend='eager', fullgraph=True)
+        out = model.decode_step(*args, attend_len=8)   # rewrites the same K/V entries
+    finally:
+        model.compile_decode(mode=None)
+    assert model._decode_fn is None
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_one_layer_body_serves_all_passes(model):
+    """prefill, sample_actions and decode_step all run GemmaLayer.forward."""
+    calls = []
+    hooks = [model.backbone.layers[0].register_forward_hook(lambda *a: calls.append('bb')),
+             model.expert.layers[0].register_forward_hook(lambda *a: calls.append('ex'))]
+    try:
+        prefix = model.prefill(*make_inputs(model.config, B=1), extra_len=2)
+        model.sample_actions(prefix, torch.randn(1, model.config.action_horizon, 32))
+        model.decode_step(prefix.kv, prefix.slots, prefix.valid, prefix.n_valid,
+                          torch.tensor([0]), torch.tensor([5]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls == ['bb'] + ['ex'] * model.config.num_steps + ['bb']

@@ -1,4 +1,7 @@
-"""π0.5 dimensions as plain dataclasses, with presets and JSON load/save."""
+"""π0.5 dimensions as plain dataclasses, with presets and JSON load/save.
+
+Each field names its shape letter, the one pi05.py, gemma.py and siglip.py use.
+"""
 
 from __future__ import annotations
 
@@ -11,25 +14,25 @@ from pathlib import Path
 class GemmaConfig:
     """One Gemma tower (the PaliGemma backbone or the action expert)."""
 
-    width: int            # hidden size
-    depth: int            # number of decoder layers
+    width: int            # W, hidden size
+    depth: int            # L, number of decoder layers
     mlp_dim: int          # gated-GELU inner size
-    num_heads: int        # query heads
-    num_kv_heads: int     # key/value heads (multi-query when 1)
-    head_dim: int         # per-head size; attention is heads*head_dim wide, not `width`
-    vocab_size: int = 257152
+    num_heads: int        # N, query heads
+    num_kv_heads: int     # G, key/value heads (multi-query when 1)
+    head_dim: int         # D, per-head size; attention is N*D wide, not `width`
+    vocab_size: int = 257152  # V
 
 
 @dataclasses.dataclass(frozen=True)
 class SiglipConfig:
     """SigLIP vision tower plus the linear projector into the backbone width."""
 
-    hidden: int
+    hidden: int            # Wv, vision width
     depth: int
-    num_heads: int
+    num_heads: int         # N
     mlp_dim: int
-    patch_size: int = 14
-    image_size: int = 224
+    patch_size: int = 14   # p
+    image_size: int = 224  # R, image side in pixels
 
     @property
     def tokens_per_image(self) -> int:
@@ -43,10 +46,10 @@ class Pi05Config:
     backbone: GemmaConfig
     expert: GemmaConfig
     vision: SiglipConfig
-    num_cameras: int = 3          # image slots: base, left wrist, right wrist
+    num_cameras: int = 3          # C, image slots: base, left wrist, right wrist
     action_horizon: int = 10      # H
-    action_dim: int = 32          # model action width (robot actions are zero padded to it)
-    max_token_len: int = 200      # prompt tokens, right padded
+    action_dim: int = 32          # A, model action width (robot actions are zero padded to it)
+    max_token_len: int = 200      # Lt, prompt tokens, right padded
     num_steps: int = 10           # flow-matching Euler steps
     discrete_state_input: bool = True
 
@@ -71,7 +74,7 @@ class Pi05Config:
 
     @property
     def prefix_len(self) -> int:
-        """Static prefix length P = cameras × image tokens + prompt tokens."""
+        """Static prefix length P = C × Ti + Lt (cameras × image tokens + prompt tokens)."""
         return self.num_cameras * self.tokens_per_image + self.max_token_len
 
     def to_dict(self) -> dict:

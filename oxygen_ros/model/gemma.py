@@ -1,11 +1,17 @@
 """Gemma decoder pieces shared by the PaliGemma backbone and the action expert.
 
-Shapes: B batch, T tokens, H query heads, G key/value heads, D head dim, W width.
-The layer classes only hold weights; the forward passes that route tokens through
-them (prefill, denoise, decode) live in pi05.py, so the KV cache stays explicit there.
+Letters (the same in pi05.py): B batch rows, Q query tokens of a pass, K keys attended,
+N query heads, G key/value heads, D head dim, W width, Wc conditioning width.
+
+`GemmaLayer.forward` is the one layer body (norm -> qkv -> rope -> attention -> residual ->
+norm -> MLP -> residual). What differs between prefill, denoise and decode is passed in: the
+RoPE rows of the tokens' positions, and `attend`, which stores this layer's K/V where the pass
+keeps them and attends with the pass's mask. The cache itself stays explicit in pi05.py.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -39,7 +45,7 @@ class AdaRMSNorm(nn.Module):
         self.dense = nn.Linear(cond_dim, 3 * dim)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor):
-        """Normalize x [B, T, W] under cond [B, Wc] -> (y [B, T, W], gate [B, 1, W])."""
+        """Normalize x [B, Q, W] under cond [B, Wc] -> (y [B, Q, W], gate [B, 1, W])."""
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + RMS_EPS)
         mod = self.dense(cond.to(self.dense.weight.dtype)).float()[:, None, :]  # [B, 1, 3W]
@@ -60,11 +66,12 @@ class GemmaAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.width, bias=False)
 
     def qkv(self, x: torch.Tensor):
-        """Project x [B, T, W] -> q [B, T, H, D], k, v [B, T, G, D] (before RoPE)."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        """Project x [B, Q, W] -> q [B, Q, N, D], k, v [B, Q, G, D] (before RoPE)."""
+        B, Q, _ = x.shape
+        x = x.to(self.q_proj.weight.dtype)
+        q = self.q_proj(x).view(B, Q, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, Q, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, Q, self.num_kv_heads, self.head_dim)
         return q, k, v
 
 
@@ -83,7 +90,7 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaLayer(nn.Module):
-    """One decoder layer's weights; adaptive norms when `cond_dim` is given (the expert)."""
+    """One decoder layer; adaptive norms when `cond_dim` is given (the expert)."""
 
     def __init__(self, cfg: GemmaConfig, cond_dim: int | None = None):
         super().__init__()
@@ -95,6 +102,23 @@ class GemmaLayer(nn.Module):
         self.self_attn = GemmaAttention(cfg)
         self.post_attention_layernorm = norm()
         self.mlp = GemmaMLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                cond: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the layer on x [B, Q, W] -> [B, Q, W].
+
+        cos, sin [B, Q, D]: RoPE rows at the tokens' positions (rows of a `rope_table`).
+        attend(q [B, Q, N, D], k, v [B, Q, G, D]) -> [B, Q, N*D]: keeps k, v (K after RoPE)
+        where the pass caches them and attends with the pass's keys and mask.
+        cond [B, Wc]: the expert's adaRMS conditioning; None in the backbone.
+        """
+        h, gate = self.input_layernorm(x, cond)
+        q, k, v = self.self_attn.qkv(h)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        x = gated_residual(x, self.self_attn.o_proj(attend(q, k, v)), gate)
+        h, gate = self.post_attention_layernorm(x, cond)
+        return gated_residual(x, self.mlp(h), gate)
 
 
 class GemmaModel(nn.Module):
@@ -114,28 +138,89 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) 
     return x + y if gate is None else x + gate * y
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [B, T, heads, D], positions [B, T] (int) -> same shape as x."""
+def rope_table(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE rows for integer positions [...] -> cos, sin, each float32 [..., D]."""
+    D = head_dim
+    inv_freq = ROPE_THETA ** (-torch.arange(0, D, 2, device=positions.device,
+                                            dtype=torch.float32) / D)
+    angles = positions.float()[..., None] * inv_freq                           # [..., D/2]
+    angles = torch.cat([angles, angles], dim=-1)                                # [..., D]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, Q, heads, D] by table rows cos, sin [B, Q, D] (float32) -> x's dtype."""
     D = x.shape[-1]
-    inv_freq = ROPE_THETA ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    angles = positions.float()[..., None] * inv_freq              # [B, T, D/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None]  # [B, T, 1, D]
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None]
     x32 = x.float()
-    x1, x2 = x32[..., : D // 2], x32[..., D // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    rotated = torch.cat([-x32[..., D // 2:], x32[..., : D // 2]], dim=-1)
+    return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [B, Q, heads, D] at integer positions [B, Q] (no table kept)."""
+    return apply_rope(x, *rope_table(positions, x.shape[-1]))
+
+
+def fold_heads(q: torch.Tensor, G: int) -> torch.Tensor:
+    """Fold q [B, Q, N, D] -> [B, G, r*Q, D]: the r = N/G heads sharing a K/V head as rows."""
+    B, Q, N, D = q.shape
+    return q.view(B, Q, G, N // G, D).permute(0, 2, 3, 1, 4).reshape(B, G, N // G * Q, D)
+
+
+def unfold_heads(out: torch.Tensor, Q: int) -> torch.Tensor:
+    """Undo fold_heads on the attention output: [B, G, r*Q, D] -> [B, Q, N*D]."""
+    B, G, rQ, D = out.shape
+    return out.view(B, G, rQ // Q, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, G * rQ // Q * D)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               key_mask: torch.Tensor) -> torch.Tensor:
     """Softmax attention with grouped KV heads.
 
-    q [B, Tq, H, D]; k, v [B, Tk, G, D]; key_mask bool [B, Tq, Tk] or [B, 1, Tk]
-    (True = may attend). Returns [B, Tq, H*D]. Scale is D^-0.5 as in Gemma.
+    q [B, Q, N, D]; k, v [B, K, G, D]; key_mask bool [B, Q, K] or [B, 1, K]
+    (True = may attend). Returns [B, Q, N*D]. Scale is D^-0.5 as in Gemma.
+    With one mask row for all queries (prefill, decode) the heads of a group are folded into
+    rows of one K/V head (fold_heads) instead of repeating K/V per head.
     """
-    B, Tq, H, D = q.shape
+    B, Q, N, D = q.shape
+    G = k.shape[2]
+    if key_mask.shape[1] == 1:
+        out = F.scaled_dot_product_attention(
+            fold_heads(q, G), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=key_mask[:, None])                                        # [B, G, rQ, D]
+        return unfold_heads(out, Q)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=key_mask[:, None], enable_gqa=k.shape[2] != H)  # [B, H, Tq, D]
-    return out.transpose(1, 2).reshape(B, Tq, H * D)
+        attn_mask=key_mask[:, None], enable_gqa=G != N)                         # [B, N, Q, D]
+    return out.transpose(1, 2).reshape(B, Q, N * D)
+
+
+def key_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Turn a key mask bool [B, K] into an additive bias [B, K]: 0 where True, -inf where not."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill(~mask, float('-inf'))
+
+
+def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
+                         bias1: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+    """Attention over the keys of two blocks with one softmax, without concatenating them.
+
+    q [B, Q, N, D]; k1, v1 [B, K1, G, D] with bias1 [B, K1] (key_bias of its mask), e.g. a
+    slot's prefix read in place from the pool; k2, v2 [B, K2, G, D], all visible (the queries'
+    own block). Every query sees the same keys. Equals
+    `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, ones)[:, None])` but copies neither
+    block when G = 1 (as in π0.5): each block gives its own scores, one float32 softmax runs
+    over both. Returns [B, Q, N*D].
+    """
+    B, Q, N, D = q.shape
+    G = k1.shape[2]
+    K1 = k1.shape[1]
+    qg = fold_heads(q, G).flatten(0, 1)                                       # [B*G, rQ, D]
+    bias1 = bias1.to(q.dtype).repeat_interleave(G, dim=0)[:, None]             # [B*G, 1, K1]
+    s1 = torch.baddbmm(bias1, qg, k1.permute(0, 2, 3, 1).flatten(0, 1), alpha=D ** -0.5)
+    s2 = torch.bmm(qg, k2.permute(0, 2, 3, 1).flatten(0, 1)) * D ** -0.5      # [B*G, rQ, K2]
+    p = torch.softmax(torch.cat([s1.float(), s2.float()], dim=-1), dim=-1).to(v1.dtype)
+    p1, p2 = p[..., :K1], p[..., K1:]                                          # one softmax
+    out = torch.baddbmm(torch.bmm(p2, v2.transpose(1, 2).flatten(0, 1)),
+                        p1, v1.transpose(1, 2).flatten(0, 1))                  # [B*G, rQ, D]
+    return unfold_heads(out.view(B, G, -1, D), Q)                              # [B, Q, N*D]

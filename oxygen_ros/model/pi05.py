@@ -1,19 +1,29 @@
 """π0.5: PaliGemma backbone + action expert (Mixture-of-Transformers) with an explicit KV cache.
 
-Letters used in shapes:
-  B batch rows, C camera slots, Ti tokens per image, Lt prompt tokens,
-  P = C*Ti + Lt static prefix length, H action horizon, A action dim,
-  L layers, S cache slots, T cache length per slot, G kv heads, D head dim, W width.
+Letters used in shapes (one per dimension; gemma.py and siglip.py use the same):
+  B batch rows, C camera slots, R image side (pixels), Ti tokens per image, Lt prompt tokens,
+  P = C*Ti + Lt static prefix length, H action horizon, A action dim, L layers,
+  S cache slots, T cache positions per slot (P + generated), J generated positions a decode
+  step attends, Q query tokens of a pass, N query heads, G kv heads, D head dim,
+  W width (We of the expert), V vocab.
 
-Inference is the three passes the engine schedules separately:
+Inference is the three passes the engine schedules separately. All three run the same layer
+body (`GemmaLayer.forward`) and differ only in what they pass: positions, the conditioning,
+and `attend` (where this layer's K/V go and which keys, under which mask, the queries see).
   prefill        images + prompt -> per-layer K (after RoPE) / V of the prefix, written into
-                 caller-owned storage `KVTensors` rows `slots`.
-  sample_actions expert-only flow matching; the H action tokens attend to the cached prefix
-                 read-only (the prefix never attends to the suffix, so this equals openpi's
-                 joint forward).
+                 caller-owned storage `KVTensors` rows `slots`; bidirectional over the prefix.
+  sample_actions expert-only flow matching; the H action tokens attend to the slot's prefix
+                 K/V read in place (two score blocks, one softmax: prefix keys + their own),
+                 so nothing of size P is copied per frame. The prefix never attends to the
+                 suffix, so this equals openpi's joint forward.
   decode_step    one text token per row; row b writes its K/V at storage index P + gen_len[b]
-                 and RoPE position n_valid[b] + gen_len[b]. Rows are independent, so requests
-                 from different frames batch together by slot id.
+                 and RoPE position n_valid[b] + gen_len[b], and attends to its valid prefix
+                 plus J generated positions under a mask. Rows are independent, so requests
+                 from different frames (and padding rows on a null slot) batch by slot id.
+
+Static shapes: with `attend_len` and ids on the model's device a decode step reads no tensor
+value on the host, and its shapes depend only on (B, attend_len), so `compile_decode` can
+capture it (CUDA graphs via torch.compile mode='reduce-overhead').
 Parameter names follow openpi's `model.safetensors` (see checkpoint.py for the one rename).
 """
 
@@ -27,7 +37,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import Pi05Config
-from .gemma import attention, gated_residual, GemmaModel, rope
+from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, rope_table
 from .siglip import MultiModalProjector, SiglipVisionTower
 
 # Parameters that stay float32 when the model runs in bfloat16 (openpi's float32 islands).
@@ -75,28 +85,46 @@ class PrefixCache:
                            self.n_valid[i:i + 1], self.last_hidden[i:i + 1], self.prefix_len)
 
 
-def rows(storage: torch.Tensor, slots: list[int], stop: int) -> torch.Tensor:
-    """Select rows: storage [S, T, ...] -> [B, stop, ...] for the given slots.
+def host_run(slots: torch.Tensor) -> int | None:
+    """First id when `slots` are host ids forming a run (s, s+1, ...), else None.
 
-    A run of consecutive slots is a view; anything else is one gather (index_select).
+    Host ids cost nothing to read. Ids on an accelerator are never read (that would sync),
+    nor while torch.compile traces (shapes and paths must not depend on values).
     """
-    if _is_run(slots):
-        return storage[slots[0]:slots[0] + len(slots), :stop]
-    index = torch.tensor(slots, device=storage.device)
-    return storage[:, :stop].index_select(0, index)
+    if slots.device.type != 'cpu' or torch.compiler.is_compiling():
+        return None
+    ids = slots.tolist()
+    return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
+
+
+def slot_rows(storage: torch.Tensor, slots: torch.Tensor, run: int | None,
+              start: int, stop: int) -> torch.Tensor:
+    """Read storage [S, T, ...] rows `slots`, positions [start, stop) -> [B, stop-start, ...].
+
+    A run of ids (`run` = its first id, see host_run) is a view; otherwise one gather
+    (index_select) by `slots` on the storage's device.
+    """
+    if run is not None:
+        return storage[run:run + slots.shape[0], start:stop]
+    return storage[:, start:stop].index_select(0, slots.to(storage.device))
 
 
 def write_rows(storage: torch.Tensor, slots: list[int], values: torch.Tensor) -> None:
     """Write rows: storage [S, T, ...][slots, :n] = values [B, n, ...] (prefill's write)."""
     n = values.shape[1]
-    if _is_run(slots):
+    if slots == list(range(slots[0], slots[0] + len(slots))):
         storage[slots[0]:slots[0] + len(slots), :n] = values
     else:
         storage[torch.tensor(slots, device=storage.device), :n] = values
 
 
-def _is_run(slots: list[int]) -> bool:
-    return slots == list(range(slots[0], slots[0] + len(slots)))
+def attend_bucket(needed: int, limit: int) -> int:
+    """Pick decode's static attend length: a power of two >= needed (>= 8), capped at limit.
+
+    needed = max(gen_len) + 1 over the batch; limit = T - P. A caller that knows gen_len as
+    ints picks the bucket, so a step's shapes take a few values only (one graph each).
+    """
+    return min(limit, max(8, 1 << (needed - 1).bit_length()))
 
 
 def time_embedding(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -131,6 +159,10 @@ class Pi05Model(nn.Module):
         self.action_out_proj = nn.Linear(e.width, cfg.action_dim)
         self.time_mlp_in = nn.Linear(e.width, e.width)
         self.time_mlp_out = nn.Linear(e.width, e.width)
+        # RoPE tables (not parameters: no checkpoint key), built once per device and grown
+        # only when a longer cache shows up; see rope_tables().
+        self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._decode_fn = None   # torch.compile'd _decode_layers, set by compile_decode()
 
     # Short names for the towers (properties, so no parameter is registered twice).
     @property
@@ -192,6 +224,17 @@ class Pi05Model(nn.Module):
                 embed[~keep] = 0.0
         return self
 
+    def rope_tables(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the RoPE tables cos, sin float32 [>= length, D] on `device` (built once)."""
+        device = torch.device(device)
+        table = self._rope_tables.get(device)
+        if table is None or table[0].shape[0] < length:
+            # Room for the prefix, the action suffix and a generous generation by default.
+            size = max(length, self.config.prefix_len + self.config.action_horizon + 512)
+            table = rope_table(torch.arange(size, device=device), self.config.backbone.head_dim)
+            self._rope_tables[device] = table
+        return table
+
     # ------------------------------------------------------------------ prefix
     def embed_prefix(self, images, image_masks, tokens, token_masks):
         """Embed cameras and prompt -> (x [B, P, W], valid bool [B, P])."""
@@ -199,11 +242,11 @@ class Pi05Model(nn.Module):
         dtype = self.compute_dtype
         feats = self.projector(self.vision.vision_model(images.flatten(0, 1)))  # [B*C, Ti, W]
         Ti = feats.shape[1]
-        img = feats.view(B, C * Ti, -1).to(dtype)
+        img = feats.view(B, C * Ti, -1).to(dtype)                               # [B, C*Ti, W]
         img_valid = image_masks[:, :, None].expand(B, C, Ti).reshape(B, C * Ti)
         width = self.config.backbone.width
         # Text embeddings are scaled by sqrt(width); image features are not.
-        txt = self.backbone.embed_tokens(tokens).to(dtype) * math.sqrt(width)
+        txt = self.backbone.embed_tokens(tokens).to(dtype) * math.sqrt(width)  # [B, Lt, W]
         return torch.cat([img, txt], dim=1), torch.cat([img_valid, token_masks.bool()], dim=1)
 
     @torch.no_grad()
@@ -212,7 +255,7 @@ class Pi05Model(nn.Module):
                 slots: torch.Tensor | None = None, extra_len: int = 0) -> PrefixCache:
         """Encode one observation per row and write its prefix K/V into `kv` rows `slots`.
 
-        images [B, C, 3, S, S] in [-1, 1]; image_masks bool [B, C]; tokens long [B, Lt];
+        images [B, C, 3, R, R] in [-1, 1]; image_masks bool [B, C]; tokens long [B, Lt];
         token_masks bool [B, Lt]. Without `kv`, private storage of P + extra_len is allocated.
         """
         cfg = self.config
@@ -229,18 +272,18 @@ class Pi05Model(nn.Module):
         if len(slot_list) != B or kv.max_len < P:
             raise ValueError(f'need {B} slots of length >= {P}, got {len(slot_list)} of '
                              f'{kv.max_len}')
-        # Positions skip masked cameras and padding; the prefix is fully bidirectional.
-        positions = valid.long().cumsum(-1) - 1                                  # [B, P]
+        # Positions skip masked cameras and padding (which get a dummy position 0 and are
+        # never attended); the prefix is fully bidirectional.
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)                  # [B, P]
+        cos, sin = self.rope_tables(P, x.device)
+        cos, sin = cos[positions], sin[positions]                               # [B, P, D]
         key_mask = valid[:, None, :]                                            # [B, 1, P]
         for i, layer in enumerate(self.backbone.layers):
-            h, _ = layer.input_layernorm(x)
-            q, k, v = layer.self_attn.qkv(h)
-            q, k = rope(q, positions), rope(k, positions)
-            write_rows(kv.k[i], slot_list, k)
-            write_rows(kv.v[i], slot_list, v)
-            x = x + layer.self_attn.o_proj(attention(q, k, v, key_mask))
-            h, _ = layer.post_attention_layernorm(x)
-            x = x + layer.mlp(h)
+            def attend(q, k, v, i=i):   # write the prefix K/V, attend among the prefix
+                write_rows(kv.k[i], slot_list, k)
+                write_rows(kv.v[i], slot_list, v)
+                return attention(q, k, v, key_mask)
+            x = layer(x, cos, sin, attend)
         # The first generated token reads the hidden state at the last valid position.
         last = P - 1 - valid.flip(-1).long().argmax(-1)                         # [B]
         last_hidden, _ = self.backbone.norm(x[torch.arange(B, device=x.device), last][:, None])
@@ -251,92 +294,139 @@ class Pi05Model(nn.Module):
     @torch.no_grad()
     def sample_actions(self, prefix: PrefixCache, noise: torch.Tensor,
                        num_steps: int | None = None) -> torch.Tensor:
-        """Flow matching: Euler from t=1 (noise) to t=0. noise [B, H, A] -> actions [B, H, A]."""
+        """Flow matching: Euler from t=1 (noise) to t=0. noise [B, H, A] -> actions [B, H, A].
+
+        The prefix K/V are read where prefill wrote them: views for host slot ids that form a
+        run (one frame: B = 1), else one gather per layer per call. The pool is never written.
+        """
         steps = num_steps or self.config.num_steps
-        B, Hn, _ = noise.shape
-        P, slot_list = prefix.prefix_len, [int(s) for s in prefix.slots]
-        L = self.config.backbone.depth
-        # One buffer per call: the prefix K/V are gathered (or viewed) once, then each step
-        # writes only the H suffix entries behind them. The pool is never written.
-        k_buf = torch.empty((L, B, P + Hn) + prefix.kv.k.shape[3:], dtype=prefix.kv.k.dtype,
-                            device=noise.device)
-        v_buf = torch.empty_like(k_buf)
-        for i in range(L):
-            k_buf[i, :, :P] = rows(prefix.kv.k[i], slot_list, P)
-            v_buf[i, :, :P] = rows(prefix.kv.v[i], slot_list, P)
-        device = noise.device
-        suffix_pos = prefix.n_valid.to(device)[:, None] + torch.arange(Hn, device=device)
-        key_mask = torch.cat([prefix.valid, prefix.valid.new_ones(B, Hn)], dim=1)[:, None]
+        B, H, _ = noise.shape
+        P, kv, device = prefix.prefix_len, prefix.kv, noise.device
+        run = host_run(prefix.slots)
+        prefix_kv = [(slot_rows(kv.k[i], prefix.slots, run, 0, P),
+                      slot_rows(kv.v[i], prefix.slots, run, 0, P))        # 2 x [B, P, G, D]
+                     for i in range(self.config.backbone.depth)]
+        prefix_bias = key_bias(prefix.valid.to(device), self.compute_dtype)   # [B, P]
+        positions = prefix.n_valid.to(device)[:, None] + torch.arange(H, device=device)
+        cos, sin = self.rope_tables(P + H, device)
+        cos, sin = cos[positions], sin[positions]                           # [B, H, D]
         x_t = noise.float()
         dt = -1.0 / steps
         for step in range(steps):
-            t = torch.full((B,), 1.0 - step / steps, device=noise.device)
-            v_t = self.denoise_velocity(k_buf, v_buf, key_mask, suffix_pos, x_t, t)
-            x_t = x_t + dt * v_t
+            t = torch.full((B,), 1.0 - step / steps, device=device)
+            x_t = x_t + dt * self.denoise_velocity(prefix_kv, prefix_bias, cos, sin, x_t, t)
         return x_t
 
-    def denoise_velocity(self, k_buf, v_buf, key_mask, suffix_pos, x_t, t) -> torch.Tensor:
-        """One expert pass: velocity v(x_t, t) [B, H, A], suffix K/V written at k_buf[:, :, P:]."""
-        P = k_buf.shape[2] - x_t.shape[1]
+    def denoise_velocity(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                         prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """One expert pass: velocity v(x_t, t) [B, H, A].
+
+        prefix_kv: per layer (K, V) [B, P, G, D] of the prefix (read only); prefix_bias [B, P]
+        (key_bias of the valid mask); cos, sin [B, H, D] at the action tokens' positions;
+        x_t [B, H, A]; t [B].
+        The H action tokens attend to the valid prefix and to each other (bidirectionally).
+        """
         width = self.config.expert.width
         cond = F.silu(self.time_mlp_in(time_embedding(t, width).to(self.time_mlp_in.weight.dtype)))
         cond = F.silu(self.time_mlp_out(cond))                                   # [B, We]
         x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
-        for i, layer in enumerate(self.expert.layers):
-            h, gate = layer.input_layernorm(x, cond)
-            q, k, v = layer.self_attn.qkv(h.to(layer.self_attn.q_proj.weight.dtype))
-            q, k = rope(q, suffix_pos), rope(k, suffix_pos)
-            k_buf[i, :, P:], v_buf[i, :, P:] = k, v
-            x = gated_residual(x, layer.self_attn.o_proj(attention(q, k_buf[i], v_buf[i],
-                                                                   key_mask)), gate)
-            h, gate = layer.post_attention_layernorm(x, cond)
-            x = gated_residual(x, layer.mlp(h), gate)
+        for layer, (k_prefix, v_prefix) in zip(self.expert.layers, prefix_kv):
+            def attend(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix):
+                return attention_two_blocks(q, k_prefix, v_prefix, prefix_bias, k, v)
+            x = layer(x, cos, sin, attend, cond)
         x, _ = self.expert.norm(x, cond)
         return self.action_out_proj(x.to(self.action_out_proj.weight.dtype)).float()
 
     # -------------------------------------------------------------------- text
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head: [B, W] final-normed hidden -> float32 logits [B, vocab]."""
+        """Tied LM head: [B, W] final-normed hidden -> float32 logits [B, V]."""
         embed = self.backbone.embed_tokens.weight
         return F.linear(hidden.to(embed.dtype), embed).float()
 
     @torch.no_grad()
     def decode_step(self, kv: KVTensors, slots: torch.Tensor, prefix_valid: torch.Tensor,
-                    n_valid: torch.Tensor, gen_len: torch.Tensor,
-                    tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row, append its K/V, return next-token logits [B, vocab].
+                    n_valid: torch.Tensor, gen_len: torch.Tensor, tokens: torch.Tensor,
+                    attend_len: int | None = None) -> torch.Tensor:
+        """Feed one token per row, append its K/V, return next-token logits [B, V].
 
-        slots long [B]; prefix_valid bool [B, P]; n_valid, gen_len, tokens long [B].
-        Row b writes storage index P + gen_len[b] and attends to its valid prefix plus
-        storage [P, P + gen_len[b]]. The caller advances gen_len.
+        slots long [B]; prefix_valid bool [B, P]; n_valid, gen_len, tokens long [B]; on the
+        host or on the model's device. Row b writes storage index P + gen_len[b] and attends to
+        its valid prefix plus storage [P, P + gen_len[b]]. The caller advances gen_len.
+
+        attend_len (J): how many generated positions [P, P + J) the step reads, masked per row
+        to gen_len[b] + 1; needs J > gen_len[b] for every real row and P + J <= T (not
+        checked: that would read gen_len). Pick it with `attend_bucket` so shapes depend on
+        (B, J) only; with ids on the model's device the step then reads nothing on the host.
+        Without it, J = max(gen_len) + 1 from host gen_len, or T - P (the whole slot) when
+        gen_len is on an accelerator.
+
+        Padding rows (to fill a bucket or a hole in a run of slots) change nothing in the other
+        rows as long as they write an entry no real row attends: a reserved null slot, or any
+        slot's last entry (gen_len = T - P - 1, outside every real row's mask). Their gen_len
+        need not be below J; their logits are to be dropped.
+        """
+        P, T = prefix_valid.shape[1], kv.max_len
+        if attend_len is None:
+            attend_len = int(gen_len.max()) + 1 if gen_len.device.type == 'cpu' else T - P
+        if not 0 < attend_len <= T - P:
+            raise ValueError(f'decode needs cache length {P + attend_len}, storage has {T}')
+        device = kv.k.device
+        cos, sin = self.rope_tables(T, device)
+        decode = self._decode_fn or self._decode_layers
+        return decode(kv.k, kv.v, cos, sin, slots, prefix_valid.to(device), n_valid.to(device),
+                      gen_len.to(device), tokens.to(device), attend_len)
+
+    def _decode_layers(self, k_store: torch.Tensor, v_store: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, slots: torch.Tensor, prefix_valid: torch.Tensor,
+                       n_valid: torch.Tensor, gen_len: torch.Tensor, tokens: torch.Tensor,
+                       J: int) -> torch.Tensor:
+        """Tensor work of decode_step (what compile_decode compiles); see decode_step.
+
+        k_store, v_store [L, S, T, G, D]; cos, sin [>= T, D] RoPE tables; slots [B] (host or
+        device); prefix_valid bool [B, P], n_valid, gen_len, tokens long [B] on the device.
         """
         B, P = prefix_valid.shape
-        device = prefix_valid.device
-        slot_list, gen_list = [int(s) for s in slots], [int(g) for g in gen_len]
-        stop = P + max(gen_list) + 1
-        if stop > kv.max_len:
-            raise ValueError(f'decode needs cache length {stop}, storage has {kv.max_len}')
-        gen_len, n_valid = gen_len.to(device), n_valid.to(device)
-        width = self.config.backbone.width
-        x = self.backbone.embed_tokens(tokens.to(device))[:, None].to(self.compute_dtype)
-        x = x * math.sqrt(width)                                                # [B, 1, W]
+        device = k_store.device
+        run = host_run(slots)
+        slot_index = slots.to(device)
+        x = self.backbone.embed_tokens(tokens)[:, None].to(self.compute_dtype)
+        x = x * math.sqrt(self.config.backbone.width)                           # [B, 1, W]
         positions = (n_valid + gen_len)[:, None]                                # [B, 1]
-        generated = torch.arange(stop - P, device=device)[None] <= gen_len[:, None]
-        key_mask = torch.cat([prefix_valid, generated], dim=1)[:, None]         # [B, 1, stop]
-        slot_index = torch.tensor(slot_list, device=kv.k.device)
-        write_index = (P + gen_len).to(kv.k.device)
+        cos, sin = cos[positions], sin[positions]                               # [B, 1, D]
+        write_index = P + gen_len                                               # [B]
+        generated = torch.arange(J, device=device)[None] <= gen_len[:, None]    # [B, J]
+        key_mask = torch.cat([prefix_valid, generated], dim=1)[:, None]         # [B, 1, P+J]
         for i, layer in enumerate(self.backbone.layers):
-            h, _ = layer.input_layernorm(x)
-            q, k, v = layer.self_attn.qkv(h)
-            q, k = rope(q, positions), rope(k, positions)
-            kv.k[i, slot_index, write_index] = k[:, 0]
-            kv.v[i, slot_index, write_index] = v[:, 0]
-            keys, values = rows(kv.k[i], slot_list, stop), rows(kv.v[i], slot_list, stop)
-            x = x + layer.self_attn.o_proj(attention(q, keys, values, key_mask))
-            h, _ = layer.post_attention_layernorm(x)
-            x = x + layer.mlp(h)
+            def attend(q, k, v, i=i):   # append the token's K/V, attend prefix + generated
+                k_store[i, slot_index, write_index] = k[:, 0]
+                v_store[i, slot_index, write_index] = v[:, 0]
+                keys = slot_rows(k_store[i], slots, run, 0, P + J)              # [B, P+J, G, D]
+                values = slot_rows(v_store[i], slots, run, 0, P + J)
+                return attention(q, keys, values, key_mask)
+            x = layer(x, cos, sin, attend)
         h, _ = self.backbone.norm(x)
         return self.lm_logits(h[:, 0])
+
+    def compile_decode(self, mode: str | None = 'reduce-overhead', kv: KVTensors | None = None,
+                       **options) -> Pi05Model:
+        """Run decode steps through torch.compile (off by default; call once, then warm up).
+
+        Meant for an accelerator: call decode_step with `attend_len` from `attend_bucket` and
+        ids on the device, so each (B, J) bucket is one static graph ('reduce-overhead'
+        captures it as a CUDA graph). Pass the pool's `kv` so its storage is marked static
+        (it is written in place every step). `options` go to torch.compile (e.g. backend,
+        fullgraph). mode=None with no options turns compilation off again.
+        """
+        if mode is None and not options:
+            self._decode_fn = None
+            return self
+        if kv is not None:
+            torch._dynamo.mark_static_address(kv.k)
+            torch._dynamo.mark_static_address(kv.v)
+        options.setdefault('dynamic', False)
+        self._decode_fn = torch.compile(self._decode_layers, mode=mode, **options)
+        return self
 
     @torch.no_grad()
     def generate(self, prefix: PrefixCache, max_new_tokens: int, eos_id: int | None = 1,

@@ -1,6 +1,7 @@
 """SigLIP vision tower (So400m/14 in π0.5) and PaliGemma's linear projector.
 
-Shapes: N images, C=3 channels, S image side, p patch, Ti = (S/p)² tokens, V vision width.
+Letters (as in pi05.py): B images (rows × cameras), R image side, p patch,
+Ti = (R/p)² tokens per image, Wv vision width, N heads.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ class SiglipEmbeddings(nn.Module):
         self.position_embedding = nn.Embedding(cfg.tokens_per_image, cfg.hidden)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Embed images [N, 3, S, S] -> [N, Ti, V] in the patch weights' dtype (float32)."""
-        x = self.patch_embedding(images.to(self.patch_embedding.weight.dtype))  # [N, V, S/p, S/p]
-        x = x.flatten(2).transpose(1, 2)                                        # [N, Ti, V]
+        """Embed images [B, 3, R, R] -> [B, Ti, Wv] in the patch weights' dtype (float32)."""
+        x = self.patch_embedding(images.to(self.patch_embedding.weight.dtype))  # [B, Wv, R/p, R/p]
+        x = x.flatten(2).transpose(1, 2)                                        # [B, Ti, Wv]
         return x + self.position_embedding.weight[None]
 
 
@@ -37,15 +38,15 @@ class SiglipAttention(nn.Module):
         self.out_proj = nn.Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        N, T, V = x.shape
-        nh = self.num_heads
+        B, Ti, Wv = x.shape
+        N = self.num_heads
 
-        def heads(t):  # [N, T, V] -> [N, nh, T, V/nh]
-            return t.view(N, T, nh, V // nh).transpose(1, 2)
+        def heads(t):  # [B, Ti, Wv] -> [B, N, Ti, Wv/N]
+            return t.view(B, Ti, N, Wv // N).transpose(1, 2)
 
         out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)),
                                              heads(self.v_proj(x)))
-        return self.out_proj(out.transpose(1, 2).reshape(N, T, V))
+        return self.out_proj(out.transpose(1, 2).reshape(B, Ti, Wv))
 
 
 class SiglipMLP(nn.Module):
@@ -87,7 +88,7 @@ class SiglipVisionModel(nn.Module):
         self.post_layernorm = nn.LayerNorm(cfg.hidden, eps=LN_EPS)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Encode images [N, 3, S, S] in [-1, 1] -> features [N, Ti, V]."""
+        """Encode images [B, 3, R, R] in [-1, 1] -> features [B, Ti, Wv]."""
         x = self.embeddings(images)
         x = x.to(self.encoder.layers[0].mlp.fc1.weight.dtype) if len(self.encoder.layers) else x
         for layer in self.encoder.layers:
