@@ -34,6 +34,7 @@ from ..engine import (Frontend, identity_norm_stats, LanguagePolicy, make_system
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
 from .measure import compare_tokens, max_action_diff, summarize, SystemLog
+from .node import NodeBenchOptions
 from .phases import measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 
@@ -61,6 +62,8 @@ class BenchOptions:
     progress: bool = True
     quick: bool = False
     plot_statistic: str = 'mean'     # frame-time statistic of the plots' Hz: mean (paper) / p50
+    node: NodeBenchOptions = dataclasses.field(default_factory=NodeBenchOptions)   # part 'node'
+    out_dir: str = 'bench-results'   # where the node part leaves its processes' logs
 
     @classmethod
     def quick_defaults(cls, **changes) -> BenchOptions:
@@ -79,6 +82,8 @@ class BenchResult:
     part_seconds: dict[str, float]
     environment: dict
     options: BenchOptions
+    node: list[dict] = dataclasses.field(default_factory=list)        # part 'node': one row
+    node_ticks: list[dict] = dataclasses.field(default_factory=list)  # its per-tick records
 
 
 def environment(opts: BenchOptions) -> dict:
@@ -434,6 +439,8 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
     models = ModelCache(opts)
     periods: dict[int, float] = {}
     step_values = sorted({g.steps for g in groups} | {opts.plan.default_steps})
+    if not groups and 'memory' not in opts.plan.parts:
+        step_values = []   # the node part alone needs no frame deadline
     start = time.perf_counter()
     for steps in step_values:
         # The deadline must be known before the runs (oxygen-adaptive plans with it), so it
@@ -442,7 +449,8 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
         fastest = measure_phases(models.model(steps), batches=(1,), repeats=opts.phase_repeats,
                                  statistic=min)
         periods[steps] = period_for(fastest, opts)
-    part_seconds['deadline'] = time.perf_counter() - start
+    if step_values:
+        part_seconds['deadline'] = time.perf_counter() - start
     rows: list[dict] = []
     components: list[dict] = []
     total = sum(g.system_frames() for g in groups)
@@ -459,13 +467,24 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
                 time.perf_counter() - start)
     memory: list[dict] = []
     result = BenchResult(rows, memory, components, periods, part_seconds, env, opts)
-    if checkpoint is not None and 'memory' in opts.plan.parts:
+    if checkpoint is not None and groups and {'memory', 'node'} & set(opts.plan.parts):
         checkpoint(result)
     if 'memory' in opts.plan.parts:
         start = time.perf_counter()
         group = memory_group(opts)
         memory += probe_memory(opts, group, periods[group.steps])
         part_seconds['memory'] = time.perf_counter() - start
+    if 'node' in opts.plan.parts:
+        if checkpoint is not None and memory:
+            checkpoint(result)
+        from .node import run_node_part
+
+        start = time.perf_counter()
+        row, ticks, _ = run_node_part(opts.node, opts.preset, opts.device, opts.dtype,
+                                      opts.threads, opts.seed, Path(opts.out_dir) / 'node_logs')
+        result.node.append(row)
+        result.node_ticks.extend(ticks)
+        part_seconds['node'] = time.perf_counter() - start
     env['loadavg_end'] = os.getloadavg()[0] if hasattr(os, 'getloadavg') else math.nan
     return result
 
@@ -483,6 +502,8 @@ def load_result(path: str | Path) -> BenchResult:
     opts = data['options']
     opts['plan'] = PlanOptions(**{key: tuple(v) if isinstance(v, list) else v
                                   for key, v in opts['plan'].items()})
+    if isinstance(opts.get('node'), dict):
+        opts['node'] = NodeBenchOptions(**opts['node'])
     data['options'] = BenchOptions(**opts)
     data['periods'] = {int(steps): p for steps, p in data['periods'].items()}
     return BenchResult(**data)

@@ -11,8 +11,9 @@ and writes, when the duration ends or on Ctrl-C / SIGTERM, one JSON file:
     tokens       one record per LanguageChunk: `t`, `stamp`, `request`, `n` tokens, `done`,
                  `finish_reason`
     diagnostics  one record per /diagnostics message naming the node: `t`, lifecycle `state`
-                 (the model status's message) and the values of its `control loop` and
-                 `language` statuses (deadline_misses_total, current_k, ...) where present
+                 (the model status's message) and the values of its `control loop`,
+                 `language` and `inputs` statuses (deadline_misses_total, current_k, camera
+                 message counts, ...) where present
     summary      ticks, rate, inference p50/p99, tokens/s over the whole recording
 
 Receive times are `time.monotonic()` seconds (CLOCK_MONOTONIC, shared by every process of the
@@ -48,7 +49,7 @@ try:
 except ImportError:   # pragma: no cover - older rclpy raise KeyboardInterrupt only
     ExternalShutdownException = KeyboardInterrupt
 
-DIAGNOSTIC_PARTS = ('control loop', 'language')   # statuses whose values are recorded
+DIAGNOSTIC_PARTS = ('control loop', 'language', 'inputs')   # statuses whose values are kept
 
 
 def _stamp_s(stamp) -> float:
