@@ -273,9 +273,11 @@ def child_environment() -> dict[str, str]:
 
 
 class Child:
-    """A child process in its own session (so it can be stopped with everything it started).
+    """A child process, stopped by this process (SIGINT first: the clean shutdown).
 
-    Output goes to `log_path`; `lines` (optional) receives each stdout line as it arrives.
+    It stays in this process's group, so whoever stops the benchmark's group (Ctrl-C in the
+    terminal, a test's cleanup) reaches it too. Output goes to `log_path`; `lines` (optional)
+    receives each stdout line as it arrives.
     """
 
     def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path,
@@ -286,7 +288,7 @@ class Child:
         self._log = open(log_path, 'w')
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, errors='replace',
-                                     bufsize=1, start_new_session=True)
+                                     bufsize=1)
         self._lines = lines
         self._reader = threading.Thread(target=self._read, name=f'bench_{name}_log',
                                         daemon=True)
@@ -313,13 +315,13 @@ class Child:
             return ''
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGINT (clean shutdown), then SIGTERM, then SIGKILL, to its whole process group."""
+        """SIGINT (clean shutdown), then SIGTERM, then SIGKILL; return the exit status."""
         for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 5.0),
                             (signal.SIGKILL, 5.0)):
             if self.proc.poll() is not None:
                 break
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(wait_s)
             except subprocess.TimeoutExpired:
