@@ -130,7 +130,7 @@ def options_from_args(args: argparse.Namespace):
 
 
 def node_options_from_args(args: argparse.Namespace):
-    """NodeBenchOptions from the node part's flags."""
+    """Build the NodeBenchOptions of the node part's flags."""
     from .node import NodeBenchOptions
 
     try:

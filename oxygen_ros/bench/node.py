@@ -97,12 +97,12 @@ class EngineReference:
         return float(np.median(self.frame_s))
 
     def asked_rate_hz(self, share: float = ASKED_SHARE) -> float:
-        """The control rate the engine holds with (1 - share) of the period to spare."""
+        """Return the control rate the engine holds with (1 - share) of the period to spare."""
         return share / self.frame_p50_s
 
 
 def node_parameters(robot: str) -> dict:
-    """The `ros__parameters` of oxygen_node in config/<robot>.yaml (what the node loads)."""
+    """Read the `ros__parameters` of oxygen_node in config/<robot>.yaml (what the node loads)."""
     data = yaml.safe_load((CONFIG_DIR / f'{robot}.yaml').read_text()) or {}
     return dict(data.get(NODE_NAME, {}).get('ros__parameters', {}))
 
@@ -262,7 +262,7 @@ def process_cpu_s(pid: int) -> float:
 # ---- 2./3. the processes ------------------------------------------------------------------
 
 def child_environment() -> dict[str, str]:
-    """This process's environment for ROS children: DDS on this machine, this source tree."""
+    """Return the environment of ROS children: DDS on this machine, this source tree."""
     env = dict(os.environ)
     env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
     env.setdefault('ROS_DOMAIN_ID', str(1 + os.getpid() % 100))
@@ -347,7 +347,7 @@ def node_command(opts: NodeBenchOptions, preset: str, device: str, dtype: str, t
 
 
 def robot_command(opts: NodeBenchOptions) -> list[str]:
-    """The stand-in robot: cameras, joint states and one instruction."""
+    """Return the stand-in robot's command: cameras, joint states and one instruction."""
     return [sys.executable, '-m', 'oxygen_ros.ros.sim_inputs', '--robot', opts.robot,
             '--rate', f'{opts.camera_rate_hz:g}', '--width', str(opts.camera_width),
             '--height', str(opts.camera_height), '--instruction', BENCH_INSTRUCTION]
@@ -487,7 +487,7 @@ def analyze(run: NodeRun, rate_hz: float) -> dict:
           if str(d.get('language', {}).get('current_k', '')).isdigit()]
 
     def loop_counter(key: str, before: float) -> float:
-        """The node's own counter `key` (control loop status) last reported before a time."""
+        """Return the node's counter `key` (control loop status) last reported before a time."""
         known = [d for d in run.monitor['diagnostics'] if d['t'] < before
                  and key in d.get('control loop', {})]
         return float(known[-1]['control loop'][key]) if known else math.nan
@@ -558,7 +558,7 @@ def tick_records(run: NodeRun, rate_hz: float) -> list[dict]:
 
 def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate_hz: float,
              rate_source: str, preset: str, device: str, dtype: str, threads: int) -> dict:
-    """The CSV row of the node part: node figures next to the engine's, and their ratios."""
+    """Return the node part's CSV row: node figures next to the engine's, and their ratios."""
     figures = analyze(run, rate_hz)
     act = np.array(engine.act_s)
     row = {'preset': preset, 'robot': opts.robot, 'device': device, 'dtype': dtype,

@@ -172,7 +172,7 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
 
 
 def node_targets(result: BenchResult) -> list[dict]:
-    """The node part's targets (met None: not measurable with this node)."""
+    """Return the node part's targets (met None: not measurable with this node)."""
     if not result.node:
         return []
     r = result.node[0]
