@@ -149,7 +149,22 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
                             seed=seed, eos_id=frontend.eos_id,
                             prompt_template=params.get('language_prompt', ''))
     system = make_system('oxygen', model, frontend, policy, k=k, seed=seed)
-    warmup = math.ceil(tokens / k) + 2
+    try:
+        return time_engine(system, robot, k=k, warmup=math.ceil(tokens / k) + 2, frames=frames,
+                           camera_hw=camera_hw, seed=seed, instruction=instruction)
+    finally:
+        del system, model, frontend
+        gc.collect()   # the node process builds its own copy; do not hold two
+
+
+def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
+                camera_hw: tuple[int, int], seed: int = 0,
+                instruction: str = BENCH_INSTRUCTION) -> EngineReference:
+    """Time act() and act() + advance_language() of a built engine over camera-sized frames.
+
+    `system` is any engine System (act / advance_language); it is closed afterwards. `warmup`
+    frames run first, unmeasured (ceil(N/k) + 2 reach the steady decode batch).
+    """
     act_s, frame_s, decoded = [], [], []
     try:
         for index in range(warmup + frames):
@@ -165,8 +180,6 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
         close = getattr(system, 'close', None)
         if close is not None:
             close()
-    del system, model, frontend
-    gc.collect()   # the node process builds its own copy; do not hold two
     return EngineReference(act_s, frame_s, decoded, k)
 
 

@@ -259,10 +259,11 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
               f'({env["cores"]} cores), {opts.device} {opts.dtype}, torch {env["torch"]}, '
               f'{opts.threads} torch threads (parallel baseline: 1 per process; memory probes: '
               f'1). Load average {env["loadavg_start"]:.2f} at start, '
-              f'{env.get("loadavg_end", math.nan):.2f} at end. Systems of one table ran side '
-              'by side on the same frames, noise and requests, frame by frame in turn; '
-              'warm-up frames excluded; EOS disabled (every request is N tokens, as in the '
-              'paper). Action frequency = H / mean frame latency (frame = act + language).', '',
+              f'{env.get("loadavg_end", math.nan):.2f} at end.'
+              + (' Systems of one table ran side by side on the same frames, noise and '
+                 'requests, frame by frame in turn; warm-up frames excluded; EOS disabled '
+                 '(every request is N tokens, as in the paper). Action frequency = H / mean '
+                 'frame latency (frame = act + language).' if result.rows else ''), '',
               'Time per part: ' + ', '.join(f'{name} {sec:.0f} s'
                                             for name, sec in result.part_seconds.items()), '']
     busiest = max((r.get('other_load_pct', 0.0) for r in result.rows), default=0.0)
