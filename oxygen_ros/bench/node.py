@@ -29,6 +29,7 @@ core. A node without such a thread gets NaN there (its whole-process CPU is stil
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import json
@@ -285,6 +286,15 @@ def child_environment() -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """In a child, before exec: get SIGTERM when the benchmark dies, even by SIGKILL (Linux)."""
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass   # no prctl: the benchmark's own cleanup still stops the child
+
+
 class Child:
     """A child process, stopped by this process (SIGINT first: the clean shutdown).
 
@@ -301,7 +311,8 @@ class Child:
         self._log = open(log_path, 'w')
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, errors='replace',
-                                     bufsize=1)
+                                     bufsize=1, preexec_fn=(
+                                         _die_with_parent if sys.platform == 'linux' else None))
         self._lines = lines
         self._reader = threading.Thread(target=self._read, name=f'bench_{name}_log',
                                         daemon=True)
@@ -377,8 +388,13 @@ class NodeBenchError(RuntimeError):
 
 def _wait_event(events: queue.Queue, name: str, timeout_s: float, children: list[Child],
                 state: str | None = None) -> dict:
-    """Wait for a monitor event line ({"event": name, ...}); fail early if a child died."""
+    """Wait for a monitor event line ({"event": name, ...}); fail early if a child died.
+
+    A node that goes back to 'unconfigured' after 'configuring' failed to configure (it stays
+    alive, waiting for a fix): that fails at once too.
+    """
     deadline = time.monotonic() + timeout_s
+    configuring = False
     while time.monotonic() < deadline:
         for child in children:
             if not child.alive():
@@ -395,6 +411,14 @@ def _wait_event(events: queue.Queue, name: str, timeout_s: float, children: list
             continue   # a log line of the monitor, not an event
         if event.get('event') == name and (state is None or event.get('state') == state):
             return event
+        if event.get('event') == 'lifecycle':
+            failed = event.get('state') == 'unconfigured' and (
+                configuring or (event.get('level') or 0) >= 2)
+            if failed:
+                node = next((c for c in children if c.name == NODE_NAME), children[-1])
+                raise NodeBenchError(f'{NODE_NAME} failed to configure; last lines of '
+                                     f'{node.log_path}:\n{node.tail()}')
+            configuring = event.get('state') == 'configuring'
     raise NodeBenchError(f'no {name} {state or ""} within {timeout_s:.0f} s; logs: '
                          + ', '.join(str(c.log_path) for c in children))
 

@@ -18,9 +18,12 @@ and writes, when the duration ends or on Ctrl-C / SIGTERM, one JSON file:
 
 Receive times are `time.monotonic()` seconds (CLOCK_MONOTONIC, shared by every process of the
 machine), so another process can cut the records into its own time windows. While running,
-stdout gets one JSON line per event: {"event": "lifecycle", "state": ..., "t": ...} when the
-node's lifecycle state changes, {"event": "first_action", "t": ...}, and
-{"event": "written", "path": ...} at the end. Use the same ROS_DOMAIN_ID as the node.
+stdout gets one JSON line per event:
+    {"event": "lifecycle", "state": ..., "level": ..., "t": ...}   the node's lifecycle state
+                                   or its model status level (2 = ERROR) changed
+    {"event": "first_action", "t": ...}
+    {"event": "written", "path": ..., <summary>}                   at the end
+Use the same ROS_DOMAIN_ID as the node.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class OutputMonitor(Node):
         self.ticks: list[dict] = []
         self.tokens: list[dict] = []
         self.diagnostics: list[dict] = []
-        self.state = ''
+        self.state = ('', 0)               # last (lifecycle state, model status level)
         self.started = time.monotonic()
         self.create_subscription(ActionChunk, 'actions', self._on_action, qos.ACTIONS)
         self.create_subscription(LanguageChunk, 'language/tokens', self._on_tokens, qos.TOKENS)
@@ -107,16 +110,18 @@ class OutputMonitor(Node):
             part = status.name[len(prefix):].strip()
             if part == 'model':
                 record['state'] = status.message
+                # 2 = ERROR: e.g. a failed configure (the node stays alive, unconfigured).
+                record['model_level'] = status.level[0] if status.level else 0
             elif part in DIAGNOSTIC_PARTS:
                 record[part] = {kv.key: kv.value for kv in status.values}
         if len(record) == 1:
             return   # another node's diagnostics
         with self.lock:
             self.diagnostics.append(record)
-        state = record.get('state')
-        if state and state != self.state:
+        state = (record.get('state'), record.get('model_level'))
+        if state[0] and state != self.state:
             self.state = state
-            self._event(event='lifecycle', state=state, t=now)
+            self._event(event='lifecycle', state=state[0], level=state[1], t=now)
 
     def result(self) -> dict:
         """Everything recorded so far, ticks joined with their tokens, plus a summary."""
