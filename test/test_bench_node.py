@@ -127,9 +127,9 @@ def test_bench_node_part_end_to_end(tmp_path):
     pytest.importorskip('rclpy')
     pytest.importorskip('oxygen_ros.msg')
     out = tmp_path / 'bench'
-    cmd = [sys.executable, '-m', 'oxygen_ros.cli', 'bench', '--parts', 'node',
-           '--preset', 'tiny', '--node-duration', '4', '--node-warmup', '1', '--node-idle', '1',
-           '--node-engine-frames', '5', '--out', str(out), '--no-progress']
+    # --quick: tiny preset, 1 s idle, 1 s warm-up, 5 engine frames; 4 s measured.
+    cmd = [sys.executable, '-m', 'oxygen_ros.cli', 'bench', '--quick', '--parts', 'node',
+           '--node-duration', '4', '--out', str(out), '--no-progress']
     # Its own process group: node, robot and monitor stay in it, so one killpg in the cleanup
     # stops every process of the run even if the benchmark itself hangs or fails.
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

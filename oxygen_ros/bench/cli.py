@@ -74,19 +74,21 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
         'alone (same preset, threads, N, k)')
     node.add_argument('--node-robot', default='libero', choices=['libero', 'droid', 'aloha'],
                       help='config/<robot>.yaml of the node and the robot (default libero)')
-    node.add_argument('--node-duration', type=float, default=60.0,
-                      help='measured seconds of the node run (default 60)')
-    node.add_argument('--node-warmup', type=float, default=5.0,
-                      help='seconds after the first action chunk that are not measured')
-    node.add_argument('--node-idle', type=float, default=5.0,
-                      help='seconds the active node runs without inputs (idle CPU)')
+    node.add_argument('--node-duration', type=float, default=None,
+                      help='measured seconds of the node run (default 60; quick 5)')
+    node.add_argument('--node-warmup', type=float, default=None,
+                      help='seconds after the first action chunk that are not measured '
+                      '(default 5; quick 1)')
+    node.add_argument('--node-idle', type=float, default=None,
+                      help='seconds the active node runs without inputs, for its idle CPU '
+                      '(default 5; quick 1)')
     node.add_argument('--node-rate', type=float, default=None,
                       help='asked control rate in Hz (default 0.9 / p50 engine frame time)')
     node.add_argument('--node-tokens', type=int, default=10, help='N of the node (default 10)')
     node.add_argument('--node-k', type=int, default=5,
                       help='fixed decode budget k of the node and the engine run (default 5)')
-    node.add_argument('--node-engine-frames', type=int, default=20,
-                      help='measured frames of the engine alone (default 20)')
+    node.add_argument('--node-engine-frames', type=int, default=None,
+                      help='measured frames of the engine alone (default 20; quick 5)')
     node.add_argument('--camera-rate', type=float, default=15.0,
                       help='stand-in robot camera frames/s (default 15)')
     node.add_argument('--camera-size', default='640x480', metavar='WxH',
@@ -137,11 +139,15 @@ def node_options_from_args(args: argparse.Namespace):
         width, height = (int(v) for v in args.camera_size.lower().split('x'))
     except ValueError:
         raise SystemExit(f'--camera-size {args.camera_size!r}: expected WxH, e.g. 640x480')
-    return NodeBenchOptions(robot=args.node_robot, tokens=args.node_tokens, k=args.node_k,
-                            rate_hz=args.node_rate, duration_s=args.node_duration,
-                            warmup_s=args.node_warmup, idle_s=args.node_idle,
-                            camera_rate_hz=args.camera_rate, camera_width=width,
-                            camera_height=height, engine_frames=args.node_engine_frames)
+    changes = {name: value for name, value in (
+        ('duration_s', args.node_duration), ('warmup_s', args.node_warmup),
+        ('idle_s', args.node_idle), ('engine_frames', args.node_engine_frames))
+        if value is not None}
+    base = NodeBenchOptions.quick() if args.quick else NodeBenchOptions()
+    return dataclasses.replace(base, robot=args.node_robot, tokens=args.node_tokens,
+                               k=args.node_k, rate_hz=args.node_rate,
+                               camera_rate_hz=args.camera_rate, camera_width=width,
+                               camera_height=height, **changes)
 
 
 def _raise_system_exit(signum, frame):

@@ -76,6 +76,12 @@ class NodeBenchOptions:
     engine_frames: int = 20         # measured engine frames (after ceil(N/k) + 2 warm-up)
     start_timeout_s: float = 300.0  # node start (model load) and first action, each
 
+    @classmethod
+    def quick(cls, **changes) -> NodeBenchOptions:
+        """Return a smoke run's options: seconds instead of a minute."""
+        return dataclasses.replace(cls(duration_s=5.0, warmup_s=1.0, idle_s=1.0,
+                                       engine_frames=5), **changes)
+
 
 # ---- 1. the engine alone ------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from ..engine import (Frontend, identity_norm_stats, LanguagePolicy, make_system
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
 from .measure import compare_tokens, max_action_diff, summarize, SystemLog
-from .node import NodeBenchOptions
+from .node import NodeBenchOptions, run_node_part
 from .phases import measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 
@@ -68,7 +68,8 @@ class BenchOptions:
     @classmethod
     def quick_defaults(cls, **changes) -> BenchOptions:
         return dataclasses.replace(cls(plan=quick_options(), preset='tiny', quick=True,
-                                       phase_repeats=3, memory_frames=2), **changes)
+                                       phase_repeats=3, memory_frames=2,
+                                       node=NodeBenchOptions.quick()), **changes)
 
 
 @dataclasses.dataclass
@@ -477,8 +478,6 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
     if 'node' in opts.plan.parts:
         if checkpoint is not None and memory:
             checkpoint(result)
-        from .node import run_node_part
-
         start = time.perf_counter()
         row, ticks, _ = run_node_part(opts.node, opts.preset, opts.device, opts.dtype,
                                       opts.threads, opts.seed, Path(opts.out_dir) / 'node_logs')
