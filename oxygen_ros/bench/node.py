@@ -33,7 +33,6 @@ import ctypes
 import dataclasses
 import gc
 import json
-import logging
 import math
 import os
 from pathlib import Path
@@ -47,8 +46,6 @@ import time
 
 import numpy as np
 import yaml
-
-logger = logging.getLogger(__name__)
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PACKAGE_ROOT / 'config'
@@ -116,7 +113,7 @@ def node_parameters(robot: str) -> dict:
 
 def camera_observation(robot: str, index: int, height: int, width: int, seed: int,
                        instruction: str):
-    """Observation with camera-sized noise images (resized by the frontend, as in the node)."""
+    """Make an observation with camera-sized noise images (the frontend resizes them)."""
     from ..engine.types import Observation
     from ..model.robots import get_robot
 
@@ -451,9 +448,16 @@ class NodeRun:
     robot_cpu_pct: float            # the stand-in robot's CPU in the window, % of a core
 
 
+def _silent(message: str) -> None:
+    pass
+
+
 def run_node(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threads: int,
-             rate_hz: float, seed: int, log_dir: Path) -> NodeRun:
-    """Start node, monitor and robot; measure idle, then the active window; stop them all."""
+             rate_hz: float, seed: int, log_dir: Path, say=_silent) -> NodeRun:
+    """Start node, monitor and robot; measure idle, then the active window; stop them all.
+
+    say: gets one line per stage (progress for a person waiting).
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     env = child_environment()
     monitor_json = log_dir / 'node_monitor.json'
@@ -467,9 +471,10 @@ def run_node(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threa
         node = Child('oxygen_node', node_command(opts, preset, device, dtype, threads, rate_hz,
                                                  seed), env, log_dir / 'oxygen_node.log')
         children.append(node)
-        logger.info('node part: oxygen_node pid %d at %.3g Hz (ROS_DOMAIN_ID=%s), logs in %s',
-                    node.pid, rate_hz, env['ROS_DOMAIN_ID'], log_dir)
+        say(f'oxygen_node started (pid {node.pid}, {rate_hz:.3g} Hz, ROS_DOMAIN_ID='
+            f'{env["ROS_DOMAIN_ID"]}); logs in {log_dir}')
         _wait_event(events, 'lifecycle', opts.start_timeout_s, children, state='active')
+        say(f'node active: {opts.idle_s:g} s without inputs (idle CPU)')
         sampler = ThreadCpu(node.pid)
         idle_start = sampler.mark()
         _sleep_until(idle_start[0] + opts.idle_s, children)
@@ -477,6 +482,8 @@ def run_node(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threa
         robot = Child('robot', robot_command(opts), env, log_dir / 'robot.log')
         children.append(robot)
         first = _wait_event(events, 'first_action', opts.start_timeout_s, children)
+        say(f'robot started, first action chunk: {opts.warmup_s:g} s warm-up, then '
+            f'{opts.duration_s:g} s measured')
         _sleep_until(first['t'] + opts.warmup_s, children)
         robot_cpu_start = process_cpu_s(robot.pid)
         active_start = sampler.mark()
@@ -634,8 +641,11 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
 
 
 def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threads: int,
-                  seed: int, log_dir: Path) -> tuple[dict, list[dict], EngineReference]:
+                  seed: int, log_dir: Path, say=_silent
+                  ) -> tuple[dict, list[dict], EngineReference]:
     """Engine first, then the node at the asked rate; return (row, per-tick rows, engine)."""
+    say(f'node part: timing the engine ({preset}, {opts.robot}, N={opts.tokens}, k={opts.k}, '
+        f'{opts.camera_width}x{opts.camera_height} frames)')
     engine = measure_engine(preset, opts.robot, device=device, dtype=dtype, threads=threads,
                             tokens=opts.tokens, k=opts.k, seed=seed, frames=opts.engine_frames,
                             camera_hw=(opts.camera_height, opts.camera_width))
@@ -644,6 +654,8 @@ def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, 
     else:
         rate_hz, source = engine.asked_rate_hz(), f'{ASKED_SHARE:g} / engine frame p50'
     rate_hz = min(max(rate_hz, 0.1), 1000.0)   # the node's control_rate_hz range
-    run = run_node(opts, preset, device, dtype, threads, rate_hz, seed, log_dir)
+    say(f'engine: act() p50 {1e3 * engine.act_p50_s:.1f} ms, frame p50 '
+        f'{1e3 * engine.frame_p50_s:.1f} ms -> asked rate {rate_hz:.3g} Hz ({source})')
+    run = run_node(opts, preset, device, dtype, threads, rate_hz, seed, log_dir, say)
     row = node_row(opts, engine, run, rate_hz, source, preset, device, dtype, threads)
     return row, tick_records(run, rate_hz), engine

@@ -455,8 +455,8 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
     rows: list[dict] = []
     components: list[dict] = []
     total = sum(g.system_frames() for g in groups)
-    with tqdm(total=total, unit='frame', disable=not opts.progress, dynamic_ncols=True,
-              file=sys.stderr) as bar:
+    with tqdm(total=total, unit='frame', disable=not opts.progress or not total,
+              dynamic_ncols=True, file=sys.stderr) as bar:
         for group in groups:
             bar.set_description(group.title)
             start = time.perf_counter()
@@ -479,8 +479,11 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
         if checkpoint is not None and memory:
             checkpoint(result)
         start = time.perf_counter()
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress else (
+            lambda line: None)
         row, ticks, _ = run_node_part(opts.node, opts.preset, opts.device, opts.dtype,
-                                      opts.threads, opts.seed, Path(opts.out_dir) / 'node_logs')
+                                      opts.threads, opts.seed, Path(opts.out_dir) / 'node_logs',
+                                      say)
         result.node.append(row)
         result.node_ticks.extend(ticks)
         part_seconds['node'] = time.perf_counter() - start
