@@ -583,6 +583,8 @@ def plot_node_latency(result: BenchResult):
     for ax in (top, bottom):
         if t.size and t.min() < 0:
             ax.axvspan(t.min(), 0, color='0.92', label='warm-up (not measured)')
+        if t.size and t.max() > r['window_s']:
+            ax.axvspan(r['window_s'], t.max(), color='0.92')   # stopping: not measured
         ax.axhline(r['period_ms'], color='tab:red', linewidth=1,
                    label=f'period {r["period_ms"]:.0f} ms ({r["rate_asked_hz"]:.2f} Hz asked)')
         ax.grid(alpha=0.3)
