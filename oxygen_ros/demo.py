@@ -216,7 +216,6 @@ def make_monitor(context=None):
                                      qos.NARRATION)
             self.create_subscription(DiagnosticArray, '/diagnostics', self.on_diagnostics,
                                      qos.DIAGNOSTICS)
-            self.notes: collections.deque[str] = collections.deque(maxlen=2)
 
         def on_action(self, msg):
             now = time.monotonic()
@@ -417,8 +416,6 @@ def render(monitor, args, elapsed: float, instruction: str, alerts, colour: bool
     lines += [f'  {n!r}' for n in narrations[-4:]] or ['  (none yet)']
     for rid, text in streams:
         lines.append(f'  request {rid} ▸ {text!r}')
-    for note in list(monitor.notes):
-        lines.append(f'demo: {note}')
     for alert in list(alerts)[-2:]:
         lines.append(f'node log: {alert}')
     return [clip(line) for line in lines]
