@@ -92,7 +92,10 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     node.add_argument('--camera-rate', type=float, default=15.0,
                       help='stand-in robot camera frames/s (default 15)')
     node.add_argument('--camera-size', default='640x480', metavar='WxH',
-                      help='stand-in robot camera resolution (default 640x480, rgb8)')
+                      help='stand-in robot camera resolution (default 640x480)')
+    node.add_argument('--camera-format', default='jpeg', choices=['jpeg', 'raw'],
+                      help='CompressedImage jpeg (default) or raw rgb8 Image; raw 640x480 '
+                      'frames are 0.9 MB best-effort messages that DDS drops on a busy machine')
     bench.set_defaults(func=run_bench_command)
     return bench
 
@@ -147,7 +150,8 @@ def node_options_from_args(args: argparse.Namespace):
     return dataclasses.replace(base, robot=args.node_robot, tokens=args.node_tokens,
                                k=args.node_k, rate_hz=args.node_rate,
                                camera_rate_hz=args.camera_rate, camera_width=width,
-                               camera_height=height, **changes)
+                               camera_height=height, camera_format=args.camera_format,
+                               **changes)
 
 
 def _raise_system_exit(signum, frame):

@@ -11,7 +11,8 @@ One run, in this order (one thing at a time on the machine):
               (`python -m oxygen_ros.ros.monitor`) recording its outputs; once the node is
               active, `idle_s` seconds with no inputs: its CPU while idle.
   3. active   the stand-in robot (`python -m oxygen_ros.ros.sim_inputs`: cameras at
-              `camera_width` x `camera_height`, `camera_rate_hz`, joint states, instruction)
+              `camera_width` x `camera_height`, `camera_rate_hz`, jpeg or raw rgb8, joint
+              states, instruction)
               starts; after the first action chunk and `warmup_s`, `duration_s` seconds are
               measured: ticks delivered vs asked, inference_time p50/p99, deadline misses,
               tokens/s on language/tokens, and the node's CPU outside its control thread.
@@ -70,6 +71,11 @@ class NodeBenchOptions:
     camera_rate_hz: float = 15.0
     camera_width: int = 640
     camera_height: int = 480
+    # 'jpeg' (sensor_msgs/CompressedImage) or 'raw' (rgb8 sensor_msgs/Image). jpeg by default:
+    # raw 640x480 frames are 0.9 MB best-effort messages, which Fast DDS's default transport
+    # drops on a busy machine (publisher at 15 Hz, subscriber at 4-11 Hz with gaps of 0.6-3 s
+    # and no node running, here): a raw run measures the middleware as much as the node.
+    camera_format: str = 'jpeg'
     engine_frames: int = 20         # measured engine frames (after ceil(N/k) + 2 warm-up)
     start_timeout_s: float = 300.0  # node start (model load) and first action, each
 
@@ -366,6 +372,11 @@ def node_command(opts: NodeBenchOptions, preset: str, device: str, dtype: str, t
                  'tokens_per_request': opts.tokens, 'seed': seed,
                  # Declared by nodes that pin torch's threads; an older node ignores it.
                  'torch_threads': threads}
+    if opts.camera_format == 'jpeg':
+        # image_transport naming, as the stand-in robot publishes with --compressed
+        topics = [f'{topic}/compressed' for topic in node_parameters(opts.robot)['camera_topics']]
+        overrides['camera_topics'] = '[' + ', '.join(topics) + ']'
+        overrides['camera_compressed'] = '[' + ', '.join(['true'] * len(topics)) + ']'
     cmd = [sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
            '--params-file', str(CONFIG_DIR / f'{opts.robot}.yaml')]
     for name, value in overrides.items():
@@ -375,9 +386,10 @@ def node_command(opts: NodeBenchOptions, preset: str, device: str, dtype: str, t
 
 def robot_command(opts: NodeBenchOptions) -> list[str]:
     """Return the stand-in robot's command: cameras, joint states and one instruction."""
-    return [sys.executable, '-m', 'oxygen_ros.ros.sim_inputs', '--robot', opts.robot,
-            '--rate', f'{opts.camera_rate_hz:g}', '--width', str(opts.camera_width),
-            '--height', str(opts.camera_height), '--instruction', BENCH_INSTRUCTION]
+    cmd = [sys.executable, '-m', 'oxygen_ros.ros.sim_inputs', '--robot', opts.robot,
+           '--rate', f'{opts.camera_rate_hz:g}', '--width', str(opts.camera_width),
+           '--height', str(opts.camera_height), '--instruction', BENCH_INSTRUCTION]
+    return cmd + (['--compressed'] if opts.camera_format == 'jpeg' else [])
 
 
 def monitor_command(out: Path) -> list[str]:
@@ -613,7 +625,8 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
     act = np.array(engine.act_s)
     row = {'preset': preset, 'robot': opts.robot, 'device': device, 'dtype': dtype,
            'threads': threads, 'n_tokens': opts.tokens, 'k': opts.k,
-           'cameras': f'{opts.camera_width}x{opts.camera_height}@{opts.camera_rate_hz:g}Hz',
+           'cameras': f'{opts.camera_width}x{opts.camera_height} {opts.camera_format} '
+                      f'@{opts.camera_rate_hz:g}Hz',
            'engine_frames': len(engine.act_s),
            'engine_act_ms_p50': 1e3 * float(np.median(act)),
            'engine_act_ms_p99': 1e3 * float(np.percentile(act, 99)),
