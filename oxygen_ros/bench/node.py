@@ -424,16 +424,20 @@ def _wait_event(events: queue.Queue, name: str, timeout_s: float, children: list
             event = json.loads(line)
         except json.JSONDecodeError:
             continue   # a log line of the monitor, not an event
-        if event.get('event') == name and (state is None or event.get('state') == state):
+        # The model status's message is the lifecycle state; match its first word only, so
+        # a node that adds detail after it ('active (12.5 Hz)') is still understood.
+        words = str(event.get('state', '')).split()
+        current = words[0] if words else ''
+        if event.get('event') == name and (state is None or current == state):
             return event
         if event.get('event') == 'lifecycle':
-            failed = event.get('state') == 'unconfigured' and (
+            failed = current == 'unconfigured' and (
                 configuring or (event.get('level') or 0) >= 2)
             if failed:
                 node = next((c for c in children if c.name == NODE_NAME), children[-1])
                 raise NodeBenchError(f'{NODE_NAME} failed to configure; last lines of '
                                      f'{node.log_path}:\n{node.tail()}')
-            configuring = event.get('state') == 'configuring'
+            configuring = current == 'configuring'
     raise NodeBenchError(f'no {name} {state or ""} within {timeout_s:.0f} s; logs: '
                          + ', '.join(str(c.log_path) for c in children))
 
