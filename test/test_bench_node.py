@@ -8,6 +8,7 @@ import csv
 import ctypes
 import math
 import os
+import queue
 from pathlib import Path
 import signal
 import subprocess
@@ -173,3 +174,36 @@ def test_bench_node_part_end_to_end(tmp_path):
     assert '## The node' in summary and 'node inference_time p50' in summary
     assert (out / 'node_logs' / 'node_monitor.json').is_file()
     assert 'Traceback' not in (out / 'node_logs' / 'oxygen_node.log').read_text()
+
+
+class _FakeChild:
+    name = 'oxygen_node'
+    log_path = Path('oxygen_node.log')
+
+    def alive(self):
+        return True
+
+    def tail(self):
+        return 'configure failed: unknown preset'
+
+
+def _events(*lines):
+    events = queue.Queue()
+    for line in lines:
+        events.put(line)
+    return events
+
+
+def test_wait_event_reads_the_monitor_event_lines():
+    from oxygen_ros.bench.node import _wait_event, NodeBenchError
+
+    lines = ('[INFO] a log line\n', '{"event": "lifecycle", "state": "configuring", "t": 1}\n',
+             '{"event": "lifecycle", "state": "active (5 Hz)", "level": 0, "t": 2}\n')
+    event = _wait_event(_events(*lines), 'lifecycle', 5.0, [_FakeChild()], state='active')
+    assert event['t'] == 2
+    failed = _events('{"event": "lifecycle", "state": "configuring", "t": 1}\n',
+                     '{"event": "lifecycle", "state": "unconfigured", "level": 2, "t": 2}\n')
+    with pytest.raises(NodeBenchError, match='failed to configure'):
+        _wait_event(failed, 'lifecycle', 5.0, [_FakeChild()], state='active')
+    with pytest.raises(NodeBenchError, match='no first_action'):
+        _wait_event(_events(), 'first_action', 0.3, [_FakeChild()])
