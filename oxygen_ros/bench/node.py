@@ -97,6 +97,7 @@ class EngineReference:
     frame_s: list[float]            # act() + advance_language() per measured frame
     tokens: list[int]               # tokens decoded per measured frame
     k: int                          # fixed decode budget the frames ran with
+    other_load_pct: float = math.nan   # other processes' CPU meanwhile, % of all cores
 
     @property
     def act_p50_s(self) -> float:
@@ -176,10 +177,13 @@ def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
     frames run first, unmeasured (ceil(N/k) + 2 reach the steady decode batch).
     """
     act_s, frame_s, decoded = [], [], []
+    other = None
     try:
         for index in range(warmup + frames):
             obs = camera_observation(robot, index, *camera_hw, seed=seed,
                                      instruction=instruction)
+            if index == warmup:
+                other = OtherLoad([0])
             action = system.act(obs)
             result = system.advance_language()
             if index >= warmup:
@@ -190,7 +194,8 @@ def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
         close = getattr(system, 'close', None)
         if close is not None:
             close()
-    return EngineReference(act_s, frame_s, decoded, k)
+    return EngineReference(act_s, frame_s, decoded, k,
+                           other.percent() if other is not None else math.nan)
 
 
 # ---- CPU of the node's threads ------------------------------------------------------------
@@ -280,6 +285,36 @@ def process_cpu_s(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
     except (OSError, IndexError, ValueError):
         return math.nan
+
+
+class OtherLoad:
+    """CPU used by other processes over a window, in % of all cores (from /proc/stat).
+
+    Machine busy time minus the CPU of `pids` (this benchmark's processes; 0 = this one). A
+    few % is background; tens of % mean the measurement shared the cores with other work.
+    Unlike run.OtherLoad it subtracts processes by pid: the node, robot and monitor are
+    children that are not reaped while measured, so rusage does not count them yet.
+    """
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids
+        self._start = self._snapshot()
+
+    def _snapshot(self) -> tuple[float, float, float]:
+        try:
+            with open('/proc/stat') as stat:
+                fields = [float(v) for v in stat.readline().split()[1:]]
+            busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf('SC_CLK_TCK')
+        except OSError:
+            busy = math.nan
+        ours = sum(process_cpu_s(pid or os.getpid()) for pid in self.pids)
+        return busy, ours, time.monotonic()
+
+    def percent(self) -> float:
+        busy, ours, now = self._snapshot()
+        busy0, ours0, start = self._start
+        cores = os.cpu_count() or 1
+        return max(0.0, 100 * ((busy - busy0) - (ours - ours0)) / ((now - start) * cores))
 
 
 # ---- 2./3. the processes ------------------------------------------------------------------
@@ -462,6 +497,7 @@ class NodeRun:
     cpu_idle: dict                  # cpu_between over the idle window
     cpu_active: dict                # cpu_between over the measured window
     robot_cpu_pct: float            # the stand-in robot's CPU in the window, % of a core
+    other_load_pct: float = math.nan   # other processes' CPU in the window, % of all cores
 
 
 def _silent(message: str) -> None:
@@ -502,10 +538,12 @@ def run_node(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threa
             f'{opts.duration_s:g} s measured')
         _sleep_until(first['t'] + opts.warmup_s, children)
         robot_cpu_start = process_cpu_s(robot.pid)
+        other = OtherLoad([0] + [child.pid for child in children])
         active_start = sampler.mark()
         _sleep_until(active_start[0] + opts.duration_s, children)
         active_end = sampler.mark()
         robot_cpu = process_cpu_s(robot.pid) - robot_cpu_start
+        other_load_pct = other.percent()
         cpu_active = cpu_between(active_start, active_end)
         robot.stop()
         monitor.stop()   # it writes its JSON on SIGINT
@@ -514,7 +552,7 @@ def run_node(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threa
                                  f'{monitor.tail()}')
         data = json.loads(monitor_json.read_text())
         return NodeRun(data, (active_start[0], active_end[0]), first['t'], cpu_idle,
-                       cpu_active, 100 * robot_cpu / cpu_active['wall_s'])
+                       cpu_active, 100 * robot_cpu / cpu_active['wall_s'], other_load_pct)
     finally:
         if sampler is not None:
             sampler.close()
@@ -652,6 +690,8 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
         'cpu_threads_active': ' '.join(f'{name}:{pct:.1f}' for name, pct in
                                        run.cpu_active['by_name_pct'].items()),
         'robot_cpu_pct': run.robot_cpu_pct,
+        'other_load_engine_pct': engine.other_load_pct,
+        'other_load_node_pct': run.other_load_pct,
         'idle_s': run.cpu_idle['wall_s'], 'warmup_s': opts.warmup_s,
     })
     return row

@@ -243,6 +243,12 @@ def node_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
              'fresh camera frame or joint state (the inputs, not the node, were late). CPU in '
              '% of one core; per thread name: '
              f'{r["cpu_threads_active"] or "–"}.', '']
+    busiest = max(r['other_load_engine_pct'], r['other_load_node_pct'])
+    if busiest > NOISY_OTHER_LOAD_PCT:
+        lines += [f'**Warning: other processes used {r["other_load_engine_pct"]:.0f}% of the '
+                  f'CPUs while the engine was timed and {r["other_load_node_pct"]:.0f}% during '
+                  'the node window**: the two sides did not see the same machine, so their '
+                  'ratio carries that noise. Rerun on a quiet machine.', '']
     if 'node_latency' in paths:
         lines += [f'![per-tick latency]({paths["node_latency"].name})', '']
     return lines
