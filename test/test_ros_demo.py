@@ -45,6 +45,10 @@ def test_demo_runs_for_its_duration(tmp_path):
     assert actions > 0 and tokens > 0 and node_status == 0, output[-3000:]
     assert 'narration (finished requests):' in output
     assert re.search(r'(OK|WARN)\s+actions .* Hz received', output), output[-3000:]
+    assert re.search(r'engine: act\(\) p50 \d+ ms, .* -> control rate 5 Hz', output), output[:3000]
+    assert re.search(r'node/engine inference p50 (\d+\.\d\dx|-)', output), output[-3000:]
+    assert re.search(r'after warm-up .*deadline misses \d+, tokens/s per window min', output) or (
+        'not enough time to judge' in output), output[-3000:]
     log = (tmp_path / 'oxygen_node.log').read_text()
     assert 'configured in' in log and 'Traceback' not in log, log[-3000:]
 
@@ -69,3 +73,12 @@ def test_demo_stops_cleanly_on_ctrl_c(tmp_path):
     assert actions > 0 and node_status == 0
     assert 'Traceback' not in output and 'Traceback' not in (
         tmp_path / 'oxygen_node.log').read_text()
+
+
+def test_rate_is_picked_from_the_engine_frame_time():
+    from oxygen_ros.demo import pick_rate, reference_k
+
+    assert pick_rate(0.25, max_hz=10.0) == 3.2        # 0.8 / 0.25 s, rounded down to 0.1 Hz
+    assert pick_rate(0.01, max_hz=10.0) == 10.0       # at most the camera rate
+    assert pick_rate(100.0, max_hz=10.0) == 0.1       # never below the node's minimum
+    assert reference_k('adaptive') == 1 and reference_k('4') == 4

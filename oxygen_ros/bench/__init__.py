@@ -5,6 +5,8 @@ plan.py      what to run: groups of systems that see the same frames, quick and 
 measure.py   per-system frame logs -> metrics; the token-identity check
 run.py       runs the groups (interleaved frame by frame), the phases and the memory probes
 memory.py    peak-memory probe of one system in a fresh process
+node.py      part 'node': oxygen_node as a process (with a stand-in robot and a monitor)
+             next to the engine alone; started as processes, so no ROS import here
 report.py    CSV, markdown summary, PNG plots
 cli.py       the `oxygen-ros bench` sub-command
 """

@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from .plan import PAPER_ARRIVAL_RATES, PAPER_NS, PAPER_STEPS, PARTS, SYSTEM_NAMES
+from .plan import ALL_PARTS, PAPER_ARRIVAL_RATES, PAPER_NS, PAPER_STEPS, PARTS, SYSTEM_NAMES
 
 BENCH_EPILOG = """\
 examples:
@@ -17,6 +17,7 @@ examples:
   oxygen-ros bench --parts nk                   # the libero N x k sweep (S=10), CPU preset
   oxygen-ros bench                              # every sweep + memory (the README numbers)
   oxygen-ros bench --preset pi05 --device cuda --dtype bfloat16 --parts nk memory
+  oxygen-ros bench --parts node                 # oxygen_node process vs the engine (~2 min)
 """
 
 
@@ -36,8 +37,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     bench.add_argument('--workloads', nargs='+', default=None,
                        choices=['libero', 'droid', 'aloha'],
                        help='first one runs the N x k, S, arrivals and mixed sweeps')
-    bench.add_argument('--parts', nargs='+', default=None, choices=PARTS,
-                       help=f'what to run (default all: {" ".join(PARTS)})')
+    bench.add_argument('--parts', nargs='+', default=None, choices=ALL_PARTS,
+                       help=f'what to run (default all: {" ".join(PARTS)}; node only when '
+                       'named: it needs ROS and starts processes)')
     bench.add_argument('--systems', nargs='+', default=None, choices=SYSTEM_NAMES)
     bench.add_argument('--ns', type=int, nargs='+', default=None,
                        help=f'tokens per request N (default {" ".join(map(str, PAPER_NS))})')
@@ -67,6 +69,33 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     bench.add_argument('--plot-statistic', choices=['mean', 'p50'], default=None,
                        help='frame latency behind the plotted action Hz: mean (the paper, '
                        'default) or p50 (robust on a busy machine)')
+    node = bench.add_argument_group(
+        'node part', 'oxygen_node in its own process with a stand-in robot, next to the engine '
+        'alone (same preset, threads, N, k)')
+    node.add_argument('--node-robot', default='libero', choices=['libero', 'droid', 'aloha'],
+                      help='config/<robot>.yaml of the node and the robot (default libero)')
+    node.add_argument('--node-duration', type=float, default=None,
+                      help='measured seconds of the node run (default 60; quick 5)')
+    node.add_argument('--node-warmup', type=float, default=None,
+                      help='seconds after the first action chunk that are not measured '
+                      '(default 5; quick 1)')
+    node.add_argument('--node-idle', type=float, default=None,
+                      help='seconds the active node runs without inputs, for its idle CPU '
+                      '(default 5; quick 1)')
+    node.add_argument('--node-rate', type=float, default=None,
+                      help='asked control rate in Hz (default 0.9 / p50 engine frame time)')
+    node.add_argument('--node-tokens', type=int, default=10, help='N of the node (default 10)')
+    node.add_argument('--node-k', type=int, default=5,
+                      help='fixed decode budget k of the node and the engine run (default 5)')
+    node.add_argument('--node-engine-frames', type=int, default=None,
+                      help='measured frames of the engine alone (default 20; quick 5)')
+    node.add_argument('--camera-rate', type=float, default=15.0,
+                      help='stand-in robot camera frames/s (default 15)')
+    node.add_argument('--camera-size', default='640x480', metavar='WxH',
+                      help='stand-in robot camera resolution (default 640x480)')
+    node.add_argument('--camera-format', default='jpeg', choices=['jpeg', 'raw'],
+                      help='CompressedImage jpeg (default) or raw rgb8 Image; raw 640x480 '
+                      'frames are 0.9 MB best-effort messages that DDS drops on a busy machine')
     bench.set_defaults(func=run_bench_command)
     return bench
 
@@ -100,7 +129,29 @@ def options_from_args(args: argparse.Namespace):
         changes['memory_frames'] = args.memory_frames
     if args.plot_statistic:
         changes['plot_statistic'] = args.plot_statistic
+    changes['node'] = node_options_from_args(args)
+    changes['out_dir'] = args.out
     return dataclasses.replace(base, **changes)
+
+
+def node_options_from_args(args: argparse.Namespace):
+    """Build the NodeBenchOptions of the node part's flags."""
+    from .node import NodeBenchOptions
+
+    try:
+        width, height = (int(v) for v in args.camera_size.lower().split('x'))
+    except ValueError:
+        raise SystemExit(f'--camera-size {args.camera_size!r}: expected WxH, e.g. 640x480')
+    changes = {name: value for name, value in (
+        ('duration_s', args.node_duration), ('warmup_s', args.node_warmup),
+        ('idle_s', args.node_idle), ('engine_frames', args.node_engine_frames))
+        if value is not None}
+    base = NodeBenchOptions.quick() if args.quick else NodeBenchOptions()
+    return dataclasses.replace(base, robot=args.node_robot, tokens=args.node_tokens,
+                               k=args.node_k, rate_hz=args.node_rate,
+                               camera_rate_hz=args.camera_rate, camera_width=width,
+                               camera_height=height, camera_format=args.camera_format,
+                               **changes)
 
 
 def _raise_system_exit(signum, frame):
@@ -148,8 +199,8 @@ def _run_and_report(args: argparse.Namespace) -> int:
     paths = write_report(result, args.out)
     print(paths['summary'].read_text())
     for target in evaluate_targets(result):
-        print(f'[{"met" if target["met"] else "MISSED"}] {target["target"]}: '
-              f'{target["measured"]}')
+        verdict = 'n/a' if target['met'] is None else 'met' if target['met'] else 'MISSED'
+        print(f'[{verdict}] {target["target"]}: {target["measured"]}')
     print(f'wrote {", ".join(str(p) for p in paths.values())} '
           f'in {time.perf_counter() - start:.0f} s')
     return 0

@@ -26,6 +26,12 @@ TARGET_OVERHEAD_PCT_K1 = 2.0
 TARGET_MEMORY_OVER_ACTION_ONLY = 1.15
 GPU_TARGET_HEADLINE, GPU_TARGET_BEST = 2.98, 3.7
 NOISY_OTHER_LOAD_PCT = 10.0   # CPU share of other processes above which the summary warns
+# The node part (issue 10, item 3): oxygen_node process vs the engine alone, one run.
+TARGET_NODE_OVER_ENGINE_P50 = 1.10    # node inference_time p50 / engine act() p50
+TARGET_RATE_HELD = 0.97               # ticks delivered / asked
+TARGET_NODE_MISS_PCT = 2.0            # deadline misses, % of asked ticks
+TARGET_NODE_CPU_ACTIVE_PCT = 5.0      # node CPU outside the control thread, % of one core
+TARGET_NODE_CPU_IDLE_PCT = 3.0
 
 
 # ---- files ------------------------------------------------------------------------------------
@@ -48,8 +54,16 @@ def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
     paths = {'runs': out / 'runs.csv', 'components': out / 'components.csv',
              'summary': out / 'summary.md', 'result': out / 'result.json'}
     save_result(result, paths['result'])
-    write_csv(result.rows, paths['runs'])
-    write_csv(result.components, paths['components'])
+    for name, rows in (('runs', result.rows), ('components', result.components)):
+        if rows:
+            write_csv(rows, paths[name])
+        else:
+            del paths[name]   # e.g. --parts node: no sweep ran
+    if result.node:
+        paths['node'] = out / 'node.csv'
+        write_csv(result.node, paths['node'])
+        paths['node_ticks'] = out / 'node_ticks.csv'
+        write_csv(result.node_ticks, paths['node_ticks'])
     if result.memory:
         paths['memory'] = out / 'memory.csv'
         write_csv(result.memory, paths['memory'])
@@ -132,6 +146,9 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
                         f'RSS; KV pool {mem["oxygen"]["kv_pool_mb"]:.1f} vs '
                         f'{mem["action-only"]["kv_pool_mb"]:.1f} MB',
             'met': ratio <= TARGET_MEMORY_OVER_ACTION_ONLY})
+    targets += node_targets(result)
+    if not result.rows:
+        return targets
     checked = [r for r in result.rows if r['tokens_identical'] != '']
     oxygen_checked = [r for r in checked if r['system'].startswith('oxygen')]
     bad = [r for r in checked if r['tokens_identical'] is not True]
@@ -154,6 +171,89 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
     return targets
 
 
+def node_targets(result: BenchResult) -> list[dict]:
+    """Return the node part's targets (met None: not measurable with this node)."""
+    if not result.node:
+        return []
+    r = result.node[0]
+    cpu_note = ('' if r['control_thread_found'] else
+                f' (no `oxy_control` thread in this node: whole node '
+                f'{r["cpu_node_active_pct"]:.1f}% active, {r["cpu_node_idle_pct"]:.1f}% idle)')
+    cpu_met = None
+    if r['control_thread_found']:
+        cpu_met = (r['cpu_outside_control_active_pct'] <= TARGET_NODE_CPU_ACTIVE_PCT
+                   and r['cpu_outside_control_idle_pct'] <= TARGET_NODE_CPU_IDLE_PCT)
+    return [
+        {'target': f'node inference_time p50 ≤ {TARGET_NODE_OVER_ENGINE_P50:.2f} × engine '
+                   'act() p50',
+         'measured': f'{r["node_over_engine_p50"]:.3f}× ({r["node_inference_ms_p50"]:.1f} vs '
+                     f'{r["engine_act_ms_p50"]:.1f} ms; p99 {r["node_over_engine_p99"]:.2f}×)',
+         'met': r['node_over_engine_p50'] <= TARGET_NODE_OVER_ENGINE_P50},
+        {'target': f'node rate held ≥ {TARGET_RATE_HELD:.2f} × asked',
+         'measured': f'{r["rate_held_over_asked"]:.3f}× ({r["rate_held_hz"]:.2f} of '
+                     f'{r["rate_asked_hz"]:.2f} Hz over {r["window_s"]:.0f} s)',
+         'met': r['rate_held_over_asked'] >= TARGET_RATE_HELD},
+        {'target': f'node deadline misses ≤ {TARGET_NODE_MISS_PCT:g}% at the asked rate',
+         'measured': f'{r["deadline_miss_pct"]:.2f}% ({r["late_ticks"]} late, '
+                     f'{r["missing_ticks"]} missing of {r["ticks_asked"]:.0f})',
+         'met': r['deadline_miss_pct'] <= TARGET_NODE_MISS_PCT},
+        {'target': f'node CPU outside the control thread ≤ {TARGET_NODE_CPU_ACTIVE_PCT:g}% '
+                   f'of a core active, ≤ {TARGET_NODE_CPU_IDLE_PCT:g}% idle',
+         'measured': f'{fmt(r["cpu_outside_control_active_pct"], 1)}% active, '
+                     f'{fmt(r["cpu_outside_control_idle_pct"], 1)}% idle' + cpu_note,
+         'met': cpu_met},
+    ]
+
+
+def node_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
+    """Markdown of the node part: node vs engine, rate, misses, tokens, CPU."""
+    if not result.node:
+        return []
+    r = result.node[0]
+    lines = [f'## The node: oxygen_node process vs the engine alone ({r["robot"]}, '
+             f'N={r["n_tokens"]}, k={r["k"]}, cameras {r["cameras"]})', '',
+             f'Engine first ({r["engine_frames"]} frames in the benchmark process, nothing '
+             f'else running), then the node at the asked rate ({r["rate_source"]}) with a '
+             'stand-in robot and a monitor process, measured over '
+             f'{r["window_s"]:.0f} s after {r["warmup_s"]:g} s of warm-up.', '',
+             table(['', 'engine alone', 'node', 'node / engine'], [
+                 ['inference p50 ms (act() / inference_time)', r['engine_act_ms_p50'],
+                  r['node_inference_ms_p50'], r['node_over_engine_p50']],
+                 ['inference p99 ms', r['engine_act_ms_p99'], r['node_inference_ms_p99'],
+                  r['node_over_engine_p99']],
+                 ['frame p50 ms (act + language)', r['engine_frame_ms_p50'], '–', '–'],
+             ]), '',
+             table(['rate asked Hz', 'rate held Hz', 'held / asked', 'deadline miss %',
+                    'late', 'missing', 'skipped (inputs stale)', 'camera frames/s at node',
+                    'tok/s', 'tok/s min 5 s window', 'k',
+                    'CPU outside control active %', 'idle %', 'node CPU active %',
+                    'robot CPU %'],
+                   [[r['rate_asked_hz'], r['rate_held_hz'], r['rate_held_over_asked'],
+                     r['deadline_miss_pct'], r['late_ticks'], r['missing_ticks'],
+                     r['node_skipped_ticks'], r['camera_msgs_per_s'], r['tokens_per_s'],
+                     r['tokens_per_s_min_window'],
+                     f'{fmt(r["k_min"], 0)}–{fmt(r["k_max"], 0)}',
+                     r['cpu_outside_control_active_pct'], r['cpu_outside_control_idle_pct'],
+                     r['cpu_node_active_pct'], r['robot_cpu_pct']]]), '',
+             'node / engine = the node\'s `inference_time` (observation to actions, as '
+             'published) over the engine\'s act() on the same preset, threads and camera '
+             'resolution: what running inside the node costs (executor, callbacks, DDS, the '
+             'robot process next to it). Late = inference_time past the period; missing = '
+             'asked ticks that sent no action chunk; skipped = ticks the node ran without a '
+             'fresh camera frame or joint state (the inputs, not the node, were late). CPU in '
+             '% of one core; per thread name: '
+             f'{r["cpu_threads_active"] or "–"}.', '']
+    busiest = max(r['other_load_engine_pct'], r['other_load_node_pct'])
+    if busiest > NOISY_OTHER_LOAD_PCT:
+        lines += [f'**Warning: other processes used {r["other_load_engine_pct"]:.0f}% of the '
+                  f'CPUs while the engine was timed and {r["other_load_node_pct"]:.0f}% during '
+                  'the node window**: the two sides did not see the same machine, so their '
+                  'ratio carries that noise. Rerun on a quiet machine.', '']
+    if 'node_latency' in paths:
+        lines += [f'![per-tick latency]({paths["node_latency"].name})', '']
+    return lines
+
+
 def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
     opts, env = result.options, result.environment
     command = env.get('command', '')
@@ -165,10 +265,11 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
               f'({env["cores"]} cores), {opts.device} {opts.dtype}, torch {env["torch"]}, '
               f'{opts.threads} torch threads (parallel baseline: 1 per process; memory probes: '
               f'1). Load average {env["loadavg_start"]:.2f} at start, '
-              f'{env.get("loadavg_end", math.nan):.2f} at end. Systems of one table ran side '
-              'by side on the same frames, noise and requests, frame by frame in turn; '
-              'warm-up frames excluded; EOS disabled (every request is N tokens, as in the '
-              'paper). Action frequency = H / mean frame latency (frame = act + language).', '',
+              f'{env.get("loadavg_end", math.nan):.2f} at end.'
+              + (' Systems of one table ran side by side on the same frames, noise and '
+                 'requests, frame by frame in turn; warm-up frames excluded; EOS disabled '
+                 '(every request is N tokens, as in the paper). Action frequency = H / mean '
+                 'frame latency (frame = act + language).' if result.rows else ''), '',
               'Time per part: ' + ', '.join(f'{name} {sec:.0f} s'
                                             for name, sec in result.part_seconds.items()), '']
     busiest = max((r.get('other_load_pct', 0.0) for r in result.rows), default=0.0)
@@ -181,7 +282,8 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
               table(['target', 'measured', 'met'],
                     [[t['target'], t['measured'], t['met']] for t in evaluate_targets(result)]),
               '']
-    parts += ['## Component model per group (phases.py passes, sampled between the rounds of '
+    parts += [] if not result.components else [
+              '## Component model per group (phases.py passes, sampled between the rounds of '
               "the group's frames; median)", '',
               table(['group', 'samples', 'P prefill ms', 'D denoise ms', 'd(1) ms',
                      'd(B) ms for B = ceil(N/k)'], component_table(result)), '',
@@ -237,6 +339,7 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
                   'processes. MKL fast memory manager '
                   f'{"on" if result.memory[0].get("mkl_fast_mm", True) else "off"} in the '
                   'probes (MKL_DISABLE_FAST_MM; it caches a GEMM buffer per row count).', '']
+    parts += node_section(result, paths)
     parts += ['## Files', ''] + [f'- `{p.name}`' for p in paths.values()] + ['']
     return '\n'.join(parts)
 
@@ -273,7 +376,8 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, Path]:
     """Draw the four plots of the issue from whatever rows the run produced."""
     paths = {}
     for name, draw in (('tradeoff', plot_tradeoff), ('speedup_heatmap', plot_heatmap),
-                       ('action_hz_vs_n', plot_hz_vs_n), ('memory', plot_memory)):
+                       ('action_hz_vs_n', plot_hz_vs_n), ('memory', plot_memory),
+                       ('node_latency', plot_node_latency)):
         fig = draw(result)
         if fig is None:
             continue
@@ -472,3 +576,49 @@ def _bars_with_ratio(ax, x, values, colours, ratios, bottom=None):
         ax.text(bar.get_x() + bar.get_width() / 2, low + value, f'{low + value:.0f}\n'
                 f'({ratio:.2f}×)', ha='center', va='bottom', fontsize=8)
     ax.set_ylim(top=max(lo + v for lo, v in zip(base, values)) * 1.2)
+
+
+def plot_node_latency(result: BenchResult):
+    """Per-tick latency of the node over time, with the engine's act() p50 and the period."""
+    if not result.node or not result.node_ticks:
+        return None
+    r, ticks = result.node[0], result.node_ticks
+    t = np.array([x['t_s'] for x in ticks])
+    inference = np.array([x['inference_ms'] for x in ticks])
+    interval = np.array([x['interval_ms'] for x in ticks], dtype=float)
+    measured = np.array([bool(x['measured']) for x in ticks])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True,
+                                      gridspec_kw={'height_ratios': [2, 1]})
+    for ax in (top, bottom):
+        if t.size and t.min() < 0:
+            ax.axvspan(t.min(), 0, color='0.92', label='warm-up (not measured)')
+        if t.size and t.max() > r['window_s']:
+            ax.axvspan(r['window_s'], t.max(), color='0.92')   # stopping: not measured
+        ax.axhline(r['period_ms'], color='tab:red', linewidth=1,
+                   label=f'period {r["period_ms"]:.0f} ms ({r["rate_asked_hz"]:.2f} Hz asked)')
+        ax.grid(alpha=0.3)
+    top.plot(t[measured], inference[measured], '.', markersize=3, color='tab:blue',
+             label='node inference_time, measured ticks')
+    top.plot(t[~measured], inference[~measured], '.', markersize=3, color='0.6')
+    top.axhline(r['engine_act_ms_p50'], color='black', linestyle='--', linewidth=1,
+                label=f'engine act() p50 {r["engine_act_ms_p50"]:.1f} ms')
+    top.axhline(TARGET_NODE_OVER_ENGINE_P50 * r['engine_act_ms_p50'], color='black',
+                linestyle=':', linewidth=1,
+                label=f'{TARGET_NODE_OVER_ENGINE_P50:.2f} × engine act() p50')
+    top.set_ylabel('observation to actions (ms)')
+    top.set_ylim(bottom=0)
+    top.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))
+    bottom.plot(t, interval, '.', markersize=3, color='tab:green',
+                label='interval between action chunks received')
+    bottom.set_ylabel('tick interval (ms)')
+    bottom.set_xlabel('seconds from the start of the measured window')
+    bottom.set_ylim(bottom=0)
+    bottom.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(f'oxygen_node per tick: node/engine p50 {r["node_over_engine_p50"]:.2f}×, '
+                 f'held {r["rate_held_hz"]:.2f} of {r["rate_asked_hz"]:.2f} Hz, '
+                 f'{r["deadline_miss_pct"]:.1f}% deadline misses, '
+                 f'{r["tokens_per_s"]:.0f} tok/s\n{_subtitle(result, hz=False)}, '
+                 f'{r["robot"]} N={r["n_tokens"]} k={r["k"]}, cameras {r["cameras"]}',
+                 fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -35,6 +35,7 @@ from ..engine import (action_only_policy, Engine, Frontend, identity_norm_stats,
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
 from .measure import compare_tokens, max_action_diff, summarize, SystemLog
+from .node import NodeBenchOptions, run_node_part
 from .phases import measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 
@@ -62,11 +63,14 @@ class BenchOptions:
     progress: bool = True
     quick: bool = False
     plot_statistic: str = 'mean'     # frame-time statistic of the plots' Hz: mean (paper) / p50
+    node: NodeBenchOptions = dataclasses.field(default_factory=NodeBenchOptions)   # part 'node'
+    out_dir: str = 'bench-results'   # where the node part leaves its processes' logs
 
     @classmethod
     def quick_defaults(cls, **changes) -> BenchOptions:
         return dataclasses.replace(cls(plan=quick_options(), preset='tiny', quick=True,
-                                       phase_repeats=3, memory_frames=2), **changes)
+                                       phase_repeats=3, memory_frames=2,
+                                       node=NodeBenchOptions.quick()), **changes)
 
 
 @dataclasses.dataclass
@@ -80,6 +84,8 @@ class BenchResult:
     part_seconds: dict[str, float]
     environment: dict
     options: BenchOptions
+    node: list[dict] = dataclasses.field(default_factory=list)        # part 'node': one row
+    node_ticks: list[dict] = dataclasses.field(default_factory=list)  # its per-tick records
 
 
 def environment(opts: BenchOptions) -> dict:
@@ -437,6 +443,8 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
     models = ModelCache(opts)
     periods: dict[int, float] = {}
     step_values = sorted({g.steps for g in groups} | {opts.plan.default_steps})
+    if not groups and 'memory' not in opts.plan.parts:
+        step_values = []   # the node part alone needs no frame deadline
     start = time.perf_counter()
     for steps in step_values:
         # The deadline must be known before the runs (oxygen-adaptive plans with it), so it
@@ -445,12 +453,13 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
         fastest = measure_phases(models.model(steps), batches=(1,), repeats=opts.phase_repeats,
                                  statistic=min)
         periods[steps] = period_for(fastest, opts)
-    part_seconds['deadline'] = time.perf_counter() - start
+    if step_values:
+        part_seconds['deadline'] = time.perf_counter() - start
     rows: list[dict] = []
     components: list[dict] = []
     total = sum(g.system_frames() for g in groups)
-    with tqdm(total=total, unit='frame', disable=not opts.progress, dynamic_ncols=True,
-              file=sys.stderr) as bar:
+    with tqdm(total=total, unit='frame', disable=not opts.progress or not total,
+              dynamic_ncols=True, file=sys.stderr) as bar:
         for group in groups:
             bar.set_description(group.title)
             start = time.perf_counter()
@@ -462,13 +471,25 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
                 time.perf_counter() - start)
     memory: list[dict] = []
     result = BenchResult(rows, memory, components, periods, part_seconds, env, opts)
-    if checkpoint is not None and 'memory' in opts.plan.parts:
+    if checkpoint is not None and groups and {'memory', 'node'} & set(opts.plan.parts):
         checkpoint(result)
     if 'memory' in opts.plan.parts:
         start = time.perf_counter()
         group = memory_group(opts)
         memory += probe_memory(opts, group, periods[group.steps])
         part_seconds['memory'] = time.perf_counter() - start
+    if 'node' in opts.plan.parts:
+        if checkpoint is not None and memory:
+            checkpoint(result)
+        start = time.perf_counter()
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress else (
+            lambda line: None)
+        row, ticks, _ = run_node_part(opts.node, opts.preset, opts.device, opts.dtype,
+                                      opts.threads, opts.seed, Path(opts.out_dir) / 'node_logs',
+                                      say)
+        result.node.append(row)
+        result.node_ticks.extend(ticks)
+        part_seconds['node'] = time.perf_counter() - start
     env['loadavg_end'] = os.getloadavg()[0] if hasattr(os, 'getloadavg') else math.nan
     return result
 
@@ -486,6 +507,8 @@ def load_result(path: str | Path) -> BenchResult:
     opts = data['options']
     opts['plan'] = PlanOptions(**{key: tuple(v) if isinstance(v, list) else v
                                   for key, v in opts['plan'].items()})
+    if isinstance(opts.get('node'), dict):
+        opts['node'] = NodeBenchOptions(**opts['node'])
     data['options'] = BenchOptions(**opts)
     data['periods'] = {int(steps): p for steps, p in data['periods'].items()}
     return BenchResult(**data)

@@ -4,6 +4,7 @@ Used by the demo and the tests; runnable on its own:
 
     python -m oxygen_ros.ros.sim_inputs --robot libero --rate 10 \
         --instruction "pick up the black bowl"
+    python -m oxygen_ros.ros.sim_inputs --width 640 --height 480 --rate 15   # VGA cameras
 
 The photos are scikit-image's sample images (shipped with the package, no download). Each
 camera pans a crop window slowly over its photo, so consecutive frames differ a little, as a
@@ -33,30 +34,32 @@ PHOTOS = ('astronaut', 'coffee', 'chelsea', 'rocket', 'immunohistochemistry')
 
 
 @functools.lru_cache(maxsize=16)
-def _photo(name: str, size: int) -> np.ndarray:
-    """Load a sample photo scaled so its short side is 1.25 * size: uint8 [h, w, 3]."""
+def _photo(name: str, height: int, width: int) -> np.ndarray:
+    """Load a sample photo scaled to cover 1.25 x (height, width): uint8 [h, w, 3]."""
     import skimage.data
 
     image = getattr(skimage.data, name)()
     if image.ndim == 2:
         image = np.stack([image] * 3, axis=-1)
     image = image[..., :3]
-    scale = 1.25 * size / min(image.shape[:2])
-    h, w = (max(size, round(d * scale)) for d in image.shape[:2])
+    scale = 1.25 * max(height / image.shape[0], width / image.shape[1])
+    h = max(height, round(image.shape[0] * scale))
+    w = max(width, round(image.shape[1] * scale))
     return np.asarray(PILImage.fromarray(image).resize((w, h), PILImage.BILINEAR))
 
 
-def camera_frame(photo: str, size: int, index: int) -> np.ndarray:
-    """Frame `index` of a camera looking at `photo`: uint8 [size, size, 3] RGB.
+def camera_frame(photo: str, size: int, index: int, width: int | None = None) -> np.ndarray:
+    """Frame `index` of a camera looking at `photo`: uint8 [size, width or size, 3] RGB.
 
     The crop window follows a slow Lissajous path (periods 40 and 57 frames), a few pixels
     per frame: slight, continuous motion.
     """
-    image = _photo(photo, size)
-    slack_y, slack_x = image.shape[0] - size, image.shape[1] - size
+    height, width = size, width or size
+    image = _photo(photo, height, width)
+    slack_y, slack_x = image.shape[0] - height, image.shape[1] - width
     y = round(slack_y * (0.5 + 0.5 * math.sin(2 * math.pi * index / 57)))
     x = round(slack_x * (0.5 + 0.5 * math.sin(2 * math.pi * index / 40)))
-    return np.ascontiguousarray(image[y:y + size, x:x + size])
+    return np.ascontiguousarray(image[y:y + height, x:x + width])
 
 
 def image_msg(rgb: np.ndarray, stamp, frame_id: str = 'camera', encoding: str = 'rgb8'):
@@ -105,15 +108,19 @@ def robot_cameras(robot: str, compressed: bool = False) -> list[SimCamera]:
 class CameraPublisher(Node):
     """Publishes every camera at `rate_hz`, all with the same stamp per frame.
 
-    `sent` maps each published stamp (nanoseconds) to the frame index it carried, so a test
-    can rebuild exactly the images behind an action chunk from its header stamp.
+    Images are `size` x `size` pixels, or `size` rows x `width` columns when `width` is given
+    (e.g. size=480, width=640 for VGA cameras). `sent` maps each published stamp (nanoseconds)
+    to the frame index it carried, so a test can rebuild exactly the images behind an action
+    chunk from its header stamp.
     """
 
     def __init__(self, cameras: list[SimCamera], rate_hz: float = 10.0, size: int = 224,
-                 static: bool = False, node_name: str = 'sim_cameras', **kwargs):
+                 static: bool = False, node_name: str = 'sim_cameras',
+                 width: int | None = None, **kwargs):
         super().__init__(node_name, **kwargs)
         self.cameras = cameras
         self.size = size
+        self.width = width or size
         self.static = static            # True: frame 0 forever (stamps still advance)
         self.index = 0
         self.sent: dict[int, int] = {}
@@ -122,9 +129,9 @@ class CameraPublisher(Node):
         self.timer = self.create_timer(1.0 / rate_hz, self.publish_frame)
 
     def frame(self, camera: SimCamera, index: int) -> np.ndarray:
-        """Image `index` of `camera`: uint8 [size, size, 3]."""
+        """Image `index` of `camera`: uint8 [size, width, 3]."""
         still = self.static or camera.static
-        return camera_frame(camera.photo, self.size, 0 if still else index)
+        return camera_frame(camera.photo, self.size, 0 if still else index, self.width)
 
     def publish_frame(self) -> None:
         now = self.get_clock().now()
@@ -192,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--robot', default='libero', choices=sorted(ROBOT_IO))
     parser.add_argument('--rate', type=float, default=10.0, help='camera frames per second')
-    parser.add_argument('--size', type=int, default=224, help='image side in pixels')
+    parser.add_argument('--size', type=int, default=224, help='image side in pixels (square)')
+    parser.add_argument('--width', type=int, default=0,
+                        help='image width in pixels (default: the height)')
+    parser.add_argument('--height', type=int, default=0,
+                        help='image height in pixels (default: --size)')
+    parser.add_argument('--joint-rate', type=float, default=50.0, help='joint states per second')
     parser.add_argument('--compressed', action='store_true', help='publish jpeg')
     parser.add_argument('--instruction', action='append',
                         help='task text (repeat to cycle through several)')
@@ -201,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.executors import MultiThreadedExecutor
 
     rclpy.init(args=ros_args)
-    nodes = [CameraPublisher(robot_cameras(args.robot, args.compressed), args.rate, args.size),
-             JointStatePublisher(list(ROBOT_IO[args.robot][1])),
+    height = args.height or args.size
+    width = args.width or height
+    nodes = [CameraPublisher(robot_cameras(args.robot, args.compressed), args.rate, height,
+                             width=width),
+             JointStatePublisher(list(ROBOT_IO[args.robot][1]), args.joint_rate),
              InstructionPublisher(args.instruction or ['pick up the black bowl'],
                                   args.instruction_period)]
     executor = MultiThreadedExecutor()

@@ -1,0 +1,718 @@
+"""The node in the benchmark: oxygen_node as its own process next to the engine alone.
+
+One run, in this order (one thing at a time on the machine):
+
+  1. engine   the node's engine (same preset, robot, threads, N, k, seed) built in this
+              process; act() and act() + advance_language() timed over `engine_frames`
+              frames after warm-up, on observations of the cameras' resolution (the node's
+              inference_time includes resizing them). Asked rate = 0.9 / p50(frame time):
+              what the engine's action path plus its decode budget allow, with 10% spare.
+  2. idle     the node process started at the asked rate, a monitor process
+              (`python -m oxygen_ros.ros.monitor`) recording its outputs; once the node is
+              active, `idle_s` seconds with no inputs: its CPU while idle.
+  3. active   the stand-in robot (`python -m oxygen_ros.ros.sim_inputs`: cameras at
+              `camera_width` x `camera_height`, `camera_rate_hz`, jpeg or raw rgb8, joint
+              states, instruction)
+              starts; after the first action chunk and `warmup_s`, `duration_s` seconds are
+              measured: ticks delivered vs asked, inference_time p50/p99, deadline misses,
+              tokens/s on language/tokens, and the node's CPU outside its control thread.
+
+This module imports no ROS package: the node, robot and monitor are separate processes, talked
+to through their command lines, the monitor's JSON and /proc. Every child gets
+ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST and a ROS_DOMAIN_ID (a given one is kept).
+
+CPU outside the control thread: the node names its control thread (where inference runs, and
+torch's OpenMP workers, which inherit the name) `oxy_control`; the CPU time (utime + stime in
+/proc/<pid>/task/<tid>/stat) of every other thread of the node over a window, in % of one
+core. A node without such a thread gets NaN there (its whole-process CPU is still reported).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import json
+import math
+import os
+from pathlib import Path
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import yaml
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = PACKAGE_ROOT / 'config'
+CONTROL_THREAD_NAME = 'oxy_control'   # native thread name of the node's control thread
+ASKED_SHARE = 0.9                      # asked rate = this share of 1 / p50(engine frame time)
+NODE_NAME = 'oxygen_node'
+BENCH_INSTRUCTION = 'pick up the black bowl and place it on the plate'
+TOKEN_WINDOW_S = 5.0                   # tokens/s is also reported per window of this length
+
+
+@dataclasses.dataclass
+class NodeBenchOptions:
+    """What the node part runs (the model preset, device and threads are BenchOptions')."""
+
+    robot: str = 'libero'           # config/<robot>.yaml: cameras, joints, language prompt
+    tokens: int = 10                # N, tokens per language request
+    k: int = 5                      # fixed decode budget of the node and of the engine run
+    rate_hz: float | None = None    # asked control rate; None: 0.9 / p50(engine frame time)
+    duration_s: float = 60.0        # measured window
+    warmup_s: float = 5.0           # after the first action chunk, not measured
+    idle_s: float = 5.0             # node active with no inputs, before the robot starts
+    camera_rate_hz: float = 15.0
+    camera_width: int = 640
+    camera_height: int = 480
+    # 'jpeg' (sensor_msgs/CompressedImage) or 'raw' (rgb8 sensor_msgs/Image). jpeg by default:
+    # raw 640x480 frames are 0.9 MB best-effort messages, which Fast DDS's default transport
+    # drops on a busy machine (publisher at 15 Hz, subscriber at 4-11 Hz with gaps of 0.6-3 s
+    # and no node running, here): a raw run measures the middleware as much as the node.
+    camera_format: str = 'jpeg'
+    engine_frames: int = 20         # measured engine frames (after ceil(N/k) + 2 warm-up)
+    start_timeout_s: float = 300.0  # node start (model load) and first action, each
+
+    @classmethod
+    def quick(cls, **changes) -> NodeBenchOptions:
+        """Return a smoke run's options: seconds instead of a minute."""
+        return dataclasses.replace(cls(duration_s=5.0, warmup_s=1.0, idle_s=1.0,
+                                       engine_frames=5), **changes)
+
+
+# ---- 1. the engine alone ------------------------------------------------------------------
+
+@dataclasses.dataclass
+class EngineReference:
+    """The engine's action path and whole frame, timed in this process."""
+
+    act_s: list[float]              # act() per measured frame (what the node publishes as
+    #                                 inference_time: frontend + prefill + denoise)
+    frame_s: list[float]            # act() + advance_language() per measured frame
+    tokens: list[int]               # tokens decoded per measured frame
+    k: int                          # fixed decode budget the frames ran with
+    other_load_pct: float = math.nan   # other processes' CPU meanwhile, % of all cores
+
+    @property
+    def act_p50_s(self) -> float:
+        return float(np.median(self.act_s))
+
+    @property
+    def frame_p50_s(self) -> float:
+        return float(np.median(self.frame_s))
+
+    def asked_rate_hz(self, share: float = ASKED_SHARE) -> float:
+        """Return the control rate the engine holds with (1 - share) of the period to spare."""
+        return share / self.frame_p50_s
+
+
+def node_parameters(robot: str) -> dict:
+    """Read the `ros__parameters` of oxygen_node in config/<robot>.yaml (what the node loads)."""
+    data = yaml.safe_load((CONFIG_DIR / f'{robot}.yaml').read_text()) or {}
+    return dict(data.get(NODE_NAME, {}).get('ros__parameters', {}))
+
+
+def camera_observation(robot: str, index: int, height: int, width: int, seed: int,
+                       instruction: str):
+    """Make an observation with camera-sized noise images (the frontend resizes them)."""
+    from ..engine.types import Observation
+    from ..model.robots import get_robot
+
+    spec = get_robot(robot)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, index, 11]))
+    images = {cam: rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+              for cam in spec.camera_names}
+    state = rng.uniform(-0.3, 0.3, spec.state_dim).astype(np.float32)
+    return Observation(images=images, state=state, instruction=instruction, stamp=0.1 * index)
+
+
+def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
+                   dtype: str = 'float32', threads: int = 0, tokens: int = 10, k: int = 5,
+                   seed: int = 0, frames: int = 20, camera_hw: tuple[int, int] = (480, 640),
+                   instruction: str = BENCH_INSTRUCTION) -> EngineReference:
+    """Build the engine the node builds (random weights of `preset`) and time its frames.
+
+    The language policy is the node's: one request per frame, N = `tokens`, EOS on, the
+    robot's language prompt; `k` fixed. Warm-up: ceil(N/k) + 2 frames (the decode batch is at
+    its steady size after ceil(N/k)). threads: torch threads (0 = leave as is).
+    """
+    import torch
+
+    from ..engine import LanguagePolicy, make_system, random_setup
+    from ..model import get_preset
+
+    if threads:
+        torch.set_num_threads(threads)
+    params = node_parameters(robot)
+    config = get_preset(preset)
+    if params.get('denoise_steps'):
+        config = config.replace(num_steps=int(params['denoise_steps']))
+    model, frontend = random_setup(config, robot, seed=seed, device=device,
+                                   dtype=getattr(torch, dtype))
+    policy = LanguagePolicy(max_new_tokens=tokens,
+                            every_n_frames=int(params.get('request_every_n_frames', 1)),
+                            seed=seed, eos_id=frontend.eos_id,
+                            prompt_template=params.get('language_prompt', ''))
+    system = make_system('oxygen', model, frontend, policy, k=k, seed=seed)
+    try:
+        return time_engine(system, robot, k=k, warmup=math.ceil(tokens / k) + 2, frames=frames,
+                           camera_hw=camera_hw, seed=seed, instruction=instruction)
+    finally:
+        del system, model, frontend
+        gc.collect()   # the node process builds its own copy; do not hold two
+
+
+def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
+                camera_hw: tuple[int, int], seed: int = 0,
+                instruction: str = BENCH_INSTRUCTION) -> EngineReference:
+    """Time act() and act() + advance_language() of a built engine over camera-sized frames.
+
+    `system` is any engine System (act / advance_language); it is closed afterwards. `warmup`
+    frames run first, unmeasured (ceil(N/k) + 2 reach the steady decode batch).
+    """
+    act_s, frame_s, decoded = [], [], []
+    other = None
+    try:
+        for index in range(warmup + frames):
+            obs = camera_observation(robot, index, *camera_hw, seed=seed,
+                                     instruction=instruction)
+            if index == warmup:
+                other = OtherLoad([0])
+            action = system.act(obs)
+            result = system.advance_language()
+            if index >= warmup:
+                act_s.append(action.inference_time_s)
+                frame_s.append(result.timings.total_s)
+                decoded.append(sum(len(d.token_ids) for d in result.deltas))
+    finally:
+        close = getattr(system, 'close', None)
+        if close is not None:
+            close()
+    return EngineReference(act_s, frame_s, decoded, k,
+                           other.percent() if other is not None else math.nan)
+
+
+# ---- CPU of the node's threads ------------------------------------------------------------
+
+class ThreadCpu:
+    """CPU seconds of each thread of a process, by native thread name, sampled from /proc.
+
+    A background thread re-reads /proc/<pid>/task every `interval_s`, so threads that end
+    between two marks still count with their last sample.
+    """
+
+    def __init__(self, pid: int, interval_s: float = 0.25):
+        self.pid = pid
+        self.interval_s = interval_s
+        self._tick_s = 1.0 / os.sysconf('SC_CLK_TCK')
+        self._seen: dict[int, tuple[str, float]] = {}   # tid -> (name, CPU seconds)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name='bench_cpu_sampler',
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def poll(self) -> None:
+        task_dir = f'/proc/{self.pid}/task'
+        try:
+            tids = os.listdir(task_dir)
+        except OSError:
+            return   # the process is gone: keep the last samples
+        for tid in tids:
+            try:
+                with open(f'{task_dir}/{tid}/comm') as comm:
+                    name = comm.read().strip()
+                with open(f'{task_dir}/{tid}/stat') as stat:
+                    # Fields after the ')' that closes the name: utime and stime are 12, 13.
+                    fields = stat.read().rpartition(')')[2].split()
+                seconds = (int(fields[11]) + int(fields[12])) * self._tick_s
+            except (OSError, IndexError, ValueError):
+                continue   # the thread ended between listdir and read
+            with self._lock:
+                self._seen[int(tid)] = (name, seconds)
+
+    def mark(self) -> tuple[float, dict[int, tuple[str, float]]]:
+        """(monotonic time, per-thread CPU) now: one end of a window."""
+        self.poll()
+        with self._lock:
+            return time.monotonic(), dict(self._seen)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+
+def cpu_between(start, end, control_name: str = CONTROL_THREAD_NAME) -> dict:
+    """CPU of a window between two ThreadCpu marks, in % of one core, split by thread name.
+
+    A thread is classed by its name at the end of the window (the control thread may be
+    renamed after it started).
+    """
+    (t0, before), (t1, after) = start, end
+    wall = max(t1 - t0, 1e-9)
+    by_name: dict[str, float] = {}
+    for tid, (name, seconds) in after.items():
+        used = seconds - (before[tid][1] if tid in before else 0.0)
+        by_name[name] = by_name.get(name, 0.0) + max(used, 0.0)
+    total = sum(by_name.values())
+    control = by_name.get(control_name)
+    return {
+        'wall_s': wall,
+        'total_pct': 100 * total / wall,
+        'control_pct': math.nan if control is None else 100 * control / wall,
+        'outside_control_pct': math.nan if control is None else 100 * (total - control) / wall,
+        'control_thread_found': control is not None,
+        'by_name_pct': {name: 100 * s / wall for name, s in sorted(
+            by_name.items(), key=lambda item: -item[1])},
+    }
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of a whole process so far (nan when it is gone)."""
+    try:
+        with open(f'/proc/{pid}/stat') as stat:
+            fields = stat.read().rpartition(')')[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+    except (OSError, IndexError, ValueError):
+        return math.nan
+
+
+class OtherLoad:
+    """CPU used by other processes over a window, in % of all cores (from /proc/stat).
+
+    Machine busy time minus the CPU of `pids` (this benchmark's processes; 0 = this one). A
+    few % is background; tens of % mean the measurement shared the cores with other work.
+    Unlike run.OtherLoad it subtracts processes by pid: the node, robot and monitor are
+    children that are not reaped while measured, so rusage does not count them yet.
+    """
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids
+        self._start = self._snapshot()
+
+    def _snapshot(self) -> tuple[float, float, float]:
+        try:
+            with open('/proc/stat') as stat:
+                fields = [float(v) for v in stat.readline().split()[1:]]
+            busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf('SC_CLK_TCK')
+        except OSError:
+            busy = math.nan
+        ours = sum(process_cpu_s(pid or os.getpid()) for pid in self.pids)
+        return busy, ours, time.monotonic()
+
+    def percent(self) -> float:
+        busy, ours, now = self._snapshot()
+        busy0, ours0, start = self._start
+        cores = os.cpu_count() or 1
+        return max(0.0, 100 * ((busy - busy0) - (ours - ours0)) / ((now - start) * cores))
+
+
+# ---- 2./3. the processes ------------------------------------------------------------------
+
+def child_environment() -> dict[str, str]:
+    """Return the environment of ROS children: DDS on this machine, this source tree."""
+    env = dict(os.environ)
+    env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
+    env.setdefault('ROS_DOMAIN_ID', str(1 + os.getpid() % 100))
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT),
+                                                      env.get('PYTHONPATH')]))
+    env['PYTHONUNBUFFERED'] = '1'
+    return env
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: get SIGTERM when the benchmark dies, even by SIGKILL (Linux)."""
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass   # no prctl: the benchmark's own cleanup still stops the child
+
+
+class Child:
+    """A child process, stopped by this process (SIGINT first: the clean shutdown).
+
+    It stays in this process's group, so whoever stops the benchmark's group (Ctrl-C in the
+    terminal, a test's cleanup) reaches it too. Output goes to `log_path`; `lines` (optional)
+    receives each stdout line as it arrives.
+    """
+
+    def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path,
+                 lines: queue.Queue | None = None):
+        self.name = name
+        self.cmd = cmd
+        self.log_path = log_path
+        self._log = open(log_path, 'w')
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, errors='replace',
+                                     bufsize=1, preexec_fn=(
+                                         _die_with_parent if sys.platform == 'linux' else None))
+        self._lines = lines
+        self._reader = threading.Thread(target=self._read, name=f'bench_{name}_log',
+                                        daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            if self._lines is not None:
+                self._lines.put(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return '\n'.join(self.log_path.read_text(errors='replace').splitlines()[-lines:])
+        except OSError:
+            return ''
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGINT (clean shutdown), then SIGTERM, then SIGKILL; return the exit status."""
+        for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 5.0),
+                            (signal.SIGKILL, 5.0)):
+            if self.proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+            try:
+                self.proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        self._reader.join(timeout=2.0)
+        self._log.close()
+        return self.proc.returncode
+
+
+def node_command(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threads: int,
+                 rate_hz: float, seed: int) -> list[str]:
+    """oxygen_node with the robot's YAML and the benchmark's overrides."""
+    overrides = {'preset': preset, 'device': device, 'dtype': dtype,
+                 'control_rate_hz': f'{rate_hz:.6g}', 'decode_budget': f"'{opts.k}'",
+                 'tokens_per_request': opts.tokens, 'seed': seed,
+                 # Declared by nodes that pin torch's threads; an older node ignores it.
+                 'torch_threads': threads}
+    if opts.camera_format == 'jpeg':
+        # image_transport naming, as the stand-in robot publishes with --compressed
+        topics = [f'{topic}/compressed' for topic in node_parameters(opts.robot)['camera_topics']]
+        overrides['camera_topics'] = '[' + ', '.join(topics) + ']'
+        overrides['camera_compressed'] = '[' + ', '.join(['true'] * len(topics)) + ']'
+    cmd = [sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
+           '--params-file', str(CONFIG_DIR / f'{opts.robot}.yaml')]
+    for name, value in overrides.items():
+        cmd += ['-p', f'{name}:={value}']
+    return cmd
+
+
+def robot_command(opts: NodeBenchOptions) -> list[str]:
+    """Return the stand-in robot's command: cameras, joint states and one instruction."""
+    cmd = [sys.executable, '-m', 'oxygen_ros.ros.sim_inputs', '--robot', opts.robot,
+           '--rate', f'{opts.camera_rate_hz:g}', '--width', str(opts.camera_width),
+           '--height', str(opts.camera_height), '--instruction', BENCH_INSTRUCTION]
+    return cmd + (['--compressed'] if opts.camera_format == 'jpeg' else [])
+
+
+def monitor_command(out: Path) -> list[str]:
+    return [sys.executable, '-m', 'oxygen_ros.ros.monitor', '--out', str(out),
+            '--node-name', NODE_NAME]
+
+
+class NodeBenchError(RuntimeError):
+    """The node run could not be measured; the message says why and where the logs are."""
+
+
+def _wait_event(events: queue.Queue, name: str, timeout_s: float, children: list[Child],
+                state: str | None = None) -> dict:
+    """Wait for a monitor event line ({"event": name, ...}); fail early if a child died.
+
+    A node that goes back to 'unconfigured' after 'configuring' failed to configure (it stays
+    alive, waiting for a fix): that fails at once too.
+    """
+    deadline = time.monotonic() + timeout_s
+    configuring = False
+    while time.monotonic() < deadline:
+        for child in children:
+            if not child.alive():
+                raise NodeBenchError(f'{child.name} exited with status '
+                                     f'{child.proc.returncode} while waiting for {name}; last '
+                                     f'lines of {child.log_path}:\n{child.tail()}')
+        try:
+            line = events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue   # a log line of the monitor, not an event
+        # The model status's message is the lifecycle state; match its first word only, so
+        # a node that adds detail after it ('active (12.5 Hz)') is still understood.
+        words = str(event.get('state', '')).split()
+        current = words[0] if words else ''
+        if event.get('event') == name and (state is None or current == state):
+            return event
+        if event.get('event') == 'lifecycle':
+            failed = current == 'unconfigured' and (
+                configuring or (event.get('level') or 0) >= 2)
+            if failed:
+                node = next((c for c in children if c.name == NODE_NAME), children[-1])
+                raise NodeBenchError(f'{NODE_NAME} failed to configure; last lines of '
+                                     f'{node.log_path}:\n{node.tail()}')
+            configuring = current == 'configuring'
+    raise NodeBenchError(f'no {name} {state or ""} within {timeout_s:.0f} s; logs: '
+                         + ', '.join(str(c.log_path) for c in children))
+
+
+def _sleep_until(t: float, children: list[Child]) -> None:
+    while (left := t - time.monotonic()) > 0:
+        for child in children:
+            if not child.alive():
+                raise NodeBenchError(f'{child.name} exited with status '
+                                     f'{child.proc.returncode}; last lines of '
+                                     f'{child.log_path}:\n{child.tail()}')
+        time.sleep(min(left, 0.2))
+
+
+@dataclasses.dataclass
+class NodeRun:
+    """What the processes produced: the monitor's records and the windows' CPU figures."""
+
+    monitor: dict                   # the monitor's JSON (ticks, tokens, diagnostics)
+    window: tuple[float, float]     # measured window, monotonic seconds
+    first_action_t: float           # monotonic time of the first action chunk
+    cpu_idle: dict                  # cpu_between over the idle window
+    cpu_active: dict                # cpu_between over the measured window
+    robot_cpu_pct: float            # the stand-in robot's CPU in the window, % of a core
+    other_load_pct: float = math.nan   # other processes' CPU in the window, % of all cores
+
+
+def _silent(message: str) -> None:
+    pass
+
+
+def run_node(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threads: int,
+             rate_hz: float, seed: int, log_dir: Path, say=_silent) -> NodeRun:
+    """Start node, monitor and robot; measure idle, then the active window; stop them all.
+
+    say: gets one line per stage (progress for a person waiting).
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = child_environment()
+    monitor_json = log_dir / 'node_monitor.json'
+    events: queue.Queue = queue.Queue()
+    children: list[Child] = []
+    sampler = None
+    try:
+        monitor = Child('monitor', monitor_command(monitor_json), env,
+                        log_dir / 'monitor.log', events)
+        children.append(monitor)
+        node = Child('oxygen_node', node_command(opts, preset, device, dtype, threads, rate_hz,
+                                                 seed), env, log_dir / 'oxygen_node.log')
+        children.append(node)
+        say(f'oxygen_node started (pid {node.pid}, {rate_hz:.3g} Hz, ROS_DOMAIN_ID='
+            f'{env["ROS_DOMAIN_ID"]}); logs in {log_dir}')
+        _wait_event(events, 'lifecycle', opts.start_timeout_s, children, state='active')
+        say(f'node active: {opts.idle_s:g} s without inputs (idle CPU)')
+        sampler = ThreadCpu(node.pid)
+        idle_start = sampler.mark()
+        _sleep_until(idle_start[0] + opts.idle_s, children)
+        cpu_idle = cpu_between(idle_start, sampler.mark())
+        robot = Child('robot', robot_command(opts), env, log_dir / 'robot.log')
+        children.append(robot)
+        first = _wait_event(events, 'first_action', opts.start_timeout_s, children)
+        say(f'robot started, first action chunk: {opts.warmup_s:g} s warm-up, then '
+            f'{opts.duration_s:g} s measured')
+        _sleep_until(first['t'] + opts.warmup_s, children)
+        robot_cpu_start = process_cpu_s(robot.pid)
+        other = OtherLoad([0] + [child.pid for child in children])
+        active_start = sampler.mark()
+        _sleep_until(active_start[0] + opts.duration_s, children)
+        active_end = sampler.mark()
+        robot_cpu = process_cpu_s(robot.pid) - robot_cpu_start
+        other_load_pct = other.percent()
+        cpu_active = cpu_between(active_start, active_end)
+        robot.stop()
+        monitor.stop()   # it writes its JSON on SIGINT
+        if not monitor_json.exists():
+            raise NodeBenchError(f'the monitor wrote no {monitor_json}; its log:\n'
+                                 f'{monitor.tail()}')
+        data = json.loads(monitor_json.read_text())
+        return NodeRun(data, (active_start[0], active_end[0]), first['t'], cpu_idle,
+                       cpu_active, 100 * robot_cpu / cpu_active['wall_s'], other_load_pct)
+    finally:
+        if sampler is not None:
+            sampler.close()
+        for child in reversed(children):   # robot, node, monitor: inputs stop first
+            child.stop()
+
+
+# ---- analysis -----------------------------------------------------------------------------
+
+def analyze(run: NodeRun, rate_hz: float) -> dict:
+    """Figures of the measured window from the monitor's records (times in ms, % of ticks).
+
+    asked ticks = rate x window; a deadline miss is a tick whose inference_time exceeded the
+    period (late) or an asked tick that never delivered an action chunk (missing).
+    """
+    t0, t1 = run.window
+    window = t1 - t0
+    period = 1.0 / rate_hz
+    ticks = [t for t in run.monitor['ticks'] if t0 <= t['t'] < t1]
+    tokens = [c for c in run.monitor['tokens'] if t0 <= c['t'] < t1]
+    inference = np.array([t['inference_s'] for t in ticks]) if ticks else np.array([])
+    asked = rate_hz * window
+    late = int(np.sum(inference > period))
+    missing = max(0, int(round(asked)) - len(ticks))
+    times = [t['t'] for t in ticks]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    gap_misses = sum(max(0, round(g / period) - 1) for g in gaps)
+    frames = [t['frame'] for t in ticks]
+    frames_lost = (max(frames) - min(frames) + 1 - len(set(frames))) if frames else 0
+    windows = max(1, int(window // TOKEN_WINDOW_S))
+    per_window = [0] * windows
+    for chunk in tokens:
+        per_window[min(windows - 1, int((chunk['t'] - t0) // TOKEN_WINDOW_S))] += chunk['n']
+    diags = [d for d in run.monitor['diagnostics'] if t0 <= d['t'] < t1]
+    ks = [int(d['language']['current_k']) for d in diags
+          if str(d.get('language', {}).get('current_k', '')).isdigit()]
+
+    def loop_counter(key: str, before: float) -> float:
+        """Return the node's counter `key` (control loop status) last reported before a time."""
+        known = [d for d in run.monitor['diagnostics'] if d['t'] < before
+                 and key in d.get('control loop', {})]
+        return float(known[-1]['control loop'][key]) if known else math.nan
+
+    def counted(key: str) -> float:
+        return loop_counter(key, t1) - loop_counter(key, t0)
+
+    def pct(q):
+        return 1e3 * float(np.percentile(inference, q)) if len(inference) else math.nan
+
+    return {
+        'window_s': window,
+        'ticks_asked': asked,
+        'ticks_delivered': len(ticks),
+        'rate_held_hz': len(ticks) / window,
+        'node_inference_ms_p50': pct(50),
+        'node_inference_ms_p99': pct(99),
+        'late_ticks': late,
+        'missing_ticks': missing,
+        'deadline_misses': late + missing,
+        'deadline_miss_pct': 100 * (late + missing) / max(asked, 1e-9),
+        'gap_misses': gap_misses,
+        'node_reported_misses': counted('deadline_misses_total'),
+        # Ticks the node ran without publishing an action chunk (inputs stale or missing): a
+        # missing tick with this count up means the camera frames did not arrive in time.
+        'node_skipped_ticks': counted('skipped_total'),
+        'camera_msgs_per_s': camera_rate(run.monitor['diagnostics'], t0, t1),
+        'frames_lost': frames_lost,
+        'tick_interval_ms_p99': 1e3 * float(np.percentile(gaps, 99)) if gaps else math.nan,
+        'tokens_per_s': sum(c['n'] for c in tokens) / window,
+        'tokens_per_s_min_window': min(per_window) / TOKEN_WINDOW_S,
+        'k_min': min(ks) if ks else math.nan,
+        'k_max': max(ks) if ks else math.nan,
+    }
+
+
+def camera_rate(diagnostics: list[dict], t0: float, t1: float) -> float:
+    """Frames/s of the slowest camera as the node counted them (its inputs status), or nan.
+
+    The inputs status has one value per camera, '<state>, age <s> s, <count> msgs'.
+    """
+    def counts(before: float) -> dict[str, int]:
+        known = [d['inputs'] for d in diagnostics if d['t'] < before and 'inputs' in d]
+        found = {}
+        for key, value in (known[-1] if known else {}).items():
+            match = re.search(r'(\d+) msgs', value)
+            if key.startswith('camera') and match:
+                found[key] = int(match.group(1))
+        return found
+
+    start, end = counts(t0), counts(t1)
+    rates = [(end[key] - start[key]) / (t1 - t0) for key in end if key in start]
+    return min(rates) if rates else math.nan
+
+
+def tick_records(run: NodeRun, rate_hz: float) -> list[dict]:
+    """Per-tick rows for the latency plot: time from the measured window's start (s)."""
+    t0, t1 = run.window
+    rows, last = [], None
+    for tick in run.monitor['ticks']:
+        rows.append({'t_s': tick['t'] - t0, 'frame': tick['frame'],
+                     'inference_ms': 1e3 * tick['inference_s'],
+                     'interval_ms': math.nan if last is None else 1e3 * (tick['t'] - last),
+                     'tokens': tick.get('tokens', 0), 'measured': t0 <= tick['t'] < t1})
+        last = tick['t']
+    return rows
+
+
+def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate_hz: float,
+             rate_source: str, preset: str, device: str, dtype: str, threads: int) -> dict:
+    """Return the node part's CSV row: node figures next to the engine's, and their ratios."""
+    figures = analyze(run, rate_hz)
+    act = np.array(engine.act_s)
+    row = {'preset': preset, 'robot': opts.robot, 'device': device, 'dtype': dtype,
+           'threads': threads, 'n_tokens': opts.tokens, 'k': opts.k,
+           'cameras': f'{opts.camera_width}x{opts.camera_height} {opts.camera_format} '
+                      f'@{opts.camera_rate_hz:g}Hz',
+           'engine_frames': len(engine.act_s),
+           'engine_act_ms_p50': 1e3 * float(np.median(act)),
+           'engine_act_ms_p99': 1e3 * float(np.percentile(act, 99)),
+           'engine_frame_ms_p50': 1e3 * engine.frame_p50_s,
+           'engine_tokens_per_frame': float(np.mean(engine.tokens)),
+           'rate_asked_hz': rate_hz, 'rate_source': rate_source,
+           'period_ms': 1e3 / rate_hz}
+    row.update(figures)
+    row['rate_held_over_asked'] = figures['rate_held_hz'] / rate_hz
+    row['node_over_engine_p50'] = figures['node_inference_ms_p50'] / row['engine_act_ms_p50']
+    row['node_over_engine_p99'] = figures['node_inference_ms_p99'] / row['engine_act_ms_p99']
+    row.update({
+        'cpu_outside_control_active_pct': run.cpu_active['outside_control_pct'],
+        'cpu_outside_control_idle_pct': run.cpu_idle['outside_control_pct'],
+        'cpu_control_active_pct': run.cpu_active['control_pct'],
+        'cpu_node_active_pct': run.cpu_active['total_pct'],
+        'cpu_node_idle_pct': run.cpu_idle['total_pct'],
+        'control_thread_found': run.cpu_active['control_thread_found'],
+        'cpu_threads_active': ' '.join(f'{name}:{pct:.1f}' for name, pct in
+                                       run.cpu_active['by_name_pct'].items()),
+        'robot_cpu_pct': run.robot_cpu_pct,
+        'other_load_engine_pct': engine.other_load_pct,
+        'other_load_node_pct': run.other_load_pct,
+        'idle_s': run.cpu_idle['wall_s'], 'warmup_s': opts.warmup_s,
+    })
+    return row
+
+
+def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threads: int,
+                  seed: int, log_dir: Path, say=_silent
+                  ) -> tuple[dict, list[dict], EngineReference]:
+    """Engine first, then the node at the asked rate; return (row, per-tick rows, engine)."""
+    say(f'node part: timing the engine ({preset}, {opts.robot}, N={opts.tokens}, k={opts.k}, '
+        f'{opts.camera_width}x{opts.camera_height} frames)')
+    engine = measure_engine(preset, opts.robot, device=device, dtype=dtype, threads=threads,
+                            tokens=opts.tokens, k=opts.k, seed=seed, frames=opts.engine_frames,
+                            camera_hw=(opts.camera_height, opts.camera_width))
+    if opts.rate_hz:
+        rate_hz, source = opts.rate_hz, 'given'
+    else:
+        rate_hz, source = engine.asked_rate_hz(), f'{ASKED_SHARE:g} / engine frame p50'
+    rate_hz = min(max(rate_hz, 0.1), 1000.0)   # the node's control_rate_hz range
+    say(f'engine: act() p50 {1e3 * engine.act_p50_s:.1f} ms, frame p50 '
+        f'{1e3 * engine.frame_p50_s:.1f} ms -> asked rate {rate_hz:.3g} Hz ({source})')
+    run = run_node(opts, preset, device, dtype, threads, rate_hz, seed, log_dir, say)
+    row = node_row(opts, engine, run, rate_hz, source, preset, device, dtype, threads)
+    return row, tick_records(run, rate_hz), engine
