@@ -51,7 +51,7 @@ class StubSystem:
         self.frames = 0
         self.policy = LanguagePolicy(max_new_tokens=4, every_n_frames=0)
         self.budget = FixedBudget(1)
-        self.pool = KVPool(1, 2, 1, 0, 1, 1)
+        self.pool = KVPool(2)
         self.num_live_requests = 0
 
     def act(self, obs) -> ActionOutput:

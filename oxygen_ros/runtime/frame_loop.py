@@ -24,13 +24,12 @@ import logging
 import time
 from typing import Callable, Protocol
 
+from oxygen_ros.engine import FinishReason
 from oxygen_ros.engine.types import ActionOutput, FinishedRequest, FrameResult, TokenDelta
 from oxygen_ros.runtime.inputs import InputSet, ObservationResult
 from oxygen_ros.runtime.status import LoopStats, ProblemLog, WARN
 
 logger = logging.getLogger(__name__)
-
-COMPLETE_REASONS = ('eos', 'length')   # narration is emitted for requests that completed
 
 
 class OutputSink(Protocol):
@@ -150,7 +149,7 @@ class FrameLoop:
             outcome.tokens += len(delta.token_ids)
         for done in result.finished:
             self.finished[done.finish_reason] += 1
-            if done.finish_reason in COMPLETE_REASONS:
+            if FinishReason(done.finish_reason).completed:   # narration: whole texts only
                 sink.narration(done, outcome.stamp_ns)
             elif self.problems is not None:
                 self.problems.event(f'request_{done.finish_reason}', WARN, (
