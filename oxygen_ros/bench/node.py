@@ -566,7 +566,9 @@ def analyze(run: NodeRun, rate_hz: float) -> dict:
     """Figures of the measured window from the monitor's records (times in ms, % of ticks).
 
     asked ticks = rate x window; a deadline miss is a tick whose inference_time exceeded the
-    period (late) or an asked tick that never delivered an action chunk (missing).
+    period (late) or an asked tick that never delivered an action chunk (missing). On the
+    strict side: an overrun that also pushed a later tick out counts twice, and the window's
+    edges can make one tick of difference.
     """
     t0, t1 = run.window
     window = t1 - t0
