@@ -228,3 +228,13 @@ def test_end_to_end_with_tiny_model(tmp_path):
     assert out.shape == (cfg.action_horizon, 7) and np.isfinite(out).all()
     with pytest.raises(ValueError, match='max_len'):
         RobotAdapter.from_config(spec, cfg.replace(max_token_len=30), stats_for(spec), tok)
+
+
+def test_robot_facts_live_in_the_spec():
+    from oxygen_ros.engine import get_workload
+
+    for name, spec in ROBOTS.items():
+        assert len(spec.joint_names) == spec.state_dim == len(set(spec.joint_names))
+        workload = get_workload(name)
+        assert (workload.num_cameras, workload.state_dim, workload.action_dim) == (
+            len(spec.cameras), spec.state_dim, spec.action_dim)

@@ -14,6 +14,9 @@ Decode batches keep the cache readable as a view and the shapes static where ask
 Slot ids, lengths and tokens enter the device as one [3, B] copy into a persistent buffer;
 per-slot prefix state is read on the device by index, so nothing inside a step waits on the
 host. The step's one sync is reading back the next token ids, which the scheduler needs.
+
+Shapes: B rows of a decode batch (padding rows included), P prefix positions, W backbone
+width, H action rows, A action width (storage letters as in kv/store.py).
 """
 
 from __future__ import annotations

@@ -68,6 +68,8 @@ class RobotSpec:
     action_dim: int
     asset_id: str                          # default norm stats under assets/<asset_id>/
     horizon: int = 10                      # action rows per chunk in the paper's workloads
+    # The robot's usual JointState names, one per state entry, in state order.
+    joint_names: tuple[str, ...] = ()
     ignored_cameras: tuple[str, ...] = ()  # accepted in observations but not fed to the model
     # Joints whose actions are deltas w.r.t. the current state (openpi AbsoluteActions).
     delta_action_mask: tuple[bool, ...] | None = None
@@ -85,14 +87,21 @@ ROBOTS: dict[str, RobotSpec] = {
     spec.name: spec for spec in (
         RobotSpec('libero', cameras=(('image', 'base_0_rgb'),
                                      ('wrist_image', 'left_wrist_0_rgb')),
-                  state_dim=8, action_dim=7, asset_id='physical-intelligence/libero'),
+                  state_dim=8, action_dim=7, asset_id='physical-intelligence/libero',
+                  joint_names=('eef_x', 'eef_y', 'eef_z', 'eef_rx', 'eef_ry', 'eef_rz',
+                               'gripper_left_finger', 'gripper_right_finger')),
         RobotSpec('droid', cameras=(('exterior_image_1_left', 'base_0_rgb'),
                                     ('wrist_image_left', 'left_wrist_0_rgb')),
-                  state_dim=8, action_dim=8, asset_id='droid'),  # joints 7 + gripper 1
+                  state_dim=8, action_dim=8, asset_id='droid',   # joints 7 + gripper 1
+                  joint_names=tuple(f'panda_joint{i}' for i in range(1, 8))
+                  + ('panda_finger_joint1',)),
         RobotSpec('aloha', cameras=(('cam_high', 'base_0_rgb'),
                                     ('cam_left_wrist', 'left_wrist_0_rgb'),
                                     ('cam_right_wrist', 'right_wrist_0_rgb')),
                   ignored_cameras=('cam_low',), state_dim=14, action_dim=14, asset_id='trossen',
+                  joint_names=tuple(f'{side}_{joint}' for side in ('left', 'right')
+                                    for joint in ('waist', 'shoulder', 'elbow', 'forearm_roll',
+                                                  'wrist_angle', 'wrist_rotate', 'gripper')),
                   delta_action_mask=(True,) * 6 + (False,) + (True,) * 6 + (False,),
                   state_to_model=aloha_state_to_pi, actions_from_model=aloha_actions_from_pi),
     )
