@@ -141,9 +141,10 @@ def test_executor_sleeps_while_a_long_pure_python_tick_runs(stub_node):
     wall = time.time() - wall0
     print(f'\nover {wall:.1f} s: executor thread {executor_cpu:.2f} s CPU, control thread '
           f'{control_cpu:.2f} s CPU')
-    assert control_cpu > 0.3 * wall, 'the control thread was computing'
-    # A MultiThreadedExecutor next to a busy mutually-exclusive group spins at ~100% here.
-    assert executor_cpu < 0.15 * wall
+    assert control_cpu > 0.1 * wall, 'the control thread was computing'
+    # A MultiThreadedExecutor next to a busy mutually-exclusive group spins at ~100% here,
+    # as much as the model's own thread gets.
+    assert executor_cpu < 0.15 * wall and executor_cpu < 0.25 * control_cpu
 
 
 def test_pure_python_act_is_not_slowed_by_the_node(stub_node):

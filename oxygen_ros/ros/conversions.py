@@ -1,5 +1,7 @@
-"""Engine outputs -> ActionChunk / LanguageChunk messages, and stamps; inputs come in through
-oxygen_ros.runtime.conversions (message fields -> numpy, shared with the bag replay).
+"""Engine outputs -> ActionChunk / LanguageChunk messages, and stamps.
+
+Inputs come in through oxygen_ros.runtime.conversions (message fields -> numpy, shared with the
+bag replay).
 """
 
 from __future__ import annotations

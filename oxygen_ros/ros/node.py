@@ -640,7 +640,7 @@ class OxygenNode(LifecycleNode):
 
 
 def make_executor(context=None) -> SingleThreadedExecutor:
-    """The executor oxygen_node runs in: single-threaded, I/O only (see the module docstring)."""
+    """Return the executor oxygen_node runs in: single-threaded, I/O only (module docstring)."""
     return SingleThreadedExecutor(context=context)
 
 

@@ -147,7 +147,7 @@ class CpuSplit:
         return control, other
 
     def sample(self) -> tuple[float, float] | None:
-        """(control %, other %) of one core since the previous sample (None: first / no /proc)."""
+        """Return (control %, other %) of one core since the last call (None: first / no /proc)."""
         totals = self.totals()
         if totals is None:
             return None

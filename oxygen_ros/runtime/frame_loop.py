@@ -163,7 +163,7 @@ class FrameLoop:
         return outcome
 
     def engine_summary(self) -> dict | None:
-        """The engine part of the diagnostics (None before the first language step)."""
+        """Return the engine part of the diagnostics (None before the first language step)."""
         last = self.last_result
         if last is None:
             return None

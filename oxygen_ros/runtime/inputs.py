@@ -243,7 +243,7 @@ class InputSet:
         self.instruction = instruction
 
     def build(self, now_s: float) -> ObservationResult:
-        """The observation of a tick at `now_s`, or the reasons there is none."""
+        """Build the observation of a tick at `now_s`, or the reasons there is none."""
         return build_observation(self.buffer, self.cameras, self.joints, self.instruction,
                                  now_s, self.stale_timeout_s, self.started_s,
                                  self.instruction_topic)
