@@ -319,3 +319,38 @@ def test_sizing_rule():
     assert default_num_slots(policy, 5) == 7 and default_num_slots(policy, 4) == 9
     assert default_num_slots(policy, None) == 2
     assert default_num_slots(LanguagePolicy(every_n_frames=0), 5) == 1
+
+
+def test_failed_admission_never_leaks_the_frame_slot():
+    # Regression (issue 11): advance_language detached the frame before admission, which had no
+    # try/finally; each exception there leaked the frame's slot, and after as many leaks as
+    # slots every act() raised.
+    policy = LanguagePolicy(max_new_tokens=4, eos_id=None, prompt_template='say {instruction}')
+    engine = make(policy, FixedBudget(2), sizing_k=2)
+    calls = []
+
+    def broken_encode(text):
+        calls.append(text)
+        raise UnicodeError('tokenizer failed')
+    engine.frontend.encode_text = broken_encode
+    for frame in range(3 * engine.pool.num_slots):
+        action = engine.act(obs(frame))                 # the action path keeps its slot
+        assert action.frame_index == frame
+        engine.advance_language()
+        assert engine.pool.num_in_use == 0, f'frame {frame} leaked its slot'
+    assert len(calls) == 3 * engine.pool.num_slots
+
+
+def test_scheduler_admission_failure_releases_the_frame_hold():
+    class BrokenPolicy(LanguagePolicy):
+        def arrivals(self, frame_index):
+            raise RuntimeError('policy failed')
+
+    pool = KVPool(3, 10)
+    scheduler = Scheduler(BrokenPolicy(max_new_tokens=4, eos_id=None), FixedBudget(2), pool, 3)
+    scheduler.allocate_frame_slot(0)
+    scheduler.after_actions()
+    scheduler.begin_language()
+    with pytest.raises(RuntimeError, match='policy failed'):
+        scheduler.admit(0, [])
+    assert pool.num_in_use == 0

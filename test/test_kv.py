@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from oxygen_ros.engine.runner import padded_rows
-from oxygen_ros.kv import FinishReason, KVPool, KVStore, RequestState
+from oxygen_ros.kv import FinishReason, KVPool, KVStore, RequestState, SlotError
 
 L, P, G, KVH, D, W = 2, 6, 4, 1, 8, 5   # layers, prefix, generated capacity, kv heads, dim, width
 SLOT_BYTES = 100
@@ -74,14 +74,15 @@ def test_refcount_adopt_and_release():
 def test_misuse_is_caught():
     pool = make_pool(2)
     slot = pool.allocate('frame 0')
-    with pytest.raises(AssertionError):
+    # Errors, not asserts: they hold under `python -O` too (regression, issue 11).
+    with pytest.raises(SlotError):
         pool.release(slot, 'request 9')            # not a holder
-    with pytest.raises(AssertionError):
+    with pytest.raises(SlotError):
         pool.retain(slot, 'frame 0')               # already a holder
     pool.release(slot, 'frame 0')
-    with pytest.raises(AssertionError):
+    with pytest.raises(SlotError):
         pool.release(slot, 'frame 0')              # double release
-    with pytest.raises(AssertionError):
+    with pytest.raises(SlotError):
         pool.retain(slot, 'request 0')             # retain of a free slot
     with pytest.raises(IndexError):
         pool.refcount(5)

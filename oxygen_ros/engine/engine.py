@@ -165,7 +165,11 @@ class Engine:
         scheduler = self.scheduler
         scheduler.begin_language()
         if frame is not None:
-            self._admit(frame)
+            try:
+                self._admit(frame)
+            except Exception as err:   # noqa: BLE001 - a language failure must not leak a slot
+                logger.error('frame %d: no language request started: %r', frame.index, err)
+                scheduler.drop_frame()
         k = scheduler.choose_k(self.clock() - frame_start)
         while (plan := scheduler.schedule(self.clock() - frame_start)) is not None:
             try:

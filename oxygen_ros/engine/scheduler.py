@@ -137,16 +137,18 @@ class Scheduler:
 
         forced: the prompt template's token ids for a request starting now (may be []).
         """
-        arrivals = self.policy.arrivals(frame_index)
-        accepted = min(arrivals, self.policy.max_queue - self.num_queued)
-        self.num_queued += accepted
-        for _ in range(arrivals - accepted):
-            self._refuse(frame_index, 'request queue full')
-        admission = None
-        if self.num_queued:
-            self.num_queued -= 1
-            admission = self._start_request(frame_index, forced)
-        self.drop_frame()
+        try:
+            arrivals = self.policy.arrivals(frame_index)
+            accepted = min(arrivals, self.policy.max_queue - self.num_queued)
+            self.num_queued += accepted
+            for _ in range(arrivals - accepted):
+                self._refuse(frame_index, 'request queue full')
+            admission = None
+            if self.num_queued:
+                self.num_queued -= 1
+                admission = self._start_request(frame_index, forced)
+        finally:
+            self.drop_frame()   # whatever failed above, the frame's slot is not leaked
         return admission
 
     def _start_request(self, frame_index: int, forced: list[int]) -> Admission | None:

@@ -16,6 +16,10 @@ from __future__ import annotations
 import heapq
 
 
+class SlotError(RuntimeError):
+    """A slot was retained or released by a party that may not (a caller's bug)."""
+
+
 class KVPool:
     """`num_slots` slots with a free list and named holders.
 
@@ -73,14 +77,19 @@ class KVPool:
     def retain(self, slot: int, holder: str) -> None:
         """Add `holder` to a slot that is already in use (e.g. a request adopting a frame)."""
         holders = self._holders_of(slot)
-        assert holders, f'retain of free slot {slot} by {holder!r}'
-        assert holder not in holders, f'{holder!r} already holds slot {slot}'
+        # Raised, not asserted: a wrong retain or release must stop the caller under -O too,
+        # before the accounting drifts (a double release would hand one slot out twice).
+        if not holders:
+            raise SlotError(f'retain of free slot {slot} by {holder!r}')
+        if holder in holders:
+            raise SlotError(f'{holder!r} already holds slot {slot}')
         holders.append(holder)
 
     def release(self, slot: int, holder: str) -> bool:
         """Drop `holder` from `slot`; return True when that freed the slot."""
         holders = self._holders_of(slot)
-        assert holder in holders, f'{holder!r} does not hold slot {slot} (holders {holders})'
+        if holder not in holders:
+            raise SlotError(f'{holder!r} does not hold slot {slot} (holders {holders})')
         holders.remove(holder)
         if holders:
             return False

@@ -334,7 +334,7 @@ class OxygenNode(LifecycleNode):
         slots = self._engine.system.pool.num_slots
         if need > slots and need > before:
             return (f'decode_budget={k or "adaptive"} with request_every_n_frames={every} needs '
-                    f'{need} KV slots (ceil(N/k) + 3) but the pool has {slots}: raise '
+                    f'{need} KV slots (ceil(N/k) + 1) but the pool has {slots}: raise '
                     'kv_capacity and reconfigure, or choose a larger k')
         return ''
 
