@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bag.cli import add_record_demo_parser, add_replay_parser
     add_replay_parser(sub)
     add_record_demo_parser(sub, _record_demo)
+
+    from .soak import add_parser as add_soak_parser   # rclpy only when it runs
+    add_soak_parser(sub)
     return parser
 
 
