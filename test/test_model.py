@@ -372,7 +372,7 @@ def test_decode_step_traces_as_one_graph(model):
     args = (prefix.kv, prefix.slots, prefix.valid, prefix.n_valid, gen_len, tokens)
     ref = model.decode_step(*args, attend_len=8)
     try:
-        model.compile_decode(mode=None, backend='eager', fullgraph=True)
+        model.compile_decode(mode=None, kv=prefix.kv, backend='eager', fullgraph=True)
         out = model.decode_step(*args, attend_len=8)   # rewrites the same K/V entries
     finally:
         model.compile_decode(mode=None)

@@ -414,16 +414,19 @@ class Pi05Model(nn.Module):
 
         Meant for an accelerator: call decode_step with `attend_len` from `attend_bucket` and
         ids on the device, so each (B, J) bucket is one static graph ('reduce-overhead'
-        captures it as a CUDA graph). Pass the pool's `kv` so its storage is marked static
-        (it is written in place every step). `options` go to torch.compile (e.g. backend,
-        fullgraph). mode=None with no options turns compilation off again.
+        captures it as a CUDA graph); torch._dynamo.config.recompile_limit (8 by default)
+        must cover the number of (B, J) pairs used. Pass the pool's `kv` so its storage and
+        the RoPE tables are marked static (the storage is written in place every step).
+        `options` go to torch.compile (e.g. backend, fullgraph). mode=None with no options
+        turns compilation off again.
         """
         if mode is None and not options:
             self._decode_fn = None
             return self
         if kv is not None:
-            torch._dynamo.mark_static_address(kv.k)
-            torch._dynamo.mark_static_address(kv.v)
+            static = (kv.k, kv.v) + self.rope_tables(kv.max_len, kv.k.device)
+            for tensor in static:
+                torch._dynamo.mark_static_address(tensor)
         options.setdefault('dynamic', False)
         self._decode_fn = torch.compile(self._decode_layers, mode=mode, **options)
         return self
