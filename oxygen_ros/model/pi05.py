@@ -163,6 +163,7 @@ class Pi05Model(nn.Module):
         # only when a longer cache shows up; see rope_tables().
         self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._decode_fn = None   # torch.compile'd _decode_layers, set by compile_decode()
+        self._velocity_fn = None  # torch.compile'd denoise_velocity, set by compile_actions()
 
     # Short names for the towers (properties, so no parameter is registered twice).
     @property
@@ -310,11 +311,12 @@ class Pi05Model(nn.Module):
         positions = prefix.n_valid.to(device)[:, None] + torch.arange(H, device=device)
         cos, sin = self.rope_tables(P + H, device)
         cos, sin = cos[positions], sin[positions]                           # [B, H, D]
+        velocity = self._velocity_fn or self.denoise_velocity
         x_t = noise.float()
         dt = -1.0 / steps
         for step in range(steps):
             t = torch.full((B,), 1.0 - step / steps, device=device)
-            x_t = x_t + dt * self.denoise_velocity(prefix_kv, prefix_bias, cos, sin, x_t, t)
+            x_t = x_t + dt * velocity(prefix_kv, prefix_bias, cos, sin, x_t, t)
         return x_t
 
     def denoise_velocity(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -429,6 +431,21 @@ class Pi05Model(nn.Module):
                 torch._dynamo.mark_static_address(tensor)
         options.setdefault('dynamic', False)
         self._decode_fn = torch.compile(self._decode_layers, mode=mode, **options)
+        return self
+
+    def compile_actions(self, mode: str | None = 'default', **options) -> Pi05Model:
+        """Run the expert's denoise steps through torch.compile (off by default).
+
+        The prefix K/V enter as views of the pool, whose addresses change with the slot; so
+        'default' (fused kernels, no CUDA graph) fits, while 'reduce-overhead' would copy those
+        views into the graph's static inputs on every replay. `options` go to torch.compile.
+        mode=None with no options turns compilation off again.
+        """
+        if mode is None and not options:
+            self._velocity_fn = None
+            return self
+        options.setdefault('dynamic', False)
+        self._velocity_fn = torch.compile(self.denoise_velocity, mode=mode, **options)
         return self
 
     @torch.no_grad()
