@@ -23,7 +23,8 @@ and `attend` (where this layer's K/V go and which keys, under which mask, the qu
 
 Static shapes: with `attend_len` and ids on the model's device a decode step reads no tensor
 value on the host, and its shapes depend only on (B, attend_len), so `compile_decode` can
-capture it (CUDA graphs via torch.compile mode='reduce-overhead').
+capture it (CUDA graphs via torch.compile mode='reduce-overhead'); `compile_actions` compiles
+the expert pass. Both are off by default (CPU); RoPE tables are built once per device.
 Parameter names follow openpi's `model.safetensors` (see checkpoint.py for the one rename).
 """
 
@@ -121,7 +122,7 @@ def write_rows(storage: torch.Tensor, slots: list[int], values: torch.Tensor) ->
 def attend_bucket(needed: int, limit: int) -> int:
     """Pick decode's static attend length: a power of two >= needed (>= 8), capped at limit.
 
-    needed = max(gen_len) + 1 over the batch; limit = T - P. A caller that knows gen_len as
+    needed = max(gen_len) + 1 over the real rows; limit = T - P. A caller that knows gen_len as
     ints picks the bucket, so a step's shapes take a few values only (one graph each).
     """
     return min(limit, max(8, 1 << (needed - 1).bit_length()))
