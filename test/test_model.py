@@ -381,6 +381,21 @@ def test_decode_step_traces_as_one_graph(model):
 
 
 @torch.no_grad()
+def test_denoise_step_traces_as_one_graph(model):
+    """compile_actions: the expert pass traces without a graph break (eager backend)."""
+    prefix = model.prefill(*make_inputs(model.config, B=2, seed=14), extra_len=2)
+    noise = torch.randn(2, model.config.action_horizon, model.config.action_dim)
+    ref = model.sample_actions(prefix, noise)
+    try:
+        model.compile_actions(mode=None, backend='eager', fullgraph=True)
+        out = model.sample_actions(prefix, noise)
+    finally:
+        model.compile_actions(mode=None)
+    assert model._velocity_fn is None
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
 def test_one_layer_body_serves_all_passes(model):
     """prefill, sample_actions and decode_step all run GemmaLayer.forward."""
     calls = []

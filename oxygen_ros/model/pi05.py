@@ -23,7 +23,8 @@ and `attend` (where this layer's K/V go and which keys, under which mask, the qu
 
 Static shapes: with `attend_len` and ids on the model's device a decode step reads no tensor
 value on the host, and its shapes depend only on (B, attend_len), so `compile_decode` can
-capture it (CUDA graphs via torch.compile mode='reduce-overhead').
+capture it (CUDA graphs via torch.compile mode='reduce-overhead'); `compile_actions` compiles
+the expert pass. Both are off by default (CPU); RoPE tables are built once per device.
 Parameter names follow openpi's `model.safetensors` (see checkpoint.py for the one rename).
 """
 
@@ -121,7 +122,7 @@ def write_rows(storage: torch.Tensor, slots: list[int], values: torch.Tensor) ->
 def attend_bucket(needed: int, limit: int) -> int:
     """Pick decode's static attend length: a power of two >= needed (>= 8), capped at limit.
 
-    needed = max(gen_len) + 1 over the batch; limit = T - P. A caller that knows gen_len as
+    needed = max(gen_len) + 1 over the real rows; limit = T - P. A caller that knows gen_len as
     ints picks the bucket, so a step's shapes take a few values only (one graph each).
     """
     return min(limit, max(8, 1 << (needed - 1).bit_length()))
@@ -163,6 +164,7 @@ class Pi05Model(nn.Module):
         # only when a longer cache shows up; see rope_tables().
         self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._decode_fn = None   # torch.compile'd _decode_layers, set by compile_decode()
+        self._velocity_fn = None  # torch.compile'd denoise_velocity, set by compile_actions()
 
     # Short names for the towers (properties, so no parameter is registered twice).
     @property
@@ -310,11 +312,12 @@ class Pi05Model(nn.Module):
         positions = prefix.n_valid.to(device)[:, None] + torch.arange(H, device=device)
         cos, sin = self.rope_tables(P + H, device)
         cos, sin = cos[positions], sin[positions]                           # [B, H, D]
+        velocity = self._velocity_fn or self.denoise_velocity
         x_t = noise.float()
         dt = -1.0 / steps
         for step in range(steps):
             t = torch.full((B,), 1.0 - step / steps, device=device)
-            x_t = x_t + dt * self.denoise_velocity(prefix_kv, prefix_bias, cos, sin, x_t, t)
+            x_t = x_t + dt * velocity(prefix_kv, prefix_bias, cos, sin, x_t, t)
         return x_t
 
     def denoise_velocity(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -429,6 +432,21 @@ class Pi05Model(nn.Module):
                 torch._dynamo.mark_static_address(tensor)
         options.setdefault('dynamic', False)
         self._decode_fn = torch.compile(self._decode_layers, mode=mode, **options)
+        return self
+
+    def compile_actions(self, mode: str | None = 'default', **options) -> Pi05Model:
+        """Run the expert's denoise steps through torch.compile (off by default).
+
+        The prefix K/V enter as views of the pool, whose addresses change with the slot; so
+        'default' (fused kernels, no CUDA graph) fits, while 'reduce-overhead' would copy those
+        views into the graph's static inputs on every replay. `options` go to torch.compile.
+        mode=None with no options turns compilation off again.
+        """
+        if mode is None and not options:
+            self._velocity_fn = None
+            return self
+        options.setdefault('dynamic', False)
+        self._velocity_fn = torch.compile(self.denoise_velocity, mode=mode, **options)
         return self
 
     @torch.no_grad()
