@@ -412,9 +412,9 @@ def test_padding_rows_change_no_token(setup, options):
     calls = []
     original = model.decode_step
 
-    def record(kv, slots, *args):
+    def record(kv, slots, *args, **kwargs):
         calls.append(slots.tolist())
-        return original(kv, slots, *args)
+        return original(kv, slots, *args, **kwargs)
 
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(model, 'decode_step', record)

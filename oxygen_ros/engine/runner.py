@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from oxygen_ros.kv import KVStore
-from oxygen_ros.model.pi05 import KVTensors, Pi05Model, PrefixCache
+from oxygen_ros.model.pi05 import attend_bucket, KVTensors, Pi05Model, PrefixCache
 
 MODEL_CALLS = ('prefill', 'action', 'decode')
 
@@ -107,9 +107,10 @@ class ModelRunner:
         self.device = device
         self.max_holes_per_row = max_holes_per_row
         self.bucket_sizes = tuple(sorted(bucket_sizes))
-        # Looked up per call unless compiled, so a wrapped model.decode_step takes effect.
-        self._compiled_decode = (torch.compile(model.decode_step, dynamic=False)
-                                 if compile_decode else None)
+        if compile_decode:
+            # The model compiles its decode layers, with this pool's storage and the RoPE
+            # tables marked static: one graph per (B, J) bucket (CUDA graphs on a GPU).
+            model.compile_decode(kv=self.kv)
         # Persistent device inputs (slots, gen_len, tokens) of a decode step: fixed addresses
         # for graph capture; on the CPU the host tensor is used as it is.
         max_rows = max((num_slots,) + self.bucket_sizes)
@@ -199,9 +200,12 @@ class ModelRunner:
         slot_index, gen_len, fed = inputs
         prefix_valid = s.prefix_valid.index_select(0, slot_index)           # [B, P]
         n_valid = s.n_valid.index_select(0, slot_index)                     # [B]
-        decode_step = self._compiled_decode or self.model.decode_step
-        logits = decode_step(self.kv, slot_index, prefix_valid, n_valid, gen_len,
-                             fed)                                            # [B, vocab]
+        decode_step = self.model.decode_step   # looked up per call: tests may wrap it
+        # A static attend length from the host's ints (a few buckets: few graphs, no sync);
+        # at most max_gen_len, so no real row ever reads the scratch entry padding writes.
+        attend_len = attend_bucket(max(gen_lens) + 1, s.max_gen_len)
+        logits = decode_step(self.kv, slot_index, prefix_valid, n_valid, gen_len, fed,
+                             attend_len=attend_len)                          # [B, vocab]
         every = logits.argmax(-1).tolist()                                   # syncs
         self._add('decode', start)
         return [every[i] for i in real]
