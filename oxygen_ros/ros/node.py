@@ -675,6 +675,7 @@ def main(args=None, *, fast_exit: bool = True) -> int:
     discovery = default_discovery_to_localhost()
     rclpy.init(args=args)
     node = None
+    code = 0
     executor = make_executor()
     try:
         node = OxygenNode()
@@ -684,6 +685,12 @@ def main(args=None, *, fast_exit: bool = True) -> int:
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except Exception:   # noqa: BLE001 - decided below
+        if rclpy.ok():
+            code = 1
+            traceback.print_exc()
+        # else: Ctrl-C shut the context down under the executor while it took a message
+        # (rclpy raises from take_message then); that is a normal shutdown.
     finally:
         try:
             if node is not None:
@@ -700,8 +707,8 @@ def main(args=None, *, fast_exit: bool = True) -> int:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code
 
 
 if __name__ == '__main__':
