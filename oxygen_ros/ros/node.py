@@ -433,7 +433,7 @@ class OxygenNode(LifecycleNode):
         self._stats.reset()
         self._inputs.started_s = self._now_s()
         self._outputs.open()
-        self._control = ControlThread(self._control_tick)
+        self._control = ControlThread(self._control_tick, nice=self._settings.control_nice)
         self._control.start()
         self._start_wake_timer()
         self._lifecycle = 'active'
@@ -555,9 +555,13 @@ class OxygenNode(LifecycleNode):
 
     def _control_tick(self) -> None:
         """One control period. Never raises: problems are logged, counted and diagnosed."""
-        loop, outputs = self._loop, self._outputs
+        loop, outputs, control = self._loop, self._outputs, self._control
         if loop is None or outputs is None:
             return   # released while this wake-up was pending
+        if control is not None and control.priority_note:
+            self._problems.note(WARN, control.priority_note)   # once per activation
+            control.priority_note = ''
+
         try:
             self._apply_pending()
             loop.tick(self._now_s(), self._period_s, outputs)

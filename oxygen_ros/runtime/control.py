@@ -40,6 +40,21 @@ def set_native_thread_name(name: str) -> None:
         pass
 
 
+def set_thread_nice(nice: int) -> str:
+    """Set the calling thread's nice value (Linux: per thread); return '' or why it failed.
+
+    A control loop that shares the cores with camera drivers and the executor must not be
+    the one that waits: a lower nice value gives it the CPU first. Threads it starts later
+    (torch's workers) inherit the value. Lowering below 0 needs root or CAP_SYS_NICE.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError) as err:
+        return (f'control thread priority (nice {nice}) not set: {err}; run with '
+                'CAP_SYS_NICE (or as root) to give the control loop the CPU first')
+    return ''
+
+
 class ControlThread:
     """Runs `tick()` once per `trigger()`, on a dedicated thread, until `stop()`.
 
@@ -47,9 +62,11 @@ class ControlThread:
     escapes anyway is logged and the thread keeps serving triggers.
     """
 
-    def __init__(self, tick: Callable[[], None], name: str = THREAD_NAME):
+    def __init__(self, tick: Callable[[], None], name: str = THREAD_NAME, nice: int = 0):
         self._tick = tick
         self._name = name
+        self._nice = nice
+        self.priority_note = ''   # why the asked priority could not be set ('' when it was)
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._busy = False
@@ -96,6 +113,8 @@ class ControlThread:
 
     def _run(self) -> None:
         set_native_thread_name(self._name)
+        if self._nice:
+            self.priority_note = set_thread_nice(self._nice)
         while True:
             self._wake.wait()
             if self._stopping.is_set():

@@ -169,7 +169,11 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('dtype', 'float32', 'Compute dtype of the model and the KV cache.',
               check=_check_choice(DTYPES)),
     ParamSpec('torch_threads', 0, "Torch intra-op threads of the control thread's inference; "
-              "0 = torch's default (one per core).", int_range=(0, 256)),
+              '0 = every core but one (the executor, DDS and camera drivers keep one).',
+              int_range=(0, 256)),
+    ParamSpec('control_nice', -10, 'Nice value of the control thread (and its torch workers): '
+              'lower runs first; below 0 needs CAP_SYS_NICE (else a warning); 0 = unchanged.',
+              int_range=(-20, 19)),
     ParamSpec('robot', 'libero', 'Robot adapter (cameras, state and action layout).',
               check=_check_choice(ROBOTS)),
     ParamSpec('camera_names', list(ROBOT_IO['libero'][0]),
@@ -286,6 +290,7 @@ class Settings:
     device: str
     dtype: str
     torch_threads: int
+    control_nice: int
     robot: str
     cameras: tuple[CameraConfig, ...]
     joint_names: tuple[str, ...]
@@ -343,7 +348,8 @@ class Settings:
         cameras = tuple(CameraConfig(n, t, c) for n, t, c in zip(names, topics, compressed))
         return cls(
             checkpoint=merged['checkpoint'], preset=merged['preset'], device=merged['device'],
-            dtype=merged['dtype'], torch_threads=int(merged['torch_threads']), robot=robot,
+            dtype=merged['dtype'], torch_threads=int(merged['torch_threads']),
+            control_nice=int(merged['control_nice']), robot=robot,
             cameras=cameras,
             joint_names=tuple(merged['joint_names']), frame_id=merged['frame_id'],
             control_rate_hz=float(merged['control_rate_hz']),
