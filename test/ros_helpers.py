@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from typing import Callable
@@ -242,3 +243,29 @@ class NodeHarness:
         self.spinner.stop()
         for node in (self.node, self.collector, self.feeder):
             node.destroy_node()
+
+
+# Node parameters of the in-process node tests: the tiny model, fast ticks, lenient staleness.
+TINY_NODE = dict(preset='tiny', decode_budget='2', tokens_per_request=4, control_rate_hz=20.0,
+                 stale_frame_timeout_s=2.0)
+
+
+@contextlib.contextmanager
+def harnesses(context, defaults: dict, namespaced: bool = False, **harness_kwargs):
+    """Yield make(**params) -> a NodeHarness of `defaults` + params; all closed at exit.
+
+    namespaced: each harness in its own namespace (h0, h1, ...), so several in one test do not
+    see each other's topics.
+    """
+    made = []
+
+    def make(**params):
+        namespace = f'h{len(made)}' if namespaced else ''
+        made.append(NodeHarness(context, {**defaults, **params}, namespace=namespace,
+                                **harness_kwargs))
+        return made[-1]
+    try:
+        yield make
+    finally:
+        for h in made:
+            h.close()

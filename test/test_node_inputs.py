@@ -21,7 +21,7 @@ from std_msgs.msg import String  # noqa: E402
 
 from oxygen_ros.runtime.status import ERROR, OK, WARN  # noqa: E402
 from oxygen_ros.runtime.params import ROBOT_IO  # noqa: E402
-from ros_helpers import NodeHarness, wait_for  # noqa: E402
+from ros_helpers import harnesses, NodeHarness, wait_for  # noqa: E402
 
 RATE_HZ = 20.0
 PARAMS = dict(preset='tiny', decode_budget='1', tokens_per_request=5, control_rate_hz=RATE_HZ,
@@ -183,15 +183,8 @@ def test_non_utf8_instruction_is_cleaned_and_reported(running):
 
 @pytest.fixture
 def harness(rclpy_context):
-    made = []
-
-    def make(**params):
-        made.append(NodeHarness(rclpy_context, {**PARAMS, **params}, rate_hz=RATE_HZ,
-                                namespace=f'h{len(made)}'))
-        return made[-1]
-    yield make
-    for h in made:
-        h.close()
+    with harnesses(rclpy_context, PARAMS, namespaced=True, rate_hz=RATE_HZ) as make:
+        yield make
 
 
 def test_camera_that_never_starts(harness):

@@ -17,22 +17,13 @@ from rclpy.node import Node  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
 from oxygen_ros.runtime.status import ERROR  # noqa: E402
-from ros_helpers import NodeHarness, wait_for  # noqa: E402
-
-TINY = dict(preset='tiny', decode_budget='2', tokens_per_request=4, control_rate_hz=20.0,
-            stale_frame_timeout_s=2.0)
+from ros_helpers import harnesses, TINY_NODE, wait_for  # noqa: E402
 
 
 @pytest.fixture
 def harness(rclpy_context):
-    made = []
-
-    def make(**params):
-        made.append(NodeHarness(rclpy_context, {**TINY, **params}))
-        return made[-1]
-    yield make
-    for h in made:
-        h.close()
+    with harnesses(rclpy_context, TINY_NODE) as make:
+        yield make
 
 
 def statuses(node):
