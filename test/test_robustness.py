@@ -137,3 +137,15 @@ def test_problem_log_is_bounded_by_key_not_by_distinct_text():
     assert len(lines) == 2 and len(lines[-1]) <= MAX_MESSAGE_CHARS
     log.event('decode', WARN, 'z' * 10_000)
     assert len(lines[-1]) <= MAX_MESSAGE_CHARS
+
+
+def test_a_new_problem_right_after_another_is_still_logged_within_a_second():
+    lines, clock = [], types.SimpleNamespace(t=0.0)
+    log = ProblemLog(lambda level, msg: lines.append(msg), clock=lambda: clock.t)
+    log.update('inputs', {'cam': 'cam: never received'})
+    clock.t = 0.2
+    log.update('inputs', {'cam': 'cam: cannot decode compressed image'})   # throttled for now
+    assert lines == ['cam: never received']
+    clock.t = 1.1
+    log.update('inputs', {'cam': 'cam: cannot decode compressed image'})
+    assert lines[-1] == 'cam: cannot decode compressed image'

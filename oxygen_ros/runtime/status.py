@@ -138,8 +138,8 @@ class ProblemLog:
         # at most once per min_change_s per input, not once per distinct text.
         self.min_change_s = min_change_s
         self.clock = clock
-        self._open: dict[str, list] = {}   # key -> [message, last logged, repeats since,
-        #                                     last logged as new]
+        # key -> [newest message, last logged, repeats since, last logged as new, last logged text]
+        self._open: dict[str, list] = {}
         self._lock = threading.Lock()       # the tick, input callbacks and the engine all log
         self.history: collections.deque[tuple[int, str]] = collections.deque(maxlen=history)
 
@@ -159,10 +159,15 @@ class ProblemLog:
         for key, message in problems.items():
             full = f'{group}/{key}'
             state = self._open.get(full)
-            if state is None or (_shape(state[0]) != _shape(message)
-                                 and now - state[3] >= self.min_change_s):
+            changed = state is not None and (_shape(state[4]) != _shape(message))
+            if state is None or (changed and now - state[3] >= self.min_change_s):
                 self._emit(level, message)
-                self._open[full] = [message, now, 0, now]
+                self._open[full] = [message, now, 0, now, message]
+            elif changed:
+                # A new kind of problem within min_change_s of the last one: logged once that
+                # time is up (the newest text), so a cycling sender gets one line a second.
+                state[0] = message
+                state[2] += 1
             elif now - state[1] >= self.repeat_s:
                 self._emit(level, f'{message} (still; {state[2] + 1} times in '
                                   f'{now - state[1]:.0f} s)')
@@ -190,7 +195,7 @@ class ProblemLog:
         if state is None or now - state[1] >= self.repeat_s:
             suffix = f' ({state[2]} more since)' if state and state[2] else ''
             self._emit(level, message + suffix)
-            self._open['event/' + key] = [message, now, 0, now]
+            self._open['event/' + key] = [message, now, 0, now, message]
         else:
             state[2] += 1
 
