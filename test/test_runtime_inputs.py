@@ -318,3 +318,14 @@ def test_param_file_keys_rcl_accepts(tmp_path):
     path.write_text('other_node:\n  ros__parameters: {seed: 1}\n')
     with pytest.raises(ValueError, match='no "oxygen_node: ros__parameters:" section'):
         load_node_params(path)
+
+
+@pytest.mark.parametrize('robot', sorted(ROBOT_IO))
+def test_robot_io_table_matches_the_robot_spec(robot):
+    # params keeps its own copy so reading parameters never imports torch; it must not drift.
+    from oxygen_ros.model.robots import get_robot
+
+    spec = get_robot(robot)
+    cameras, joints = ROBOT_IO[robot]
+    assert tuple(cameras) == tuple(spec.camera_names)
+    assert tuple(joints) == tuple(spec.joint_names)
