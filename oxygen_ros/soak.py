@@ -368,6 +368,7 @@ def run_soak(opts: SoakOptions, progress=print) -> dict:
         report['faults_injected'] = json.loads(faults[-1].split(' ', 1)[1]) if faults else {}
         report['rss'] = rss
         report['event_log'] = [(round(t - start, 2), k) for t, k in robot.events]
+        report['action_times'] = [round(t - start, 3) for t in robot.actions]
     finally:
         if node.poll() is None:
             node.kill()
@@ -403,10 +404,11 @@ def _write(opts: SoakOptions, report: dict, actions: list[float], start: float) 
         bins = range(0, int(max(seconds)) + 2)
         bottom.hist(seconds, bins=list(bins), histtype='step')
     bottom.axhline(opts.rate_hz, color='grey', linestyle='--', label='asked')
-    for when, kind in report['event_log']:
-        bottom.axvline(when, color='tab:red', alpha=0.2)
+    events = [when for when, _ in report['event_log']]
+    bottom.plot(events, [opts.rate_hz * 1.12] * len(events), '|', color='tab:red',
+                markersize=6, label='chaos event')
     bottom.set_ylabel('actions per second')
-    bottom.set_xlabel('seconds (red: chaos events)')
+    bottom.set_xlabel('seconds')
     bottom.legend(loc='lower right')
     fig.tight_layout()
     fig.savefig(opts.out / 'soak.png', dpi=100)

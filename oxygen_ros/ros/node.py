@@ -32,6 +32,7 @@ the node clock when a tick had no new frame.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -430,6 +431,10 @@ class OxygenNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        # The model's objects live as long as the engine: move them out of the collector's
+        # reach, so a full collection during a tick walks only what the loop itself makes.
+        gc.collect()
+        gc.freeze()
         self._stats.reset()
         self._inputs.started_s = self._now_s()
         self._outputs.open()
@@ -448,6 +453,7 @@ class OxygenNode(LifecycleNode):
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._release()
+        gc.unfreeze()   # the released engine's objects become collectable again
         self._lifecycle = 'unconfigured'
         return TransitionCallbackReturn.SUCCESS
 
