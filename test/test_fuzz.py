@@ -1,8 +1,11 @@
 """Fuzz suite (issue 11): every generated input ends in a result or a clear error, never a crash.
 
 Inputs a robot (or any DDS peer) can send: image and compressed-image messages, joint states,
-instructions, parameter values; and bags on disk (mutated MCAP / sqlite3). CI runs the short
-profile; `OXYGEN_ROS_FUZZ=long make test` (or pytest) runs 20x more examples per target.
+instructions, parameter values; bags on disk (mutated MCAP / sqlite3); and random sequences of
+engine operations (act with good or bad observations, language steps, budget and policy changes,
+failing decode steps) over a fake model: the pool balances, every act() gets its slot, no
+exception escapes. CI runs the short profile; `OXYGEN_ROS_FUZZ=long make test` (or pytest)
+runs 20x more examples per target.
 """
 
 import io
@@ -161,3 +164,54 @@ def test_mutated_bags_read_or_fail_clearly(small_bags, tmp_path_factory, storage
                     pass      # one undecodable message: replay skips or stops on it
     except BagError as err:
         assert str(err)
+
+
+# --- scheduler operations (fake model: no torch work, milliseconds per case) ---------------
+OPS = st.lists(st.one_of(
+    st.tuples(st.just('act'), st.booleans()),              # (op, observation is good)
+    st.tuples(st.just('advance'), st.none()),
+    st.tuples(st.just('budget'), st.integers(0, 6)),        # 0 = adaptive
+    st.tuples(st.just('every'), st.integers(0, 3)),
+    st.tuples(st.just('fail_next_decode'), st.none())), max_size=60)
+
+
+@FUZZ
+@given(ops=OPS, slots=st.integers(1, 6), n_tokens=st.integers(1, 8),
+       eos=st.booleans(), pressure=st.sampled_from(['evict_oldest', 'refuse_new']))
+def test_scheduler_operations_keep_the_pool_balanced(ops, slots, n_tokens, eos, pressure):
+    import dataclasses
+
+    from oxygen_ros.engine import AdaptiveBudget, FixedBudget, LanguagePolicy
+    from test_engine_scheduler import make, obs, reference
+
+    policy = LanguagePolicy(max_new_tokens=n_tokens, length_choices=(1, n_tokens),
+                            arrival_rate=0.9, eos_id=reference(0, 8)[2] if eos else None)
+    engine = make(policy, FixedBudget(2), num_slots=slots, pressure=pressure)   # check()s
+    frame = 0
+    for op, arg in ops:
+        if op == 'act':
+            observation = obs(frame)
+            if not arg:
+                observation = dataclasses.replace(observation, state=None)   # rejected
+                with pytest.raises(ValueError):
+                    engine.act(observation)
+                continue
+            action = engine.act(observation)      # the action path always gets its slot
+            assert action.frame_index == frame
+            frame += 1
+        elif op == 'advance':
+            engine.advance_language()
+        elif op == 'budget':
+            engine.set_budget(FixedBudget(arg) if arg else AdaptiveBudget(0.01, k_max=8))
+        elif op == 'every':
+            engine.set_policy(dataclasses.replace(engine.policy, every_n_frames=arg,
+                                                  arrival_rate=None if arg else 0.9))
+        else:
+            engine.runner.fail_calls.add(len(engine.runner.decode_calls) + 1)
+        assert engine.pool.num_in_use <= slots
+    engine.advance_language()             # ends a frame left without its language half
+    for _ in range(10 * (n_tokens + 2)):
+        if not engine.num_live_requests:
+            break
+        engine.advance_language()
+    assert engine.num_live_requests == 0 and engine.pool.num_in_use == 0
