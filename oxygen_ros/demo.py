@@ -426,7 +426,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     _dds_environment()
     import rclpy
-    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.executors import SingleThreadedExecutor
 
     from oxygen_ros.runtime.params import ROBOT_IO
     from oxygen_ros.ros.sim_inputs import (CameraPublisher, InstructionPublisher,
@@ -466,7 +466,9 @@ def main(argv=None) -> int:
              JointStatePublisher(list(ROBOT_IO[args.robot][1]), context=context),
              InstructionPublisher(instructions, args.instruction_period, context=context)]
     monitor = make_monitor(context)
-    executor = MultiThreadedExecutor(num_threads=4, context=context)
+    # Single-threaded: every callback here is short, and a MultiThreadedExecutor would spin
+    # against the camera encoding for the GIL and the node's cores.
+    executor = SingleThreadedExecutor(context=context)
     for n in nodes + [monitor]:
         executor.add_node(n)
     spinner = threading.Thread(target=executor.spin, daemon=True)

@@ -46,13 +46,14 @@ import threading
 import time
 
 import numpy as np
-import yaml
+
+from oxygen_ros.runtime.control import thread_cpu, THREAD_NAME
+from oxygen_ros.runtime.params import load_node_params, NODE_NAME
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PACKAGE_ROOT / 'config'
-CONTROL_THREAD_NAME = 'oxy_control'   # native thread name of the node's control thread
+CONTROL_THREAD_NAME = THREAD_NAME      # native name of the node's control thread
 ASKED_SHARE = 0.9                      # asked rate = this share of 1 / p50(engine frame time)
-NODE_NAME = 'oxygen_node'
 BENCH_INSTRUCTION = 'pick up the black bowl and place it on the plate'
 TOKEN_WINDOW_S = 5.0                   # tokens/s is also reported per window of this length
 
@@ -114,8 +115,7 @@ class EngineReference:
 
 def node_parameters(robot: str) -> dict:
     """Read the `ros__parameters` of oxygen_node in config/<robot>.yaml (what the node loads)."""
-    data = yaml.safe_load((CONFIG_DIR / f'{robot}.yaml').read_text()) or {}
-    return dict(data.get(NODE_NAME, {}).get('ros__parameters', {}))
+    return load_node_params(CONFIG_DIR / f'{robot}.yaml', NODE_NAME)
 
 
 def camera_observation(robot: str, index: int, height: int, width: int, seed: int,
@@ -210,7 +210,6 @@ class ThreadCpu:
     def __init__(self, pid: int, interval_s: float = 0.25):
         self.pid = pid
         self.interval_s = interval_s
-        self._tick_s = 1.0 / os.sysconf('SC_CLK_TCK')
         self._seen: dict[int, tuple[str, float]] = {}   # tid -> (name, CPU seconds)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -223,23 +222,11 @@ class ThreadCpu:
             self.poll()
 
     def poll(self) -> None:
-        task_dir = f'/proc/{self.pid}/task'
-        try:
-            tids = os.listdir(task_dir)
-        except OSError:
+        threads = thread_cpu(self.pid)
+        if threads is None:
             return   # the process is gone: keep the last samples
-        for tid in tids:
-            try:
-                with open(f'{task_dir}/{tid}/comm') as comm:
-                    name = comm.read().strip()
-                with open(f'{task_dir}/{tid}/stat') as stat:
-                    # Fields after the ')' that closes the name: utime and stime are 12, 13.
-                    fields = stat.read().rpartition(')')[2].split()
-                seconds = (int(fields[11]) + int(fields[12])) * self._tick_s
-            except (OSError, IndexError, ValueError):
-                continue   # the thread ended between listdir and read
-            with self._lock:
-                self._seen[int(tid)] = (name, seconds)
+        with self._lock:
+            self._seen.update(threads)
 
     def mark(self) -> tuple[float, dict[int, tuple[str, float]]]:
         """(monotonic time, per-thread CPU) now: one end of a window."""

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                         help='task text (repeat to cycle through several)')
     parser.add_argument('--instruction-period', type=float, default=30.0)
     args, ros_args = parser.parse_known_args(argv)
-    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.executors import SingleThreadedExecutor
 
     rclpy.init(args=ros_args)
     height = args.height or args.size
@@ -220,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
              JointStatePublisher(list(ROBOT_IO[args.robot][1]), args.joint_rate),
              InstructionPublisher(args.instruction or ['pick up the black bowl'],
                                   args.instruction_period)]
-    executor = MultiThreadedExecutor()
+    # Single-threaded: a MultiThreadedExecutor spins while a callback group is busy (here the
+    # JPEG encoding of a camera frame), taking CPU from the node the robot feeds.
+    executor = SingleThreadedExecutor()
     for node in nodes:
         executor.add_node(node)
     try:

@@ -130,6 +130,31 @@ class ControlThread:
                 self.ticks += 1
 
 
+def thread_cpu(pid: int | str = 'self') -> dict[int, tuple[str, float]] | None:
+    """Return {thread id: (native name, CPU seconds user + system)} of a process, from /proc.
+
+    None when the process (or /proc) is gone; threads that end while being read are skipped.
+    """
+    task_dir = f'/proc/{pid}/task'
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return None
+    tick_s = 1.0 / os.sysconf('SC_CLK_TCK')
+    out = {}
+    for tid in tids:
+        try:
+            with open(f'{task_dir}/{tid}/comm') as f:
+                name = f.read().strip()
+            with open(f'{task_dir}/{tid}/stat') as f:
+                # Fields after the ')' that closes the name: utime and stime are 12 and 13.
+                fields = f.read().rpartition(')')[2].split()
+            out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) * tick_s)
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 class CpuSplit:
     """CPU use of this process split into the control thread (and its torch workers) vs the rest.
 
@@ -141,28 +166,14 @@ class CpuSplit:
     def __init__(self, name: str = THREAD_NAME):
         self.name = name
         self._last: tuple[float, float, float] | None = None
-        self._tick_s = 1.0 / os.sysconf('SC_CLK_TCK') if hasattr(os, 'sysconf') else 0.01
 
     def totals(self) -> tuple[float, float] | None:
         """Cumulative CPU seconds (control side, everything else) of the live threads."""
-        control = other = 0.0
-        try:
-            tasks = os.listdir('/proc/self/task')
-        except OSError:
+        threads = thread_cpu()
+        if threads is None:
             return None
-        for tid in tasks:
-            try:
-                with open(f'/proc/self/task/{tid}/comm') as f:
-                    comm = f.read().strip()
-                with open(f'/proc/self/task/{tid}/stat') as f:
-                    fields = f.read().rsplit(')', 1)[1].split()
-            except OSError:   # the thread ended between listdir and open
-                continue
-            seconds = (int(fields[11]) + int(fields[12])) * self._tick_s
-            if comm == self.name:
-                control += seconds
-            else:
-                other += seconds
+        control = sum(s for name, s in threads.values() if name == self.name)
+        other = sum(s for name, s in threads.values() if name != self.name)
         return control, other
 
     def sample(self) -> tuple[float, float] | None:

@@ -169,4 +169,4 @@ class FrameLoop:
             return None
         return {'k': last.k, 'active_requests': last.active_requests,
                 'kv_usage': last.kv_usage, 'finished': dict(self.finished),
-                'budget': str(getattr(self.system, 'budget', ''))}
+                'budget': str(self.system.budget)}
