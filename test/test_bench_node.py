@@ -154,14 +154,17 @@ def test_bench_node_part_end_to_end(tmp_path):
     row = rows[0]
     for key in ('engine_act_ms_p50', 'engine_frame_ms_p50', 'rate_asked_hz',
                 'node_inference_ms_p50', 'node_inference_ms_p99', 'rate_held_hz',
-                'node_over_engine_p50', 'window_s'):
+                'node_over_engine_p50', 'window_s', 'engine_loaded_act_ms_p50',
+                'engine_loaded_act_ms_p99'):
         value = float(row[key])
         assert math.isfinite(value) and value > 0, (key, row[key])
     for key in ('deadline_miss_pct', 'tokens_per_s', 'cpu_node_active_pct', 'cpu_node_idle_pct',
-                'robot_cpu_pct'):
+                'robot_cpu_pct', 'engine_loaded_late_pct'):
         value = float(row[key])
         assert math.isfinite(value) and value >= 0, (key, row[key])
     assert float(row['engine_frame_ms_p50']) >= float(row['engine_act_ms_p50'])
+    assert int(row['engine_loaded_frames']) == 3   # the engine timed next to the robot too
+    assert (out / 'node_logs' / 'robot_engine_loaded.log').is_file()
     assert float(row['rate_asked_hz']) == pytest.approx(0.9e3 / float(row['engine_frame_ms_p50']),
                                                         rel=1e-3)
     assert int(row['ticks_delivered']) > 0 and 3.0 < float(row['window_s']) < 6.0

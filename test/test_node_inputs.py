@@ -225,3 +225,43 @@ def test_instruction_publisher_with_incompatible_qos_is_named(running):
     h.feeder.create_publisher(String, 'instruction', 10)
     assert wait_for(lambda: _logged(h, WARN, 'incompatible QoS'), 10), (
         h.node.problem_history[-3:])
+
+
+def test_cameras_and_joint_states_are_taken_by_the_control_thread(harness):
+    """Camera and joint-state messages never run an executor callback (ros/polling.py).
+
+    The executor would otherwise wake, take and run Python for each of 60 messages a second
+    here; the node takes the newest one at the start of a tick, on its control thread.
+    """
+    h = harness()
+    executor = h.node_spinner.executor
+    taken, original = [], executor._take_subscription
+
+    def counting_take(sub):
+        taken.append(sub.topic_name)
+        return original(sub)
+    executor._take_subscription = counting_take
+    h.start()
+    assert wait_for(lambda: len(h.collector.actions) >= 10, 30), h.node.problem_history[-3:]
+    sent = sum(h.feeder.sent.values())
+    h.feeder.instruct('put the bowl on the plate')
+    assert wait_for(lambda: '/h0/instruction' in taken, 10), taken
+    assert sent > 10 and set(taken) == {'/h0/instruction'}, (sent, set(taken))
+    statuses = h.statuses()
+    assert statuses['inputs'].level == OK, statuses['inputs'].message
+
+
+def test_polled_input_age_is_its_receipt_time_not_the_tick_time(harness):
+    """A frame taken at activation, seconds after it arrived, counts as stale."""
+    from rclpy.lifecycle import TransitionCallbackReturn
+    h = harness()
+    assert h.node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    assert wait_for(lambda: h.feeder.sent['image'] >= 3, 10)
+    h.feeder.image_factory['image'] = None          # the main camera stops while inactive
+    time.sleep(PARAMS['stale_frame_timeout_s'] + 0.5)
+    assert h.node.trigger_activate() == TransitionCallbackReturn.SUCCESS
+    assert wait_for(lambda: h.node._stats.ticks_total >= 2, 10)
+    states = {s.label: s for s in h.node._loop.last_inputs.inputs}
+    camera = states[IMAGE_TOPIC.replace('/camera', '/h0/camera', 1)]
+    assert camera.state == 'stale' and camera.age_s > PARAMS['stale_frame_timeout_s'], camera
+    assert h.collector.actions == []

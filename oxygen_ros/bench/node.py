@@ -56,6 +56,7 @@ CONTROL_THREAD_NAME = THREAD_NAME      # native name of the node's control threa
 ASKED_SHARE = 0.9                      # asked rate = this share of 1 / p50(engine frame time)
 BENCH_INSTRUCTION = 'pick up the black bowl and place it on the plate'
 TOKEN_WINDOW_S = 5.0                   # tokens/s is also reported per window of this length
+ROBOT_START_S = 3.0                    # the stand-in robot's start-up before frames are timed
 
 
 @dataclasses.dataclass
@@ -78,13 +79,16 @@ class NodeBenchOptions:
     # and no node running, here): a raw run measures the middleware as much as the node.
     camera_format: str = 'jpeg'
     engine_frames: int = 20         # measured engine frames (after ceil(N/k) + 2 warm-up)
+    # then the engine again while the stand-in robot publishes (no node): the same machine
+    # load the node runs under, so the node's tail can be told from the robot's interference
+    engine_loaded_frames: int = 60
     start_timeout_s: float = 300.0  # node start (model load) and first action, each
 
     @classmethod
     def quick(cls, **changes) -> NodeBenchOptions:
         """Return a smoke run's options: seconds instead of a minute."""
         return dataclasses.replace(cls(duration_s=5.0, warmup_s=1.0, idle_s=1.0,
-                                       engine_frames=5), **changes)
+                                       engine_frames=5, engine_loaded_frames=3), **changes)
 
 
 # ---- 1. the engine alone ------------------------------------------------------------------
@@ -99,6 +103,8 @@ class EngineReference:
     tokens: list[int]               # tokens decoded per measured frame
     k: int                          # fixed decode budget the frames ran with
     other_load_pct: float = math.nan   # other processes' CPU meanwhile, % of all cores
+    loaded_act_s: list[float] = dataclasses.field(default_factory=list)   # act() per frame
+    #                                 while the stand-in robot process publishes (no node)
 
     @property
     def act_p50_s(self) -> float:
@@ -135,12 +141,15 @@ def camera_observation(robot: str, index: int, height: int, width: int, seed: in
 def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
                    dtype: str = 'float32', threads: int = 0, tokens: int = 10, k: int = 5,
                    seed: int = 0, frames: int = 20, camera_hw: tuple[int, int] = (480, 640),
-                   instruction: str = BENCH_INSTRUCTION) -> EngineReference:
+                   instruction: str = BENCH_INSTRUCTION, loaded_frames: int = 0,
+                   load=None) -> EngineReference:
     """Build the engine the node builds (random weights of `preset`) and time its frames.
 
     The language policy is the node's: one request per frame, N = `tokens`, EOS on, the
     robot's language prompt; `k` fixed. Warm-up: ceil(N/k) + 2 frames (the decode batch is at
-    its steady size after ceil(N/k)). threads: torch threads (0 = leave as is).
+    its steady size after ceil(N/k)). threads: torch threads (0 = leave as is). With `load`
+    (a context manager factory) and `loaded_frames`, the same engine is then timed again
+    inside `load()` (the stand-in robot running) into `loaded_act_s`.
     """
     import torch
 
@@ -161,20 +170,30 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
                             prompt_template=params.get('language_prompt', ''))
     system = make_system('oxygen', model, frontend, policy, k=k, seed=seed)
     try:
-        return time_engine(system, robot, k=k, warmup=math.ceil(tokens / k) + 2, frames=frames,
-                           camera_hw=camera_hw, seed=seed, instruction=instruction)
+        reference = time_engine(system, robot, k=k, warmup=math.ceil(tokens / k) + 2,
+                                frames=frames, camera_hw=camera_hw, seed=seed,
+                                instruction=instruction, close=False)
+        if loaded_frames and load is not None:
+            with load():
+                loaded = time_engine(system, robot, k=k, warmup=1, frames=loaded_frames,
+                                     camera_hw=camera_hw, seed=seed + 1,
+                                     instruction=instruction, close=False)
+            reference.loaded_act_s = loaded.act_s
+        return reference
     finally:
+        system.close()
         del system, model, frontend
         gc.collect()   # the node process builds its own copy; do not hold two
 
 
 def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
                 camera_hw: tuple[int, int], seed: int = 0,
-                instruction: str = BENCH_INSTRUCTION) -> EngineReference:
+                instruction: str = BENCH_INSTRUCTION, close: bool = True) -> EngineReference:
     """Time act() and act() + advance_language() of a built engine over camera-sized frames.
 
-    `system` is any engine System (act / advance_language); it is closed afterwards. `warmup`
-    frames run first, unmeasured (ceil(N/k) + 2 reach the steady decode batch).
+    `system` is any engine System (act / advance_language); it is closed afterwards unless
+    `close` is False. `warmup` frames run first, unmeasured (ceil(N/k) + 2 reach the steady
+    decode batch).
     """
     act_s, frame_s, decoded = [], [], []
     other = None
@@ -191,9 +210,8 @@ def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
                 frame_s.append(result.timings.total_s)
                 decoded.append(sum(len(d.token_ids) for d in result.deltas))
     finally:
-        close = getattr(system, 'close', None)
-        if close is not None:
-            close()
+        if close:
+            system.close()
     return EngineReference(act_s, frame_s, decoded, k,
                            other.percent() if other is not None else math.nan)
 
@@ -649,6 +667,10 @@ def tick_records(run: NodeRun, rate_hz: float) -> list[dict]:
     return rows
 
 
+def _ms_percentile(seconds: list[float], q: float) -> float:
+    return 1e3 * float(np.percentile(seconds, q)) if seconds else math.nan
+
+
 def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate_hz: float,
              rate_source: str, preset: str, device: str, dtype: str, threads: int) -> dict:
     """Return the node part's CSV row: node figures next to the engine's, and their ratios."""
@@ -663,6 +685,14 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
            'engine_act_ms_p99': 1e3 * float(np.percentile(act, 99)),
            'engine_frame_ms_p50': 1e3 * engine.frame_p50_s,
            'engine_tokens_per_frame': float(np.mean(engine.tokens)),
+           'engine_loaded_frames': len(engine.loaded_act_s),
+           'engine_loaded_act_ms_p50': _ms_percentile(engine.loaded_act_s, 50),
+           'engine_loaded_act_ms_p99': _ms_percentile(engine.loaded_act_s, 99),
+           # the share of the engine's own act() times past the asked period, next to the
+           # robot process: what the machine alone makes late, before any node runs
+           'engine_loaded_late_pct': (100 * float(np.mean(np.array(engine.loaded_act_s)
+                                                          > 1.0 / rate_hz))
+                                      if engine.loaded_act_s else math.nan),
            'rate_asked_hz': rate_hz, 'rate_source': rate_source,
            'period_ms': 1e3 / rate_hz}
     row.update(figures)
@@ -692,9 +722,26 @@ def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, 
     """Engine first, then the node at the asked rate; return (row, per-tick rows, engine)."""
     say(f'node part: timing the engine ({preset}, {opts.robot}, N={opts.tokens}, k={opts.k}, '
         f'{opts.camera_width}x{opts.camera_height} frames)')
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def robot_running():
+        say(f'engine again, {opts.engine_loaded_frames} frames, next to the stand-in robot '
+            '(no node)')
+        robot = Child('robot', robot_command(opts), child_environment(),
+                      log_dir / 'robot_engine_loaded.log')
+        try:
+            time.sleep(ROBOT_START_S)   # its imports and first frames, as in the node run
+            if not robot.alive():
+                raise NodeBenchError(f'the stand-in robot exited: {robot.tail()}')
+            yield
+        finally:
+            robot.stop()
+
     engine = measure_engine(preset, opts.robot, device=device, dtype=dtype, threads=threads,
                             tokens=opts.tokens, k=opts.k, seed=seed, frames=opts.engine_frames,
-                            camera_hw=(opts.camera_height, opts.camera_width))
+                            camera_hw=(opts.camera_height, opts.camera_width),
+                            loaded_frames=opts.engine_loaded_frames, load=robot_running)
     if opts.rate_hz:
         rate_hz, source = opts.rate_hz, 'given'
     else:

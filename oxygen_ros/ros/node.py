@@ -5,12 +5,14 @@ on their own topic, out. The work of a tick is oxygen_ros.runtime.frame_loop.Fra
 same code the bag replay runs; this module only wires it to rclpy.
 
 Two threads:
-  executor        a SingleThreadedExecutor serving I/O only (main()): subscriptions store the
-                  newest message, lifecycle and parameter services, 1 Hz /diagnostics, and the
-                  control timer, whose callback only wakes the control thread. No callback runs
-                  for long, so the executor sleeps in rcl_wait instead of spinning against the
-                  model for the GIL (a MultiThreadedExecutor next to a long callback does:
-                  measured 2.2x slower inference).
+  executor        a SingleThreadedExecutor serving I/O only (main()): the instruction
+                  subscription, lifecycle and parameter services, 1 Hz /diagnostics, and the
+                  control timer, whose callback only wakes the control thread. Cameras and
+                  joint states never reach it: the control thread takes their newest message
+                  at the start of each tick (ros/polling.py). No callback runs for long, so
+                  the executor sleeps in rcl_wait instead of spinning against the model for
+                  the GIL (a MultiThreadedExecutor next to a long callback does: measured 2.2x
+                  slower inference).
   control thread  'oxy_control' (runtime.control.ControlThread): one FrameLoop.tick per
                   wake-up: observation -> act -> publish ActionChunk -> language -> publish
                   LanguageChunks / narration. The engine is touched by this thread only.
@@ -58,6 +60,7 @@ from oxygen_ros.msg import ActionChunk, LanguageChunk
 from oxygen_ros.ros import qos
 from oxygen_ros.ros.conversions import action_chunk_msg, language_chunk_msg
 from oxygen_ros.ros.diagnostics import to_diagnostic_array
+from oxygen_ros.ros.polling import never_called, PolledGroup, take_all
 from oxygen_ros.runtime.control import ControlThread, CpuSplit
 from oxygen_ros.runtime.conversions import (compressed_to_rgb, image_to_rgb,
                                             joint_state_to_vector)
@@ -507,6 +510,10 @@ class OxygenNode(LifecycleNode):
     # ---- wiring -------------------------------------------------------------------------------
 
     def _make_subscriptions(self, settings: Settings) -> InputSet:
+        # Cameras and joint states are polled: the control thread takes the newest message at
+        # the start of a tick (ros/polling.py says why); only the instruction is a callback.
+        polled_group = PolledGroup()
+        polled = []   # (buffer key, subscription)
         cameras = []
         for cam in settings.cameras:
             key = f'camera:{cam.name}'
@@ -514,28 +521,31 @@ class OxygenNode(LifecycleNode):
             convert = ((lambda m: compressed_to_rgb(m.format, m.data)) if cam.compressed else
                        (lambda m: image_to_rgb(m.encoding, m.height, m.width, m.step, m.data,
                                                m.is_bigendian)))
-            sub = self.create_subscription(
-                msg_type, cam.topic, lambda msg, key=key: self._store(key, msg), qos.SENSOR)
-            self._subscriptions_made.append(sub)
+            sub = self.create_subscription(msg_type, cam.topic, never_called, qos.SENSOR,
+                                           callback_group=polled_group)
+            polled.append((key, sub))
             cameras.append((cam.name, InputSource(key, f'camera {cam.name!r} '
                                                        f'({sub.topic_name})', convert)))
         joints = settings.joint_names
-        sub = self.create_subscription(
-            JointState, 'joint_states', lambda msg: self._store(JOINT_STATES_KEY, msg),
-            qos.SENSOR)
-        self._subscriptions_made.append(sub)
+        sub = self.create_subscription(JointState, 'joint_states', never_called, qos.SENSOR,
+                                       callback_group=polled_group)
+        polled.append((JOINT_STATES_KEY, sub))
         joint_source = InputSource(JOINT_STATES_KEY, f'joint_states ({sub.topic_name})',
                                    lambda m: joint_state_to_vector(m.name, m.position, joints))
+        self._subscriptions_made.extend(sub for _, sub in polled)
         events = SubscriptionEventCallbacks(incompatible_qos=self._on_instruction_qos)
         sub = self.create_subscription(String, 'instruction', self._on_instruction,
                                        qos.INSTRUCTION, event_callbacks=events)
         self._subscriptions_made.append(sub)
-        return InputSet(cameras, joint_source, settings.stale_frame_timeout_s, sub.topic_name)
+        inputs = InputSet(cameras, joint_source, settings.stale_frame_timeout_s, sub.topic_name)
 
-    def _store(self, key: str, msg) -> None:
-        inputs = self._inputs
-        if inputs is not None:
-            inputs.put(key, msg, self._now_s())
+        def take_polled(now_s: float) -> None:
+            for key, polled_sub in polled:
+                for msg, age_s in take_all(polled_sub):
+                    inputs.put(key, msg, now_s - age_s)
+
+        inputs.pull = take_polled
+        return inputs
 
     def _on_instruction(self, msg: String) -> None:
         instruction = sanitize_instruction(msg.data, self._max_instruction_chars)

@@ -223,7 +223,9 @@ class InputSet:
     """The inputs one robot's observations are built from: newest messages and the instruction.
 
     Writers (subscription callbacks, a bag reader) call `put` / `set_instruction`; the frame
-    loop calls `build(now_s)`. cameras: (observation camera name, source) pairs.
+    loop calls `build(now_s)`. cameras: (observation camera name, source) pairs. pull(now_s),
+    when set, is called by `build` first: a source read on demand (the node takes its polled
+    subscriptions there, on the control thread) puts its newest messages then.
     """
 
     def __init__(self, cameras: list[tuple[str, InputSource]], joints: InputSource,
@@ -235,6 +237,7 @@ class InputSet:
         self.instruction_topic = instruction_topic
         self.instruction: Instruction | None = None
         self.started_s = 0.0          # when waiting began (how long a missing input is missing)
+        self.pull: Callable[[float], None] | None = None
 
     def put(self, key: str, msg: Any, received_s: float) -> None:
         self.buffer.put(key, msg, received_s)
@@ -244,6 +247,8 @@ class InputSet:
 
     def build(self, now_s: float) -> ObservationResult:
         """Build the observation of a tick at `now_s`, or the reasons there is none."""
+        if self.pull is not None:
+            self.pull(now_s)
         return build_observation(self.buffer, self.cameras, self.joints, self.instruction,
                                  now_s, self.stale_timeout_s, self.started_s,
                                  self.instruction_topic)
