@@ -61,6 +61,9 @@ def test_quick_bench_writes_csv_markdown_and_plots(quick_run):
     memory = read_csv(quick_run / 'memory.csv')
     assert EXPECTED_MEMORY_COLUMNS <= set(memory[0])
     assert all(float(m['peak_rss_mb']) > 0 for m in memory)
+    # the bf16 KV store of the float32 model is probed too: its pool is about half oxygen's
+    pools = {m['kv_dtype']: float(m['kv_pool_mb']) for m in memory if m['system'] == 'oxygen'}
+    assert pools['bfloat16'] < 0.55 * pools['float32'], pools
     assert read_csv(quick_run / 'components.csv')
     summary = (quick_run / 'summary.md').read_text()
     for heading in ('## Targets', '## Component model', 'N × k sweep', '## Peak memory'):

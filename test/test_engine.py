@@ -429,3 +429,34 @@ def test_padding_rows_change_no_token(setup, options):
     else:
         # Holes are left as they are: the model gathered non-adjacent slots.
         assert any(c != list(range(c[0], c[0] + len(c))) for c in calls)
+
+
+def test_bfloat16_kv_store_under_a_float32_model(setup):
+    """bf16 K/V halve the pool; every system still agrees token for token, with the oracle
+    on a bf16 private cache too, and actions stay close to the float32 store's."""
+    from oxygen_ros.model.pi05 import KVTensors
+
+    model, frontend = setup
+    frames = range(6)
+    policy = LanguagePolicy(max_new_tokens=6, eos_id=None)
+    bf16 = {'kv_dtype': torch.bfloat16}
+    full = make_system('oxygen', model, frontend, policy, k=2)
+    full_actions, full_requests, _ = run(full, frames)
+    half = make_system('oxygen', model, frontend, policy, k=2, debug=True, runner_options=bf16)
+    assert half.runner.store.k.dtype == torch.bfloat16
+    assert half.pool.total_bytes < 0.55 * full.pool.total_bytes
+    actions, requests, _ = run(half, frames)
+    isolated = make_system('isolated', model, frontend, policy, debug=True, runner_options=bf16)
+    iso_actions, iso_requests, _ = run(isolated, frames)
+    assert {f: r.token_ids for f, r in requests.items()} == \
+        {f: r.token_ids for f, r in iso_requests.items()}
+    for f in frames:
+        np.testing.assert_array_equal(actions[f], iso_actions[f])
+        # rounding K/V to bf16 (8 bits of mantissa) moves actions a little, not a lot
+        np.testing.assert_allclose(actions[f], full_actions[f], atol=0.05, rtol=0)
+        prepared = frontend.prepare(obs(f))
+        cache = KVTensors.allocate(CFG, 1, CFG.prefix_len + 6, dtype=torch.bfloat16)
+        prefix = model.prefill(**prepared.tensors, kv=cache, slots=torch.tensor([0]))
+        assert requests[f].token_ids == model.generate(prefix, 6, eos_id=None)[0], f
+    same = sum(requests[f].token_ids == full_requests[f].token_ids for f in frames)
+    print(f'bf16 KV: {same}/{len(frames)} requests token-identical to the float32 store')

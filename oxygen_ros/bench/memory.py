@@ -62,7 +62,9 @@ def probe(args: argparse.Namespace) -> dict:
     spec = SystemSpec(args.system, args.k if args.system in ('oxygen', 'oxygen-adaptive')
                       else None)
     policy = LanguagePolicy(max_new_tokens=args.n, eos_id=None, seed=args.seed)
-    system = make_bench_system(spec, model, frontend, policy, args.period, args.seed)
+    runner_options = {'kv_dtype': getattr(torch, args.kv_dtype)} if args.kv_dtype else None
+    system = make_bench_system(spec, model, frontend, policy, args.period, args.seed,
+                               runner_options)
     workers = multiprocessing.active_children() if args.system == 'parallel' else []
     cuda = args.device.startswith('cuda')
     if cuda:
@@ -90,7 +92,7 @@ def probe(args: argparse.Namespace) -> dict:
             'runtime_mb': runtime_kb / 1024, 'peak_rss_mb': peak_kb / 1024,
             'above_runtime_mb': above_kb / 1024, 'cuda_peak_mb': cuda_mb,
             'kv_pool_mb': getattr(getattr(system, 'pool', None), 'total_bytes', math.nan) / 2**20,
-            'threads': args.threads,
+            'threads': args.threads, 'kv_dtype': args.kv_dtype or args.dtype,
             'mkl_fast_mm': 'MKL_DISABLE_FAST_MM' not in os.environ}
 
 
@@ -101,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--workload', default='libero')
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--dtype', default='float32')
+    parser.add_argument('--kv-dtype', default='', help="KV store dtype ('' = --dtype)")
     parser.add_argument('--steps', type=int, default=10)
     parser.add_argument('--n', type=int, default=30)
     parser.add_argument('--k', type=int, default=5)

@@ -135,7 +135,10 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
             'target': f'manager overhead at k=1 ≤ {TARGET_OVERHEAD_PCT_K1:g}% of frame time',
             'measured': f'max {worst["overhead_pct"]:.2f}% (N={worst["n_tokens"]})',
             'met': worst['overhead_pct'] <= TARGET_OVERHEAD_PCT_K1})
-    mem = {r['system']: r for r in result.memory}
+    model_dtype = result.options.dtype
+    mem = {r['system']: r for r in result.memory
+           if r.get('kv_dtype', model_dtype) == model_dtype}
+    narrow = [r for r in result.memory if r.get('kv_dtype', model_dtype) != model_dtype]
     if 'oxygen' in mem and 'action-only' in mem:
         key = 'cuda_peak_mb' if result.options.device.startswith('cuda') else 'above_runtime_mb'
         ratio = mem['oxygen'][key] / mem['action-only'][key]
@@ -144,7 +147,9 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
             'target': f'peak memory oxygen ≤ {TARGET_MEMORY_OVER_ACTION_ONLY:.2f} × action-only',
             'measured': f'{ratio:.3f}× ({key.replace("_mb", "")}); {total:.3f}× whole-process '
                         f'RSS; KV pool {mem["oxygen"]["kv_pool_mb"]:.1f} vs '
-                        f'{mem["action-only"]["kv_pool_mb"]:.1f} MB',
+                        f'{mem["action-only"]["kv_pool_mb"]:.1f} MB' + ''.join(
+                            f'; {r["kv_dtype"]} KV store: {r[key] / mem["action-only"][key]:.3f}×'
+                            f' (pool {r["kv_pool_mb"]:.1f} MB)' for r in narrow),
             'met': ratio <= TARGET_MEMORY_OVER_ACTION_ONLY})
     targets += node_targets(result)
     if not result.rows:

@@ -153,7 +153,8 @@ class OtherLoad:
 
 
 def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
-                      policy: LanguagePolicy, period_s: float, seed: int) -> System:
+                      policy: LanguagePolicy, period_s: float, seed: int,
+                      runner_options: dict | None = None) -> System:
     """Build one system of a group ('action-only' is an Engine with no requests)."""
     if spec.name == 'action-only':
         return make_engine('action-only', model, frontend, action_only_policy(policy),
@@ -163,7 +164,8 @@ def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
         kwargs['k'] = spec.k
     if spec.name == 'oxygen-adaptive':
         kwargs.update(frame_period_s=period_s, k=spec.k or policy.max_request_len)
-    return make_system(spec.name, model, frontend, policy, **kwargs)
+    return make_system(spec.name, model, frontend, policy, runner_options=runner_options,
+                       **kwargs)
 
 
 def drain(system: System, log: SystemLog) -> None:
@@ -359,8 +361,9 @@ def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict
         env['MKL_DISABLE_FAST_MM'] = '1'
     frames = group.max_warmup + opts.memory_frames
 
-    def one(spec: SystemSpec) -> dict:
+    def one(spec: SystemSpec, kv_dtype: str = '') -> dict:
         cmd = [sys.executable, '-m', 'oxygen_ros.bench.memory', '--system', spec.name,
+               '--kv-dtype', kv_dtype,
                '--preset', opts.preset, '--workload', group.workload, '--device', opts.device,
                '--dtype', opts.dtype, '--steps', str(group.steps), '--n', str(group.n_tokens),
                '--k', str(spec.k or group.n_tokens), '--period', f'{period_s:.6f}',
@@ -369,7 +372,8 @@ def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict
         if done.returncode != 0:
             raise RuntimeError(f'memory probe {spec.label} failed:\n{done.stderr[-3000:]}')
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        result.update(label=spec.label, workload=group.workload, preset=opts.preset,
+        result.update(label=spec.label + (f' ({kv_dtype} KV)' if kv_dtype else ''),
+                      workload=group.workload, preset=opts.preset,
                       device=opts.device, dtype=opts.dtype, steps=group.steps)
         return result
 
@@ -378,8 +382,12 @@ def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict
     workers = max(1, os.cpu_count() or 1)
     if opts.device.startswith('cuda'):
         workers = min(workers, 3)
+    probes = [(spec, '') for spec in group.systems]
+    if opts.dtype == 'float32':
+        # the optional bf16 KV store of a float32 model (ModelRunner kv_dtype), for oxygen
+        probes += [(spec, 'bfloat16') for spec in group.systems if spec.name == 'oxygen']
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        rows = list(pool.map(one, group.systems))
+        rows = list(pool.map(lambda probe: one(*probe), probes))
     ref = next((r for r in rows if r['system'] == 'action-only'), None)
     for row in rows:
         for key in ('peak_rss_mb', 'above_runtime_mb', 'cuda_peak_mb'):

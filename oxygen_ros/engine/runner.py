@@ -89,19 +89,22 @@ class ModelRunner:
     max_holes_per_row: holes filled per real row of a decode batch (see padded_rows); 0 turns
     hole filling off. bucket_sizes: pad decode batches to these sizes (GPU capture); () = off.
     compile_decode: run decode steps through torch.compile (a GPU option; off on CPU).
+    kv_dtype: dtype of the KV store (None: the model's compute dtype). bfloat16 on a float32
+    model halves the pool; K/V are rounded when written and widened when read (the action
+    path widens a frame's prefix once per frame, a decode step the rows it reads).
     """
 
     def __init__(self, model: Pi05Model, num_slots: int, max_gen_len: int, *,
                  clock: Callable[[], float] = time.perf_counter,
                  max_holes_per_row: float = 0.25, bucket_sizes: Sequence[int] = (),
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, kv_dtype: torch.dtype | None = None):
         cfg = model.config
         backbone = cfg.backbone
         device = next(model.parameters()).device
         self.model = model
         self.store = KVStore(backbone.depth, num_slots, cfg.prefix_len, max_gen_len,
                              backbone.num_kv_heads, backbone.head_dim, backbone.width,
-                             dtype=model.compute_dtype, device=device)
+                             dtype=kv_dtype or model.compute_dtype, device=device)
         self.kv = KVTensors(self.store.k, self.store.v)   # views of the store, no copy
         self.clock = clock
         self.device = device

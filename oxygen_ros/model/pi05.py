@@ -113,6 +113,7 @@ def slot_rows(storage: torch.Tensor, slots: torch.Tensor, run: int | None,
 def write_rows(storage: torch.Tensor, slots: list[int], values: torch.Tensor) -> None:
     """Write rows: storage [S, T, ...][slots, :n] = values [B, n, ...] (prefill's write)."""
     n = values.shape[1]
+    values = values.to(storage.dtype)   # a narrower store (bf16 K/V) rounds here
     if slots == list(range(slots[0], slots[0] + len(slots))):
         storage[slots[0]:slots[0] + len(slots), :n] = values
     else:
@@ -305,8 +306,11 @@ class Pi05Model(nn.Module):
         B, H, _ = noise.shape
         P, kv, device = prefix.prefix_len, prefix.kv, noise.device
         run = host_run(prefix.slots)
-        prefix_kv = [(slot_rows(kv.k[i], prefix.slots, run, 0, P),
-                      slot_rows(kv.v[i], prefix.slots, run, 0, P))        # 2 x [B, P, G, D]
+        # In place when the store has the compute dtype; a narrower store (bf16 K/V under a
+        # float32 model) is widened here, once per frame.
+        dtype = self.compute_dtype
+        prefix_kv = [(slot_rows(kv.k[i], prefix.slots, run, 0, P).to(dtype),
+                      slot_rows(kv.v[i], prefix.slots, run, 0, P).to(dtype))  # 2 x [B, P, G, D]
                      for i in range(self.config.backbone.depth)]
         prefix_bias = key_bias(prefix.valid.to(device), self.compute_dtype)   # [B, P]
         positions = prefix.n_valid.to(device)[:, None] + torch.arange(H, device=device)
@@ -402,10 +406,10 @@ class Pi05Model(nn.Module):
         key_mask = torch.cat([prefix_valid, generated], dim=1)[:, None]         # [B, 1, P+J]
         for i, layer in enumerate(self.backbone.layers):
             def attend(q, k, v, i=i):   # append the token's K/V, attend prefix + generated
-                k_store[i, slot_index, write_index] = k[:, 0]
-                v_store[i, slot_index, write_index] = v[:, 0]
-                keys = slot_rows(k_store[i], slots, run, 0, P + J)              # [B, P+J, G, D]
-                values = slot_rows(v_store[i], slots, run, 0, P + J)
+                k_store[i, slot_index, write_index] = k[:, 0].to(k_store.dtype)
+                v_store[i, slot_index, write_index] = v[:, 0].to(v_store.dtype)
+                keys = slot_rows(k_store[i], slots, run, 0, P + J).to(q.dtype)  # [B, P+J, G, D]
+                values = slot_rows(v_store[i], slots, run, 0, P + J).to(q.dtype)
                 return attention(q, keys, values, key_mask)
             x = layer(x, cos, sin, attend)
         h, _ = self.backbone.norm(x)
