@@ -20,6 +20,8 @@ import logging
 import time
 from typing import Callable
 
+import torch
+
 from oxygen_ros.engine.budget import Budget, UnlimitedBudget
 from oxygen_ros.engine.frontend import Frontend, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
@@ -28,6 +30,8 @@ from oxygen_ros.engine.scheduler import Scheduler
 from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
 from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
 from oxygen_ros.kv import KVPool
+from oxygen_ros.kv.store import slot_bytes
+from oxygen_ros.model.config import Pi05Config
 from oxygen_ros.model.pi05 import Pi05Model
 
 logger = logging.getLogger(__name__)
@@ -240,6 +244,26 @@ class Engine:
         return f'{self.system}: {self.scheduler}'
 
 
+def forced_token_room(policy: LanguagePolicy, max_forced_tokens: int | None = None) -> int:
+    """Entries a slot reserves for a prompt template's forced tokens (None: the default)."""
+    if max_forced_tokens is not None:
+        return max_forced_tokens
+    return DEFAULT_MAX_FORCED_TOKENS if policy.prompt_template else 0
+
+
+def generated_entries(policy: LanguagePolicy, max_forced_tokens: int | None = None) -> int:
+    """Entries a request writes after the prefix: forced + N - 1 (its last token is not fed)."""
+    return forced_token_room(policy, max_forced_tokens) + policy.max_request_len - 1
+
+
+def pool_slot_bytes(config: Pi05Config, policy: LanguagePolicy,
+                    kv_dtype: torch.dtype) -> int:
+    """Bytes of one KV slot as make_engine allocates it for `policy` (before building)."""
+    b = config.backbone
+    return slot_bytes(b.depth, config.prefix_len, generated_entries(policy), b.num_kv_heads,
+                      b.head_dim, b.width, kv_dtype)
+
+
 def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy,
                 budget: Budget, *, share_prefix: bool = True, num_slots: int | None = None,
                 sizing_k: int | None = None, pressure: str = 'evict_oldest', seed: int = 0,
@@ -250,10 +274,8 @@ def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: Languag
     sizing_k: the smallest k the budget may use (None: requests finish in their frame).
     runner_options: ModelRunner's max_holes_per_row / bucket_sizes / compile_decode.
     """
-    if max_forced_tokens is None:
-        max_forced_tokens = DEFAULT_MAX_FORCED_TOKENS if policy.prompt_template else 0
-    # A request writes forced + N - 1 entries after the prefix (its last token is not fed).
-    max_gen_len = max_forced_tokens + policy.max_request_len - 1
+    max_forced_tokens = forced_token_room(policy, max_forced_tokens)
+    max_gen_len = generated_entries(policy, max_forced_tokens)
     num_slots = num_slots or default_num_slots(policy, sizing_k)
     runner = ModelRunner(model, num_slots, max_gen_len, clock=clock, **runner_options)
     pool = KVPool(num_slots, runner.store.bytes_per_slot)

@@ -43,6 +43,15 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def slot_bytes(num_layers: int, prefix_len: int, max_gen_len: int, num_kv_heads: int,
+               head_dim: int, width: int, dtype: torch.dtype) -> int:
+    """Bytes one slot of a KVStore occupies: K and V of T entries plus its prefix state."""
+    slot_len = prefix_len + max_gen_len + 1
+    kv = 2 * num_layers * slot_len * num_kv_heads * head_dim * dtype.itemsize
+    state = prefix_len * torch.bool.itemsize + torch.long.itemsize + width * 4   # float32
+    return kv + state
+
+
 class KVStore:
     """Preallocated K/V and per-slot prefix state; only the model runner touches it."""
 
@@ -80,11 +89,9 @@ class KVStore:
     @property
     def bytes_per_slot(self) -> int:
         """Bytes one slot occupies: K and V rows plus its prefix state."""
-        kv = 2 * self.k[:, 0].numel() * self.k.element_size()
-        state = (self.prefix_valid[0].numel() * self.prefix_valid.element_size()
-                 + self.n_valid.element_size()
-                 + self.last_hidden[0].numel() * self.last_hidden.element_size())
-        return kv + state
+        L, _, _, G, D = self.k.shape
+        return slot_bytes(L, self.prefix_len, self.max_gen_len, G, D,
+                          self.last_hidden.shape[1], self.k.dtype)
 
     @property
     def total_bytes(self) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from oxygen_ros.engine import (Frontend, identity_norm_stats, LanguagePolicy, make_system,
                                random_observation, random_setup)
+from oxygen_ros.engine.engine import pool_slot_bytes
 from oxygen_ros.engine.workload import default_num_slots
 from oxygen_ros.model.checkpoint import (CheckpointError, config_from_json, CONFIG_FILE,
                                          load_pi05)
@@ -152,7 +153,8 @@ def available_memory_bytes(device: str) -> int | None:
     return None
 
 
-def check_pool_fits(settings: Settings, config, dtype: torch.dtype) -> None:
+def check_pool_fits(settings: Settings, config, policy: LanguagePolicy,
+                    dtype: torch.dtype) -> None:
     """Refuse an explicit kv_capacity whose pool would take more than half the free memory.
 
     A parameter set over DDS (kv_capacity=1024 of a large model) must fail configure with a
@@ -160,9 +162,7 @@ def check_pool_fits(settings: Settings, config, dtype: torch.dtype) -> None:
     """
     if not settings.kv_capacity:
         return
-    b = config.backbone
-    slot_len = config.prefix_len + settings.tokens_per_request + 32   # prefix + forced + N
-    per_slot = 2 * b.depth * slot_len * b.num_kv_heads * b.head_dim * dtype.itemsize
+    per_slot = pool_slot_bytes(config, policy, dtype)
     need = settings.kv_capacity * per_slot
     free = available_memory_bytes(settings.device)
     if free is not None and need > free // 2:
@@ -211,10 +211,10 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
         # Loader errors (bad safetensors header, tokenizer/vocab mismatch, ...) carry their own
         # reason; say which step failed.
         raise EngineSetupError(f'loading the model failed: {err}') from err
-    check_pool_fits(settings, model.config, dtype)
+    policy = policy_for(settings, frontend.eos_id)
+    check_pool_fits(settings, model.config, policy, dtype)
     if warmup:
         warm_up(model, frontend, settings)
-    policy = policy_for(settings, frontend.eos_id)
     k = settings.decode_budget
     system = make_system('oxygen' if k is not None else 'oxygen-adaptive', model, frontend,
                          policy, k=k or 1, frame_period_s=settings.period_s,
