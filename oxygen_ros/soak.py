@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 FAULT_ENV = 'OXYGEN_ROS_SOAK_FAULTS'   # "rate,seed" for the node process
 EVENTS = ('drop_camera', 'restart_cameras', 'instruction', 'decode_budget', 'request_rate',
           'corrupt_image', 'nothing')
@@ -258,24 +260,25 @@ def _rss_mb(pid: int) -> float | None:
 
 
 def _healthy_rate(actions: list[float], unhealthy: list[tuple[float, float]], start: float,
-                  end: float) -> tuple[float, float]:
-    """(healthy seconds, actions received in them) over [start, end)."""
-    step, healthy_s, count = 0.1, 0.0, 0
-    times = sorted(actions)
-    t = start
-    j = 0
-    while t < end:
-        ok = not any(a <= t < b or a <= t + step < b for a, b in unhealthy)
-        while j < len(times) and times[j] < t:
-            j += 1
-        k = j
-        while k < len(times) and times[k] < t + step:
-            k += 1
-        if ok:
-            healthy_s += step
-            count += k - j
-        t += step
-    return healthy_s, count
+                  end: float, step: float = 0.1) -> tuple[float, float]:
+    """(healthy seconds, actions received in them) over [start, end).
+
+    The window is cut into `step`-second bins; a bin is healthy when neither of its ends falls
+    inside an unhealthy interval [a, b) (a fault and the recovery after it). Vectorised: a
+    30-minute soak has 18,000 bins and ~900 intervals.
+    """
+    n = max(0, math.ceil((end - start) / step - 1e-9))
+    if n == 0:
+        return 0.0, 0
+    left = start + step * np.arange(n)                                      # bin starts
+    ok = np.ones(n, dtype=bool)
+    for a, b in unhealthy:
+        ok &= ~(((a <= left) & (left < b)) | ((a <= left + step) & (left + step < b)))
+    times = np.asarray(actions, dtype=float)
+    times = times[(times >= start) & (times < start + n * step)]
+    bins = np.minimum(((times - start) // step).astype(int), n - 1)
+    per_bin = np.bincount(bins, minlength=n)
+    return float(step * ok.sum()), int(per_bin[ok].sum())
 
 
 def run_soak(opts: SoakOptions, progress=print) -> dict:
