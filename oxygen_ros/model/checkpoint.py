@@ -288,10 +288,11 @@ def _load_weights(weights: Path, config: Pi05Config, device, dtype, prefix: str 
         for key in f.keys():
             sl = f.get_slice(key)
             found[key], dtypes[key] = tuple(sl.get_shape()), sl.get_dtype()
-        # The tied embedding is kept under one of its two names, whichever the writer chose.
+        # LeRobot's writer may keep the tied embedding under either of its two names (openpi's
+        # converter always uses lm_head, so there the other name stays an error).
         stored = {key: key for key in expected}
         embed, head = prefix + EMBED_KEY, prefix + LM_HEAD_KEY
-        if embed in found:
+        if prefix and embed in found:
             if head not in found:
                 found[head], dtypes[head] = found[embed], dtypes[embed]
                 stored[head] = embed
