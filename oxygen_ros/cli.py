@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .serve.cli import add_serve_parser
     add_serve_parser(sub)
+
+    from .check_checkpoint import add_parser as add_check_parser
+    add_check_parser(sub)
     return parser
 
 

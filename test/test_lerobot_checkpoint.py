@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lerobot_layout import put_in_hub_cache, save_lerobot_pi05
+from oxygen_ros.cli import main as cli_main
 from oxygen_ros.engine import random_observation
 from oxygen_ros.model import get_preset, load_pi05, NormStats, Pi05Model, save_pi05
 from oxygen_ros.model.checkpoint import CheckpointError
@@ -170,3 +171,27 @@ def test_lerobot_weights_under_an_openpi_config_get_a_hint(tmp_path, folders):
     (path / 'model.safetensors').write_bytes((folders[1] / 'model.safetensors').read_bytes())
     with pytest.raises(CheckpointError, match='"type": "pi05"'):
         load_pi05(path)
+
+
+@pytest.mark.parametrize('layout', ['openpi', 'lerobot'])
+def test_check_checkpoint_runs_a_frame_and_says_what_it_found(layout, folders, hub_cache,
+                                                              capsys):
+    path = folders[0] if layout == 'openpi' else folders[1]
+    assert cli_main(['check-checkpoint', str(path), '--robot', 'libero', '--threads', '1']) == 0
+    out = capsys.readouterr().out
+    assert f'{layout} checkpoint {path}' in out
+    cfg = get_preset('tiny')
+    assert f'actions    [{cfg.action_horizon}, 7]' in out
+    assert f'[{cfg.action_horizon}, {cfg.action_dim}]' in out
+    assert 'tokenizer' in out and 'tokenizer.model' in out
+    assert ('lerobot' if layout == 'lerobot' else 'physical-intelligence/libero') in out
+
+
+def test_check_checkpoint_names_the_missing_file(tmp_path, folders, capsys):
+    path = copy_folder(folders[1], tmp_path / 'ckpt')
+    (path / 'policy_postprocessor.json').unlink()
+    assert cli_main(['check-checkpoint', str(path)]) == 2
+    err = capsys.readouterr().err
+    assert 'missing policy_postprocessor.json' in err and 'action' in err
+    assert cli_main(['check-checkpoint', str(tmp_path / 'nowhere')]) == 2
+    assert 'no model.safetensors' in capsys.readouterr().err
