@@ -22,9 +22,10 @@ ALLOWED = {
     'engine': {'model', 'kv'},
     'runtime': {'engine', 'model'},
     'ros': {'runtime', 'engine', 'msg'},
-    'bag': {'runtime', 'engine'},
+    'bag': {'runtime', 'engine', 'dataset'},
     'bench': {'engine', 'runtime', 'model', 'kv'},
     'serve': {'runtime', 'engine', 'model'},
+    'dataset': set(),
 }
 ROS_LAYERS = {'ros'}
 ROS_FREE_LAYERS = sorted(set(ALLOWED) - ROS_LAYERS)
