@@ -23,7 +23,7 @@ ALLOWED = {
     'runtime': {'engine', 'model'},
     'ros': {'runtime', 'engine', 'msg'},
     'bag': {'runtime', 'engine', 'dataset'},
-    'bench': {'engine', 'runtime', 'model', 'kv'},
+    'bench': {'engine', 'runtime', 'model', 'kv', 'serve'},
     'serve': {'runtime', 'engine', 'model'},
     'dataset': set(),
 }
