@@ -24,12 +24,16 @@ export ROS_DOMAIN_ID := $(or $(OXYGEN_ROS_DOMAIN_ID),$(shell echo $$(( 1 + $$$$ 
 # the venv get this from oxygen_ros_dev.pth as well; this covers everything else.
 export AMENT_PREFIX_PATH := $(VENV)$(if $(AMENT_PREFIX_PATH),:$(AMENT_PREFIX_PATH))
 
-.PHONY: venv setup test lint demo colcon-check clean distclean
+.PHONY: venv setup openpi-client-venv test lint demo colcon-check clean distclean
 
 venv setup:
 	bash scripts/setup_env.sh
 
-test: setup
+# openpi's unmodified robot client for the server's wire-format tests (it pins numpy<2)
+openpi-client-venv:
+	bash scripts/setup_openpi_client_venv.sh
+
+test: setup openpi-client-venv
 	@echo "ROS_DOMAIN_ID=$(ROS_DOMAIN_ID) ROS_AUTOMATIC_DISCOVERY_RANGE=$(ROS_AUTOMATIC_DISCOVERY_RANGE)"
 	rc=0; $(PY) -m pytest -q test/ || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; fi; \
@@ -57,4 +61,4 @@ clean:
 	find oxygen_ros test -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(CURDIR)/.venv-openpi-client

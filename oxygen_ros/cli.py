@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .soak import add_parser as add_soak_parser   # rclpy only when it runs
     add_soak_parser(sub)
+
+    from .serve.cli import add_serve_parser
+    add_serve_parser(sub)
+
+    from .check_checkpoint import add_parser as add_check_parser
+    add_check_parser(sub)
     return parser
 
 

@@ -212,3 +212,17 @@ def test_plan_warmup_and_groups():
         assert any(s.name == 'isolated' for s in g.systems)
         assert all(s.k is None or g.n_tokens % s.k == 0 for s in g.systems
                    if s.name == 'oxygen')
+
+
+def test_serve_part_reports_the_servers_overhead(tmp_path):
+    from oxygen_ros.cli import main
+
+    out = tmp_path / 'serve'
+    assert main(['bench', '--quick', '--parts', 'serve', '--out', str(out),
+                 '--no-progress']) == 0
+    (row,) = read_csv(out / 'serve.csv')
+    act, rtt, overhead = (float(row[k]) for k in ('act_ms_p50', 'rtt_ms_p50',
+                                                  'overhead_ms_p50'))
+    assert 0 < act < rtt and 0 < overhead < rtt
+    assert float(row['overhead_fraction_p50']) == pytest.approx(overhead / act)
+    assert 'server per-request overhead' in (out / 'summary.md').read_text()

@@ -57,7 +57,8 @@ def add_replay_parser(sub) -> argparse.ArgumentParser:
         description='Replay a rosbag2 (sqlite3 or MCAP) through the engine at the control rate '
                     'and write a new bag (MCAP) with the input topics plus actions, '
                     'language/tokens, language/narration and /diagnostics.')
-    parser.add_argument('bag', help='input rosbag2 directory (or .mcap file)')
+    parser.add_argument('bag', help='input rosbag2 directory (or .mcap file), or a LeRobot '
+                                    'dataset folder (v2.x / v3.0)')
     parser.add_argument('--out', required=True, help='output bag directory (must not exist)')
     parser.add_argument('--rate', default='recorded',
                         help="'recorded' (real time, default), 'max' (as fast as possible) or "
@@ -91,6 +92,16 @@ def add_replay_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument('--overwrite', action='store_true', help='replace an existing --out bag')
     parser.add_argument('--threads', type=int, default=0, help='torch threads (0 = default)')
     parser.add_argument('--quiet', action='store_true', help='no progress bar')
+    dataset = parser.add_argument_group('LeRobot datasets')
+    dataset.add_argument('--camera', action='append', default=[], metavar='NAME=FEATURE',
+                         help="robot camera <- dataset feature (default: a feature named "
+                              "'observation.images.NAME' or 'NAME')")
+    dataset.add_argument('--state-key', default='observation.state',
+                         help='state feature (default %(default)s)')
+    dataset.add_argument('--action-key', default='action',
+                         help='recorded action feature (default %(default)s)')
+    dataset.add_argument('--episodes', type=int, nargs='+', metavar='INDEX',
+                         help='episodes to replay (default: all)')
     _add_param_arguments(parser)
     parser.set_defaults(func=replay_main)
     return parser
@@ -142,10 +153,14 @@ def replay_main(args: argparse.Namespace) -> int:
         if args.threads:
             import torch
             torch.set_num_threads(args.threads)
-        from oxygen_ros.bag.replay import Replay
-        replay = Replay(args.bag, args.out, params, rate=args.rate, storage=args.storage,
-                        overwrite=args.overwrite, copy=args.copy, progress=not args.quiet,
-                        node_name=args.node_name)
+        from oxygen_ros.dataset import is_dataset
+        if is_dataset(args.bag):
+            replay = _dataset_replay(args, params)
+        else:
+            from oxygen_ros.bag.replay import Replay
+            replay = Replay(args.bag, args.out, params, rate=args.rate, storage=args.storage,
+                            overwrite=args.overwrite, copy=args.copy, progress=not args.quiet,
+                            node_name=args.node_name)
     except BagError as err:
         return error('replay', err)
     except KeyboardInterrupt:
@@ -165,6 +180,23 @@ def replay_main(args: argparse.Namespace) -> int:
     if not summary.deterministic:
         print('  note: adaptive k reads the wall clock; tokens may differ between replays')
     return 0
+
+
+def _dataset_replay(args: argparse.Namespace, params):
+    """Build the DatasetReplay the options describe (a LeRobot dataset is paced by its frames)."""
+    from oxygen_ros.bag.dataset_replay import DatasetReplay
+
+    mapping = {}
+    for item in args.camera:
+        name, sep, feature = item.partition('=')
+        if not sep or not name or not feature:
+            raise BagError(f'--camera {item!r}; expected NAME=FEATURE, e.g. '
+                           'image=observation.images.front')
+        mapping[name] = feature
+    return DatasetReplay(args.bag, args.out, params, camera_map=mapping or None,
+                         state_key=args.state_key, action_key=args.action_key,
+                         episodes=args.episodes, storage=args.storage,
+                         overwrite=args.overwrite, progress=not args.quiet)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # all close the bag cleanly

@@ -25,7 +25,7 @@ SWEEPS = ('nk', 'steps', 'arrivals', 'mixed', 'workloads')
 PARTS = SWEEPS + ('memory',)   # the default ('all'): runs anywhere, ROS or not
 # 'node' starts oxygen_node, a stand-in robot and a monitor as processes: it needs the ROS
 # install and the built messages, and takes a minute and more, so it runs only when asked for.
-ALL_PARTS = PARTS + ('node',)
+ALL_PARTS = PARTS + ('node', 'serve')   # serve: `oxygen-ros serve` over the engine, localhost
 PAPER_NS = (5, 10, 15, 20, 30)
 PAPER_STEPS = (5, 10, 15, 20)
 # One request per 0.25 .. 4 frames (Poisson), as requests per frame.

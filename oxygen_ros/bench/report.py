@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .run import BenchResult, save_result  # noqa: E402
+from .serve import serve_targets  # noqa: E402
 
 SYSTEM_STYLE = {   # colour, marker per system (oxygen k=... share the oxygen colour)
     'action-only': ('black', 's'), 'isolated': ('tab:red', 'o'), 'parallel': ('tab:purple', 'v'),
@@ -59,6 +60,9 @@ def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
             write_csv(rows, paths[name])
         else:
             del paths[name]   # e.g. --parts node: no sweep ran
+    if result.serve:
+        paths['serve'] = out / 'serve.csv'
+        write_csv(result.serve, paths['serve'])
     if result.node:
         paths['node'] = out / 'node.csv'
         write_csv(result.node, paths['node'])
@@ -152,6 +156,7 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
                             f' (pool {r["kv_pool_mb"]:.1f} MB)' for r in narrow),
             'met': ratio <= TARGET_MEMORY_OVER_ACTION_ONLY})
     targets += node_targets(result)
+    targets += serve_targets(result.serve)
     if not result.rows:
         return targets
     checked = [r for r in result.rows if r['tokens_identical'] != '']

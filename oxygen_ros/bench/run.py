@@ -86,6 +86,7 @@ class BenchResult:
     options: BenchOptions
     node: list[dict] = dataclasses.field(default_factory=list)        # part 'node': one row
     node_ticks: list[dict] = dataclasses.field(default_factory=list)  # its per-tick records
+    serve: list[dict] = dataclasses.field(default_factory=list)       # part 'serve': one row
 
 
 def environment(opts: BenchOptions) -> dict:
@@ -498,6 +499,15 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
         result.node.append(row)
         result.node_ticks.extend(ticks)
         part_seconds['node'] = time.perf_counter() - start
+    if 'serve' in opts.plan.parts:
+        from .serve import run_serve_part, ServeBenchOptions
+
+        start = time.perf_counter()
+        quick = ServeBenchOptions(requests=8, warmup=2, tokens=4, k=2)
+        result.serve.append(run_serve_part(quick if opts.quick else ServeBenchOptions(),
+                                           opts.preset, opts.device, opts.dtype, opts.threads,
+                                           opts.seed))
+        part_seconds['serve'] = time.perf_counter() - start
     env['loadavg_end'] = os.getloadavg()[0] if hasattr(os, 'getloadavg') else math.nan
     return result
 

@@ -1,4 +1,9 @@
-"""openpi PyTorch checkpoints: load into / save from Pi05Model (safetensors only, never pickle).
+"""π0.5 checkpoints: load into / save from Pi05Model (safetensors only, never pickle).
+
+Two layouts load to the same model: openpi's (below) and LeRobot's `type: pi05` folder
+(oxygen_ros.model.lerobot: the same names under a `model.` prefix, normalizer statistics in
+processor files, the tokenizer named rather than shipped). load_pi05 tells them apart by
+config.json ("type" is LeRobot's).
 
 A checkpoint directory, as openpi's converter writes it:
   model.safetensors              parameters under openpi's names (see below)
@@ -27,6 +32,7 @@ from safetensors import safe_open
 import safetensors.torch
 import torch
 
+from . import lerobot
 from .config import GEMMA_VARIANTS, Pi05Config, SIGLIP_SO400M
 from .normalize import find_norm_stats, NormStats, save_norm_stats
 from .pi05 import FLOAT32_PARAMS, Pi05Model
@@ -138,6 +144,8 @@ class LoadedPolicy:
     tokenizer_path: Path | None                  # <dir>/tokenizer.model when present
     path: Path
     float32_params: tuple[str, ...] = ()  # names kept float32 when loaded in a lower precision
+    layout: str = 'openpi'                # 'openpi' or 'lerobot'
+    tokenizer_note: str = ''              # where the tokenizer came from, or why there is none
 
 
 def _shape_str(shape) -> str:
@@ -145,8 +153,12 @@ def _shape_str(shape) -> str:
 
 
 def check_layout(found: Mapping[str, tuple], dtypes: Mapping[str, str],
-                 expected: Mapping[str, tuple], where: str = WEIGHTS_FILE) -> None:
-    """Raise CheckpointError listing every missing, unexpected, mis-shaped or non-float key."""
+                 expected: Mapping[str, tuple], where: str = WEIGHTS_FILE,
+                 prefix: str = '') -> None:
+    """Raise CheckpointError listing every missing, unexpected, mis-shaped or non-float key.
+
+    prefix: the layout's key prefix (LeRobot's 'model.'); ignored keys carry it too.
+    """
     problems = []
     for key, shape in expected.items():
         if key not in found:
@@ -157,10 +169,16 @@ def check_layout(found: Mapping[str, tuple], dtypes: Mapping[str, str],
         elif dtypes.get(key, 'F32') not in _FLOAT_DTYPES:
             problems.append(f'dtype: {key}: expected a float dtype, found {dtypes[key]}')
     for key in found:
-        if key not in expected and key not in IGNORED_KEYS:
+        if key not in expected and key not in {prefix + k for k in IGNORED_KEYS}:
             problems.append(f'unexpected: {key} (found shape {_shape_str(found[key])})')
     if problems:
-        raise CheckpointError(f'{where} does not match the model config '
+        hint = ''
+        if prefix and found and not any(k.startswith(prefix) for k in found):
+            hint = f' (no key starts with {prefix!r}: is this an openpi-layout file?)'
+        elif not prefix and any(k.startswith(lerobot.KEY_PREFIX) for k in found):
+            hint = (f' (keys start with {lerobot.KEY_PREFIX!r}: a LeRobot file, whose '
+                    'config.json needs "type": "pi05")')
+        raise CheckpointError(f'{where} does not match the model config{hint} '
                               f'({len(problems)} problems):\n  ' + '\n  '.join(problems))
 
 
@@ -171,56 +189,126 @@ def _target_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def read_config_json(path: Path) -> dict:
+    """Return the contents of <path>/config.json (raises with the file's name)."""
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(f'no {CONFIG_FILE} in {path} (or pass config=)')
+    try:
+        data = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f'{config_file}: not valid JSON: {err}') from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f'{config_file}: expected a JSON object')
+    return data
+
+
+def checkpoint_config(path: str | os.PathLike) -> Pi05Config:
+    """Return the Pi05Config a checkpoint folder of either layout describes."""
+    path = Path(path)
+    data = read_config_json(path)
+    if lerobot.is_lerobot_config(data):
+        lerobot.check_type(data, str(path / CONFIG_FILE))
+        data = lerobot.config_fields(data)
+    return config_from_json(data)
+
+
 def load_pi05(path: str | os.PathLike, config: Pi05Config | None = None,
               device: torch.device | str | None = None,
               dtype: torch.dtype | None = None) -> LoadedPolicy:
-    """Load an openpi π0.5 PyTorch checkpoint directory.
+    """Load a π0.5 PyTorch checkpoint directory: openpi's layout or LeRobot's `pi05` folder.
 
     config: overrides config.json (e.g. to set discrete_state_input, which openpi's config.json
     does not record). device: default CPU. dtype: default float32; with bfloat16 the float32
     islands of Pi05Model.to_precision stay float32 (listed in `float32_params`).
     """
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f'checkpoint folder {path} does not exist')
+    has_config = (path / CONFIG_FILE).is_file()
+    data = read_config_json(path) if has_config else {}
+    if lerobot.is_lerobot_config(data):
+        return _load_lerobot(path, data, config, device, dtype)
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f'no {WEIGHTS_FILE} in {path}')
     if config is None:
-        config_file = path / CONFIG_FILE
-        if not config_file.is_file():
-            raise FileNotFoundError(f'no {CONFIG_FILE} in {path} (or pass config=)')
-        try:
-            data = json.loads(config_file.read_text())
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f'{config_file}: not valid JSON: {err}') from None
-        config = config_from_json(data)
+        config = config_from_json(read_config_json(path))   # raises when there is none
+    model, kept = _load_weights(weights, config, device, dtype)
+    tokenizer = path / TOKENIZER_FILE
+    has_tokenizer = tokenizer.is_file()
+    return LoadedPolicy(model=model, config=config,
+                        norm_stats=find_norm_stats(path / ASSETS_DIR),
+                        tokenizer_path=tokenizer if has_tokenizer else None,
+                        path=path, float32_params=kept,
+                        tokenizer_note=(f'{tokenizer}' if has_tokenizer else
+                                        f'no {TOKENIZER_FILE} in {path}'))
+
+
+def _load_lerobot(path: Path, data: dict, config: Pi05Config | None, device, dtype
+                  ) -> LoadedPolicy:
+    """Load LeRobot's π0.5 folder: same tensors as openpi's under the `model.` prefix."""
+    where = f'LeRobot π0.5 checkpoint {path}'
+    lerobot.check_type(data, str(path / CONFIG_FILE))
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f'{where}: missing {WEIGHTS_FILE} (the model weights)')
+    norm_stats = lerobot.load_norm_stats(path)      # before the weights: fail fast and cheap
+    config = config or config_from_json(lerobot.config_fields(data))
+    model, kept = _load_weights(weights, config, device, dtype, prefix=lerobot.KEY_PREFIX)
+    name = lerobot.tokenizer_name(path)
+    tokenizer, note = path / TOKENIZER_FILE, ''
+    if tokenizer.is_file():
+        note = str(tokenizer)
+    else:
+        tokenizer = lerobot.find_cached_tokenizer(name)
+        caches = ', '.join(str(c) for c in lerobot.hub_cache_dirs())
+        note = (f'{tokenizer} (tokenizer {name!r} from the Hugging Face hub cache)' if tokenizer
+                else f'tokenizer {name!r} (named by {lerobot.PREPROCESSOR_FILE}): no '
+                     f'{TOKENIZER_FILE} in {path} nor in the hub cache ({caches})')
+    return LoadedPolicy(model=model, config=config, norm_stats={lerobot.ASSET_ID: norm_stats},
+                        tokenizer_path=tokenizer, path=path, float32_params=kept,
+                        layout='lerobot', tokenizer_note=note)
+
+
+def _load_weights(weights: Path, config: Pi05Config, device, dtype, prefix: str = ''
+                  ) -> tuple[Pi05Model, tuple[str, ...]]:
+    """Build the model for `config` and fill it from `weights` (file keys = prefix + openpi's).
+
+    Every key and shape is checked from the header before any tensor data is read.
+    """
     device = torch.device(device or 'cpu')
     dtype = dtype or torch.float32
-
     with torch.device('meta'):
         model = Pi05Model(config)
-    expected = {to_file_key(n): tuple(p.shape) for n, p in model.state_dict().items()}
+    expected = {prefix + to_file_key(n): tuple(p.shape) for n, p in model.state_dict().items()}
     state = {}
     with safe_open(str(weights), framework='pt', device='cpu') as f:
-        # Check every key and shape from the header before reading any tensor data.
         found, dtypes = {}, {}
         for key in f.keys():
             sl = f.get_slice(key)
             found[key], dtypes[key] = tuple(sl.get_shape()), sl.get_dtype()
-        check_layout(found, dtypes, expected, where=str(weights))
+        # LeRobot's writer may keep the tied embedding under either of its two names (openpi's
+        # converter always uses lm_head, so there the other name stays an error).
+        stored = {key: key for key in expected}
+        embed, head = prefix + EMBED_KEY, prefix + LM_HEAD_KEY
+        if prefix and embed in found:
+            if head not in found:
+                found[head], dtypes[head] = found[embed], dtypes[embed]
+                stored[head] = embed
+            del found[embed]
+        check_layout(found, dtypes, expected, where=str(weights), prefix=prefix)
         for key in expected:
-            name = to_model_key(key)
-            state[name] = f.get_tensor(key).to(device=device, dtype=_target_dtype(name, dtype))
+            name = to_model_key(key[len(prefix):])
+            tensor = f.get_tensor(stored[key])
+            state[name] = tensor.to(device=device, dtype=_target_dtype(name, dtype))
     model.load_state_dict(state, strict=True, assign=True)
     model.eval()
     kept = tuple(n for n, p in model.named_parameters() if p.dtype != dtype)
     if kept:
-        logger.info('loaded %s in %s; %d parameters kept in float32: %s', path, dtype,
+        logger.info('loaded %s in %s; %d parameters kept in float32: %s', weights, dtype,
                     len(kept), ', '.join(sorted(set(FLOAT32_PARAMS))))
-    tokenizer = path / TOKENIZER_FILE
-    return LoadedPolicy(model=model, config=config,
-                        norm_stats=find_norm_stats(path / ASSETS_DIR),
-                        tokenizer_path=tokenizer if tokenizer.is_file() else None,
-                        path=path, float32_params=kept)
+    return model, kept
 
 
 # --- save ---------------------------------------------------------------------------------------

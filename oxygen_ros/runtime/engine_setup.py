@@ -7,7 +7,6 @@ feed it the same observations.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from pathlib import Path
@@ -18,7 +17,7 @@ from oxygen_ros.engine import (Frontend, identity_norm_stats, LanguagePolicy, ma
                                random_observation, random_setup)
 from oxygen_ros.engine.engine import pool_slot_bytes
 from oxygen_ros.engine.workload import default_num_slots
-from oxygen_ros.model.checkpoint import (CheckpointError, config_from_json, CONFIG_FILE,
+from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
 from oxygen_ros.model.config import get_preset
 from oxygen_ros.model.robots import get_robot
@@ -108,8 +107,8 @@ def _checkpoint(settings: Settings, device: str, dtype: torch.dtype):
     config = None
     if settings.denoise_steps:
         try:
-            config = config_from_json(json.loads((path / CONFIG_FILE).read_text()))
-        except (OSError, json.JSONDecodeError) as err:
+            config = checkpoint_config(path)
+        except OSError as err:
             raise EngineSetupError(
                 f'checkpoint {path}: cannot read {CONFIG_FILE}: {err}') from None
         config = config.replace(num_steps=settings.denoise_steps)
@@ -130,11 +129,13 @@ def _checkpoint(settings: Settings, device: str, dtype: torch.dtype):
     elif loaded.tokenizer_path is not None:
         tokenizer_path = loaded.tokenizer_path
     else:
-        raise EngineSetupError(f'checkpoint {path} has no tokenizer.model and parameter '
-                               "'tokenizer' is empty: give the PaliGemma SentencePiece model")
+        raise EngineSetupError(f'checkpoint {path}: {loaded.tokenizer_note}, and parameter '
+                               "'tokenizer' is empty: give the PaliGemma SentencePiece model "
+                               '(tokenizer.model)')
     tokenizer = PaligemmaTokenizer(tokenizer_path, max_len=loaded.config.max_token_len)
     frontend = Frontend.from_config(loaded.config, settings.robot, tokenizer, norm_stats, device)
-    return loaded.model, frontend, {'source': f'checkpoint {path}', 'norm_stats': asset,
+    return loaded.model, frontend, {'source': f'{loaded.layout} checkpoint {path}',
+                                    'norm_stats': asset,
                                     'tokenizer': str(tokenizer_path)}, warnings
 
 

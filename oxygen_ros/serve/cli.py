@@ -1,0 +1,119 @@
+"""`oxygen-ros serve`: openpi's policy server protocol over the OxyGen engine.
+
+Engine settings are the node's parameters (oxygen_ros.runtime.params: same names, defaults and
+checks); errors are one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from oxygen_ros.serve.server import DEFAULT_PORT
+
+EXIT_ERROR = 2
+
+# command-line option dest -> node parameter
+_ENGINE_PARAMS = ('checkpoint', 'preset', 'device', 'dtype', 'tokenizer', 'seed',
+                  'decode_budget', 'tokens_per_request', 'request_every_n_frames',
+                  'language_prompt', 'kv_capacity', 'denoise_steps', 'torch_threads',
+                  'control_rate_hz')
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the engine's node parameters as options (serve and check-checkpoint)."""
+    group = parser.add_argument_group('engine (node parameters; defaults as the node)')
+    group.add_argument('--robot', default='libero', choices=['libero', 'droid', 'aloha'])
+    group.add_argument('--checkpoint', help='openpi or LeRobot π0.5 checkpoint folder '
+                                            '(default: random weights of --preset)')
+    group.add_argument('--preset', help='model preset for random weights (e.g. pi05-cpu)')
+    group.add_argument('--device')
+    group.add_argument('--dtype', choices=['float32', 'bfloat16'])
+    group.add_argument('--tokenizer', help="SentencePiece model (default: the checkpoint's)")
+    group.add_argument('--seed', type=int)
+    group.add_argument('--k', dest='decode_budget',
+                       help="tokens per request per frame, or 'adaptive'")
+    group.add_argument('--tokens', type=int, dest='tokens_per_request', metavar='N',
+                       help='tokens per language request')
+    group.add_argument('--request-every', type=int, dest='request_every_n_frames',
+                       metavar='FRAMES', help='start a language request every n frames')
+    group.add_argument('--prompt-template', dest='language_prompt',
+                       help='language prompt template ({instruction} is replaced)')
+    group.add_argument('--kv-capacity', type=int)
+    group.add_argument('--denoise-steps', type=int)
+    group.add_argument('--threads', type=int, dest='torch_threads',
+                       help='torch threads (default: every core but one)')
+
+
+def settings_from_args(args: argparse.Namespace):
+    """Build the node's Settings from the options (raises ValueError naming what is wrong)."""
+    from oxygen_ros.runtime.params import robot_defaults, Settings
+
+    values = robot_defaults(args.robot)
+    values.update({name: getattr(args, name) for name in _ENGINE_PARAMS
+                   if getattr(args, name, None) is not None})
+    return Settings.from_values(values)
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        'serve', help="serve the engine over openpi's websocket policy protocol",
+        description="Serve the OxyGen engine to openpi's robot clients "
+                    '(openpi_client.websocket_client_policy.WebsocketClientPolicy) unchanged: '
+                    'msgpack over a websocket, metadata on connect, infer(obs) -> '
+                    '{"actions": [H, A], ...}; GET /healthz answers 200 while it runs. '
+                    'Responses add "language": the narration of earlier frames.')
+    parser.add_argument('--host', default='0.0.0.0',
+                        help='address to listen on (default %(default)s: every interface)')
+    parser.add_argument('--port', type=int, default=DEFAULT_PORT,
+                        help='port (default %(default)s, as openpi; 0 = any free port)')
+    parser.add_argument('--default-prompt', default='', metavar='TEXT',
+                        help="task text for requests without 'prompt' (default: required)")
+    parser.add_argument('--max-pending', type=int, default=4, metavar='N',
+                        help='requests one client may have waiting (default %(default)s)')
+    add_engine_arguments(parser)
+    parser.set_defaults(func=serve_main)
+    return parser
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Run `oxygen-ros serve` until Ctrl-C; return the exit code."""
+    from oxygen_ros.runtime.engine_setup import build_engine, SETUP_ERRORS
+    from oxygen_ros.serve.server import PolicyServer, ServerConfig
+
+    logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
+    if not 0 <= args.port <= 65535:
+        return _error(f'port {args.port}; expected 0..65535')
+    if args.max_pending < 1:
+        return _error(f'max-pending {args.max_pending}; expected >= 1')
+    try:
+        settings = settings_from_args(args)
+        engine = build_engine(settings)
+    except SETUP_ERRORS as err:
+        return _error(err)
+    config = ServerConfig(robot=settings.robot, host=args.host, port=args.port,
+                          default_prompt=args.default_prompt, max_pending=args.max_pending,
+                          max_instruction_chars=settings.max_instruction_chars,
+                          period_s=settings.period_s)
+    for warning in engine.warnings:
+        logging.getLogger(__name__).warning(warning)
+    server = PolicyServer(engine.system, config, engine.description)
+    try:
+        port = server.start()
+    except OSError as err:
+        return _error(f'cannot listen on {args.host}:{args.port}: {err}')
+    print(f'oxygen-ros serve: {settings.robot} on ws://{args.host}:{port} '
+          f'({engine.description.get("source", "")}); Ctrl-C stops', flush=True)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        print('oxygen-ros serve: stopping', file=sys.stderr)
+    finally:
+        server.stop()
+    return 0
+
+
+def _error(err) -> int:
+    print(f'oxygen-ros serve: error: {err}', file=sys.stderr)
+    return EXIT_ERROR

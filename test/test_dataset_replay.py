@@ -1,0 +1,132 @@
+"""LeRobot dataset replay: dataset in -> the bag replay's frame loop -> MCAP with action error.
+
+Datasets are written here (test/lerobot_dataset.py: v2.1 with PNG image features, v3.0 with
+lossless videos holding every episode); the replay runs the tiny random preset; the output is
+read back with rosbags and the error topic is recomputed from the written action chunks and
+the recorded actions.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rosbags.highlevel import AnyReader
+import torch
+
+from lerobot_dataset import CAMERAS, episode_arrays, TASKS, write_v21, write_v30
+from oxygen_ros.cli import main as cli_main
+from oxygen_ros.dataset import chunk_error, LeRobotDataset
+
+ENGINE = ['--preset', 'tiny', '--k', '2', '--tokens', '4', '--seed', '3', '--robot', 'libero']
+LENGTHS = (6, 5)
+
+
+@pytest.fixture(scope='module', autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope='module', params=['v2.1', 'v3.0'])
+def dataset(request, tmp_path_factory):
+    write = write_v21 if request.param == 'v2.1' else write_v30
+    return write(tmp_path_factory.mktemp('datasets') / request.param, LENGTHS)
+
+
+def read_bag(path):
+    """topic -> [(log time, message)] decoded with the definitions stored in the bag."""
+    messages = {}
+    with AnyReader([Path(path)]) as reader:
+        for conn, stamp, raw in reader.messages():
+            messages.setdefault(conn.topic, []).append(
+                (stamp, reader.deserialize(raw, conn.msgtype)))
+    return messages
+
+
+def replay(dataset, out, *extra):
+    return cli_main(['replay', str(dataset), '--out', str(out), '--quiet', *ENGINE, *extra])
+
+
+def test_reader_yields_the_written_frames(dataset):
+    ds = LeRobotDataset(dataset)
+    assert [(e.index, e.length) for e in ds.episodes] == list(enumerate(LENGTHS))
+    assert ds.cameras == list(CAMERAS)
+    for episode, length in enumerate(LENGTHS):
+        images, state, action = episode_arrays(episode, length, 16)
+        frames = list(ds.frames(episode, list(CAMERAS), 'observation.state', 'action'))
+        assert [f.index for f in frames] == list(range(length))
+        for f in frames:
+            for cam in CAMERAS:
+                np.testing.assert_array_equal(f.images[cam], images[cam][f.index])
+            np.testing.assert_array_equal(f.state, state[f.index])
+            assert f.task == TASKS[episode % len(TASKS)]
+        np.testing.assert_array_equal(ds.actions(episode, 'action'), action)
+
+
+def test_replay_writes_actions_language_and_action_error(tmp_path, dataset, capsys):
+    out = tmp_path / 'out'
+    assert replay(dataset, out) == 0
+    printed = capsys.readouterr().out
+    messages = read_bag(out)
+    chunks = [m for _, m in messages['/actions']]
+    assert len(chunks) == sum(LENGTHS)
+    assert messages['/language/tokens']
+    errors = [m for _, m in messages['/evaluation/action_error']]
+    assert len(errors) == len(chunks)
+    # recompute every frame's error from the written chunk and the recorded actions
+    index = 0
+    per_episode = {}
+    for episode, length in enumerate(LENGTHS):
+        _, _, recorded = episode_arrays(episode, length, 16)
+        for t in range(length):
+            chunk = chunks[index].actions.reshape(chunks[index].horizon, chunks[index].action_dim)
+            l1, mse, _ = chunk_error(chunk, recorded.astype(np.float64), t)
+            np.testing.assert_allclose(errors[index].data, np.concatenate([l1, mse]),
+                                       rtol=1e-6)
+            per_episode.setdefault(episode, []).append(l1)
+            index += 1
+    report = json.loads((out / 'action_error.json').read_text())
+    assert [e['episode'] for e in report['episodes']] == [0, 1]
+    for e in report['episodes']:
+        np.testing.assert_allclose(e['l1'], np.mean(per_episode[e['episode']], axis=0))
+        assert len(e['mse']) == 7 and e['frames'] == LENGTHS[e['episode']]
+        assert f'episode {e["episode"]}: {e["frames"]} frames, action L1' in printed
+    assert (out / 'action_error.png').stat().st_size > 1000
+
+
+def test_replay_is_deterministic_for_a_fixed_k(tmp_path, dataset):
+    outputs = []
+    for name in ('a', 'b'):
+        assert replay(dataset, tmp_path / name) == 0
+        messages = read_bag(tmp_path / name)
+        outputs.append((
+            [m.actions.tolist() for _, m in messages['/actions']],
+            [(m.request_id, m.token_ids.tolist()) for _, m in messages['/language/tokens']],
+            (tmp_path / name / 'action_error.json').read_text().replace(str(tmp_path / name),
+                                                                        '')))
+    assert outputs[0] == outputs[1]
+
+
+def test_episode_choice_and_camera_mapping(tmp_path, dataset):
+    out = tmp_path / 'one'
+    assert replay(dataset, out, '--episodes', '1', '--camera',
+                  'image=observation.images.wrist_image') == 0
+    assert len(read_bag(out)['/actions']) == LENGTHS[1]
+
+
+@pytest.mark.parametrize('extra, reason', [
+    (['--camera', 'image=observation.images.nope'], "not camera features: "
+                                                    "['observation.images.nope']"),
+    (['--camera', 'image'], 'expected NAME=FEATURE'),
+    (['--episodes', '7'], 'no episode 7'),
+    (['--state-key', 'action'], "feature 'action' has shape [7]; robot 'libero' needs state"),
+    (['--action-key', 'missing'], "no feature 'missing' for the action"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, dataset, extra, reason, capsys):
+    assert replay(dataset, tmp_path / 'bad', *extra) == 2
+    err = capsys.readouterr().err
+    assert reason in err, err
+    assert not (tmp_path / 'bad').exists()

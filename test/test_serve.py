@@ -1,0 +1,253 @@
+"""`oxygen-ros serve`: openpi's websocket policy protocol over the engine's frame loop.
+
+The wire format is checked against openpi's own client (openpi-client, unmodified) running in
+.venv-openpi-client (it pins numpy<2, so it cannot share the project's venv; the Makefile and,
+when missing, this module build it with scripts/setup_openpi_client_venv.sh). Our msgpack
+codec is checked on its own too, and the server's queueing, errors and health endpoint with a
+plain websocket client.
+"""
+
+import contextlib
+import json
+from pathlib import Path
+import subprocess
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+import websockets.sync.client
+
+from oxygen_ros.engine import random_observation
+from oxygen_ros.runtime.engine_setup import build_engine
+from oxygen_ros.runtime.params import robot_defaults, Settings
+from oxygen_ros.serve import PolicyServer, RequestError, ServerConfig, to_observation
+from oxygen_ros.serve.queue import FairQueue
+from oxygen_ros.serve.wire import packb, unpackb, WireError
+
+REPO = Path(__file__).resolve().parents[1]
+CLIENT_VENV = REPO / '.venv-openpi-client'
+PROBE = Path(__file__).with_name('openpi_client_probe.py')
+ENGINE = {'preset': 'tiny', 'tokens_per_request': 4, 'decode_budget': '2', 'seed': 3}
+ROBOT_DIMS = {'libero': 7, 'droid': 8, 'aloha': 14}
+
+
+@pytest.fixture(scope='module', autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_engine(robot):
+    settings = Settings.from_values({**robot_defaults(robot), **ENGINE})
+    return build_engine(settings, warmup=False)
+
+
+def serve(robot, **config):
+    engine = make_engine(robot)
+    server = PolicyServer(engine.system, ServerConfig(robot=robot, host='127.0.0.1', port=0,
+                                                      **config), engine.description)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope='module')
+def libero_server():
+    server = serve('libero')
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope='module')
+def client_python():
+    """The second venv's python with openpi-client installed (built when missing)."""
+    subprocess.run(['bash', str(REPO / 'scripts' / 'setup_openpi_client_venv.sh')], check=True,
+                   timeout=900)
+    return CLIENT_VENV / 'bin' / 'python'
+
+
+@contextlib.contextmanager
+def connect(server):
+    """A plain websocket client of `server`, past its metadata message."""
+    with websockets.sync.client.connect(f'ws://127.0.0.1:{server.port}', compression=None,
+                                        max_size=None, open_timeout=10) as ws:
+        assert unpackb(ws.recv(timeout=10))['server'] == 'oxygen_ros'
+        yield ws
+
+
+def libero_request(i=0, **changes):
+    obs = random_observation('libero', i, image_size=224)
+    request = {'observation/image': obs.images['image'],
+               'observation/wrist_image': obs.images['wrist_image'],
+               'observation/state': obs.state, 'prompt': 'pick up the bowl'}
+    request.update(changes)
+    return request
+
+
+# ---- openpi's own client ------------------------------------------------------------------------
+@pytest.mark.parametrize('robot', ['libero', 'droid', 'aloha'])
+def test_unmodified_openpi_client_gets_actions(robot, client_python):
+    requests = 4
+    with serve(robot) as server:
+        run = subprocess.run([str(client_python), str(PROBE), str(server.port), robot,
+                              str(requests)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out['metadata']['robot'] == robot
+    assert out['metadata']['server'] == 'oxygen_ros'
+    horizon = out['metadata']['engine']['horizon']
+    for response in out['responses']:
+        assert response['shape'] == [horizon, ROBOT_DIMS[robot]]
+        assert response['dtype'] == 'float32' and response['finite']
+        assert {'actions', 'server_timing', 'policy_timing', 'language'} <= set(response['keys'])
+        assert 'infer_ms' in response['server_timing']
+    assert [r['frame_index'] for r in out['responses']] == list(range(requests))
+    # narration of earlier frames rides on later responses
+    texts = [d for r in out['responses'] for d in r['language']['deltas']]
+    assert texts and all(d['frame_index'] < requests for d in texts)
+    assert out['error'] is not None and 'prompt' in out['error']
+    assert out['after_error_shape'] == [horizon, ROBOT_DIMS[robot]]
+
+
+# ---- the server with a plain websocket client -------------------------------------------------
+def test_actions_equal_the_engines_on_the_same_observation(libero_server):
+    with connect(libero_server) as ws:
+        ws.send(packb(libero_request(0)))
+        served = unpackb(ws.recv(timeout=60))
+    # actions depend on the observation, the seed and the frame index (the noise), nothing else
+    obs = to_observation(libero_request(0), 'libero')
+    obs.frame_index = served['frame_index']
+    expected = make_engine('libero').system.act(obs).actions
+    np.testing.assert_array_equal(served['actions'], expected)
+
+
+def test_bad_requests_get_a_reason_and_the_connection_stays(libero_server):
+    with connect(libero_server) as ws:
+        cases = [
+            ('text', 'expected a binary msgpack message'),
+            (b'\xc1\xc1', 'not a msgpack message'),
+            (packb({'observation/image': 1}), "missing 'observation/wrist_image', "
+                                              "'observation/state' (request keys: "
+                                              "observation/image)"),
+            (packb(libero_request(**{'observation/image': 1})), 'expected a numpy image'),
+            (packb(libero_request(**{'observation/state': np.zeros(5)})),
+             'has 5 values; expected 8'),
+            (packb(libero_request(**{'observation/image': np.zeros((4, 4), np.uint8)})),
+             'expected [H, W, 3] or [3, H, W]'),
+            (packb(libero_request(prompt='')), "send 'prompt'"),
+            (packb(libero_request(**{'observation/state': np.full(8, np.nan)})), 'NaN'),
+        ]
+        for message, reason in cases:
+            ws.send(message)
+            reply = ws.recv(timeout=60)
+            assert isinstance(reply, str) and reason in reply, (reason, reply)
+        ws.send(packb(libero_request(1)))
+        assert unpackb(ws.recv(timeout=60))['actions'].shape[1] == 7
+
+
+def test_health_endpoint(libero_server):
+    with urllib.request.urlopen(f'http://127.0.0.1:{libero_server.port}/healthz',
+                                timeout=10) as reply:
+        assert reply.status == 200 and reply.read() == b'OK\n'
+
+
+def test_clients_at_once_share_one_engine_frame_by_frame(libero_server):
+    results = {}
+
+    def run(name, n=5):
+        with connect(libero_server) as ws:
+            got = []
+            for i in range(n):
+                ws.send(packb(libero_request(i)))
+                got.append(unpackb(ws.recv(timeout=120)))
+            results[name] = got
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ('a', 'b', 'c')]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(results) == ['a', 'b', 'c']
+    frames = {name: [r['frame_index'] for r in got] for name, got in results.items()}
+    every = sorted(f for fs in frames.values() for f in fs)
+    assert every == list(range(every[0], every[0] + 15))        # one frame per request
+    for name, got in results.items():
+        mine = set(frames[name])
+        language = [d['frame_index'] for r in got for d in r['language']['deltas']]
+        assert set(language) <= mine                     # narration goes to its own client
+        assert all(r['actions'].shape == (4, 7) for r in got)
+
+
+def test_port_in_use_is_an_error(libero_server):
+    engine = make_engine('libero')
+    server = PolicyServer(engine.system, ServerConfig(robot='libero', host='127.0.0.1',
+                                                      port=libero_server.port))
+    with pytest.raises(OSError):
+        server.start()
+
+
+# ---- parts ------------------------------------------------------------------------------------
+def test_fair_queue_serves_clients_in_turn_and_bounds_each():
+    q = FairQueue(max_per_client=3)
+    assert all(q.put('a', f'a{i}') for i in range(3))
+    assert not q.put('a', 'a3')                          # a's queue is full
+    assert q.put('b', 'b0')
+    assert [q.get(0) for _ in range(4)] == ['a0', 'b0', 'a1', 'a2']
+    assert q.get(0) is None
+    q.put('a', 'x')
+    q.put('b', 'y')
+    assert q.drop('a') == ['x'] and len(q) == 1
+    q.close()
+    assert q.get() is None and not q.put('a', 'z')
+
+
+def test_wire_round_trip_and_openpi_encoding():
+    message = {'a': np.arange(6, dtype=np.float32).reshape(2, 3), 'b': np.float64(2.5),
+               'c': {'d': np.array([True, False]), 'e': 'text'}, 'f': [1, 2.0, None]}
+    back = unpackb(packb(message))
+    np.testing.assert_array_equal(back['a'], message['a'])
+    assert back['a'].dtype == np.float32 and back['b'] == 2.5 and back['c']['e'] == 'text'
+    np.testing.assert_array_equal(back['c']['d'], [True, False])
+    import msgpack
+    raw = msgpack.unpackb(packb({'x': np.zeros(2, np.uint8)}))
+    assert raw['x'] == {b'__ndarray__': True, b'data': b'\0\0', b'dtype': '|u1',
+                        b'shape': [2]}
+
+
+@pytest.mark.parametrize('bad, reason', [
+    ({b'__ndarray__': True, b'data': b'\0' * 3, b'dtype': '<f4', b'shape': [1]}, 'needs 4'),
+    ({b'__ndarray__': True, b'data': b'', b'dtype': '|O', b'shape': [0]}, 'refused'),
+    ({b'__ndarray__': True, b'data': b'', b'dtype': 'nonsense', b'shape': [0]}, 'not a numpy'),
+    ({b'__ndarray__': True, b'data': b'', b'dtype': '<f4', b'shape': [-1]}, 'sizes >= 0'),
+])
+def test_wire_refuses_malformed_arrays(bad, reason):
+    import msgpack
+    with pytest.raises(WireError, match=reason):
+        unpackb(msgpack.packb({'x': bad}))
+    with pytest.raises(WireError, match='refused'):
+        packb({'x': np.array([object()])})
+
+
+def test_observation_conversion_follows_openpi():
+    chw = np.random.default_rng(0).integers(0, 256, (3, 8, 6), dtype=np.uint8)
+    request = {'images': {'cam_high': chw, 'cam_left_wrist': chw, 'cam_right_wrist': chw,
+                          'cam_low': chw},
+               'state': np.zeros(14), 'prompt': 'fold'}
+    obs = to_observation(request, 'aloha')
+    assert obs.images['cam_high'].shape == (8, 6, 3)
+    np.testing.assert_array_equal(obs.images['cam_high'], chw.transpose(1, 2, 0))
+    floats = {'observation/exterior_image_1_left': np.full((4, 4, 3), 0.5, np.float32),
+              'observation/wrist_image_left': np.ones((4, 4, 3)),
+              'observation/joint_position': np.arange(7.0),
+              'observation/gripper_position': np.array([0.25])}
+    obs = to_observation(floats, 'droid', default_prompt='default task')
+    assert obs.images['exterior_image_1_left'].dtype == np.uint8
+    assert obs.images['exterior_image_1_left'][0, 0, 0] == 127          # int(255 * 0.5)
+    np.testing.assert_array_equal(obs.state, list(range(7)) + [0.25])
+    assert obs.instruction == 'default task'
+    with pytest.raises(RequestError, match='gripper_position'):
+        to_observation({k: v for k, v in floats.items() if 'gripper' not in k}, 'droid', 'x')
