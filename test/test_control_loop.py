@@ -124,6 +124,24 @@ def test_control_thread_coalesces_late_triggers_and_stops():
     assert comm != THREAD_NAME, 'only the control thread is renamed'
 
 
+def test_control_thread_real_time_priority_or_a_reason():
+    """SCHED_FIFO when the process may use it; otherwise a note that says why, and ticks run."""
+    seen = []
+    control = ControlThread(lambda: seen.append((os.sched_getscheduler(0),
+                                                 os.sched_getparam(0).sched_priority)),
+                            realtime_priority=7)
+    control.start()
+    control.trigger()
+    assert wait_for(lambda: seen, 5)
+    assert control.stop(5)
+    policy, priority = seen[0]
+    if control.priority_note:
+        assert 'SCHED_FIFO 7' in control.priority_note and policy != os.SCHED_FIFO
+    else:
+        assert (policy, priority) == (os.SCHED_FIFO, 7)
+    assert os.sched_getscheduler(0) != os.SCHED_FIFO, 'only the control thread changes'
+
+
 # --- inference never shares the GIL with a spinning executor ---------------------------------
 def test_executor_sleeps_while_a_long_pure_python_tick_runs(stub_node):
     h = stub_node(lambda: python_work(3_000_000))     # ~0.3-1 s of Python per act()

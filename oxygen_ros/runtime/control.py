@@ -55,6 +55,23 @@ def set_thread_nice(nice: int) -> str:
     return ''
 
 
+def set_thread_realtime(priority: int) -> str:
+    """Put the calling thread under SCHED_FIFO at `priority` (1-99); return '' or why not.
+
+    Stronger than a nice value: a runnable FIFO thread takes its core from every normal thread
+    at once (camera drivers, DDS, other processes), as ros2_control's controller_manager does
+    for its loop. The kernel's RT throttling (sched_rt_runtime_us, 95% by default) still
+    leaves the other threads of that core a share. Needs CAP_SYS_NICE or an rtprio limit.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except (OSError, AttributeError) as err:
+        return (f'control thread real-time priority (SCHED_FIFO {priority}) not set: {err}; '
+                'grant CAP_SYS_NICE or an rtprio limit (limits.conf), or set '
+                'control_priority 0')
+    return ''
+
+
 class ControlThread:
     """Runs `tick()` once per `trigger()`, on a dedicated thread, until `stop()`.
 
@@ -62,10 +79,12 @@ class ControlThread:
     escapes anyway is logged and the thread keeps serving triggers.
     """
 
-    def __init__(self, tick: Callable[[], None], name: str = THREAD_NAME, nice: int = 0):
+    def __init__(self, tick: Callable[[], None], name: str = THREAD_NAME, nice: int = 0,
+                 realtime_priority: int = 0):
         self._tick = tick
         self._name = name
         self._nice = nice
+        self._realtime_priority = realtime_priority   # SCHED_FIFO priority; 0 = normal
         self.priority_note = ''   # why the asked priority could not be set ('' when it was)
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -113,8 +132,12 @@ class ControlThread:
 
     def _run(self) -> None:
         set_native_thread_name(self._name)
-        if self._nice:
-            self.priority_note = set_thread_nice(self._nice)
+        notes = []
+        if self._nice:   # also under FIFO: it is what the thread falls back to if refused
+            notes.append(set_thread_nice(self._nice))
+        if self._realtime_priority:
+            notes.append(set_thread_realtime(self._realtime_priority))
+        self.priority_note = '; '.join(n for n in notes if n)
         while True:
             self._wake.wait()
             if self._stopping.is_set():
