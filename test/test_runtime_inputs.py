@@ -398,6 +398,17 @@ def test_settings_cross_checks_name_every_problem():
     assert 'joint_names has 3 names' in text
 
 
+def test_diagnostic_aggregator_config_groups_the_node_statuses():
+    import yaml
+
+    config = yaml.safe_load((CONFIG_DIR / 'diagnostic_aggregator.yaml').read_text())
+    analyzer = config['analyzers']['ros__parameters']['oxygen']
+    assert analyzer['type'] == 'diagnostic_aggregator/GenericAnalyzer'
+    names = [s.name for s in build_statuses('arm1/oxygen_node', 'unconfigured', {}, None, 10.0,
+                                            None, [], {}, None)]
+    assert names and all(any(c in n for c in analyzer['contains']) for n in names)
+
+
 @pytest.mark.parametrize('robot', sorted(ROBOT_IO))
 def test_robot_configs_are_valid_and_complete(robot):
     values = load_node_params(CONFIG_DIR / f'{robot}.yaml')
