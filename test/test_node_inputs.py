@@ -287,7 +287,10 @@ def test_polled_input_age_is_its_receipt_time_not_the_tick_time(harness):
     from rclpy.lifecycle import TransitionCallbackReturn
     h = harness()
     assert h.node.trigger_configure() == TransitionCallbackReturn.SUCCESS
-    assert wait_for(lambda: h.feeder.sent['image'] >= 3, 10)
+    # Frames count only once discovery has matched the feeder with the new subscription.
+    assert wait_for(lambda: h.node.count_publishers('/h0/camera/image/image_raw') >= 1, 10)
+    sent = h.feeder.sent['image']
+    assert wait_for(lambda: h.feeder.sent['image'] >= sent + 3, 10)
     h.feeder.image_factory['image'] = None          # the main camera stops while inactive
     time.sleep(PARAMS['stale_frame_timeout_s'] + 0.5)
     assert h.node.trigger_activate() == TransitionCallbackReturn.SUCCESS
