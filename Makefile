@@ -57,7 +57,7 @@ clean:
 	rm -rf $(VENV)/lib/oxygen_ros_msgs_python $(VENV)/share/oxygen_ros $(VENV)/lib/oxygen_ros
 	rm -f $(VENV)/.oxygen_ros_msgs.sha256 \
 	  $(VENV)/lib/python3.11/site-packages/oxygen_ros_dev.pth \
-	  $(VENV)/bin/oxygen_node $(VENV)/bin/oxygen-ros
+	  $(VENV)/bin/oxygen_node $(VENV)/bin/oxygen-ros $(VENV)/bin/chunk_player
 	find oxygen_ros test -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

@@ -1,4 +1,4 @@
-"""Launch oxygen_node with a robot configuration (needs a ROS 2 install with launch_ros).
+"""Launch oxygen_node as a lifecycle node with a robot configuration (needs launch_ros).
 
     ros2 launch oxygen_ros oxygen.launch.py robot:=droid checkpoint:=~/ckpt/pi05_droid \\
         namespace:=arm1 camera_remaps:=camera/exterior_image_1_left/image_raw:=/zed/left/image
@@ -10,18 +10,29 @@ Arguments:
   namespace      namespace of the node and its relative topics
   camera_remaps  comma-separated FROM:=TO topic remappings (camera topics or any other)
   use_sim_time   true to follow /clock (e.g. `ros2 bag play --clock`)
-  autostart      false to leave the lifecycle node unconfigured
+  autostart      true: this launch file configures, then activates the node; false: leave it
+                 unconfigured for `ros2 lifecycle set` or a lifecycle manager
   log_level      debug | info | warn | error
+
+The node's own self-activation is switched off (autostart:=false as a node parameter): the
+launch file requests configure, and activate once the node reports "inactive", through
+launch_ros's lifecycle events, so no transition is requested twice and a lifecycle manager can
+take over instead. The parameter file is passed as a file (its key /**/oxygen_node matches any
+namespace) with the launch arguments as a second, overriding set.
 """
 
 import os
 
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, OpaqueFunction
+from launch.actions import (DeclareLaunchArgument, EmitEvent, LogInfo, OpaqueFunction,
+                            RegisterEventHandler)
+from launch.events import matches_action
 from launch.substitutions import LaunchConfiguration
-from launch_ros.actions import Node
-import yaml
+from launch_ros.actions import LifecycleNode
+from launch_ros.event_handlers import OnStateTransition
+from launch_ros.events.lifecycle import ChangeState
+from lifecycle_msgs.msg import Transition
 
 PACKAGE = 'oxygen_ros'
 NODE_NAME = 'oxygen_node'
@@ -32,7 +43,7 @@ ARGUMENTS = (
     ('namespace', '', 'namespace of the node and its relative topics'),
     ('camera_remaps', '', 'comma-separated FROM:=TO topic remappings'),
     ('use_sim_time', 'false', 'follow /clock (bag replay)'),
-    ('autostart', 'true', 'configure and activate the lifecycle node on startup'),
+    ('autostart', 'true', 'configure and activate the lifecycle node from this launch file'),
     ('log_level', 'info', 'debug, info, warn or error'),
 )
 
@@ -42,19 +53,6 @@ def _config_path(config: str, robot: str) -> str:
         return os.path.expanduser(config)
     name = config or robot or 'libero'
     return os.path.join(get_package_share_directory(PACKAGE), 'config', name + '.yaml')
-
-
-def _node_params(path: str) -> dict:
-    """ros__parameters of oxygen_node in `path`, whichever node key the file uses."""
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    params = {}
-    for key in ('/**', '/**/' + NODE_NAME, '/' + NODE_NAME, NODE_NAME):
-        section = data.get(key) or {}
-        params.update(section.get('ros__parameters') or {})
-    if not params:
-        raise RuntimeError(f'{path}: no "{NODE_NAME}: ros__parameters:" section')
-    return params
 
 
 def _remappings(text: str) -> list:
@@ -67,27 +65,48 @@ def _remappings(text: str) -> list:
     return pairs
 
 
+def _change_state(node, transition_id: int) -> EmitEvent:
+    return EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
+                                       transition_id=transition_id))
+
+
 def _launch_node(context):
     def arg(name):
         return LaunchConfiguration(name).perform(context).strip()
 
     path = _config_path(arg('config'), arg('robot'))
-    # Values are passed as a dict rather than as the file: launch_ros writes them under
-    # /**, so they apply whatever the namespace (the file's key only matches the root one).
-    params = _node_params(path)
+    if not os.path.isfile(path):
+        raise RuntimeError(f'config: no parameter file {path}')
+    # Launch arguments override the file; the node's self-activation is off, this file (or a
+    # lifecycle manager) drives the transitions.
+    overrides = {'autostart': False, 'use_sim_time': arg('use_sim_time').lower() == 'true'}
     if arg('robot'):
-        params['robot'] = arg('robot')
+        overrides['robot'] = arg('robot')
     if arg('checkpoint'):
-        params['checkpoint'] = os.path.expanduser(arg('checkpoint'))
-    params['use_sim_time'] = arg('use_sim_time').lower() == 'true'
-    params['autostart'] = arg('autostart').lower() == 'true'
-    # An empty list has no parameter type; the node's default (the robot's) applies instead.
-    params = {k: v for k, v in params.items() if v != []}
-    return [Node(
+        overrides['checkpoint'] = os.path.expanduser(arg('checkpoint'))
+    node = LifecycleNode(
         package=PACKAGE, executable=NODE_NAME, name=NODE_NAME, namespace=arg('namespace'),
-        parameters=[params], remappings=_remappings(arg('camera_remaps')),
+        parameters=[path, overrides], remappings=_remappings(arg('camera_remaps')),
         arguments=['--ros-args', '--log-level', arg('log_level')],
-        output='screen', emulate_tty=True)]
+        output='screen', emulate_tty=True)
+    actions = [
+        node,
+        RegisterEventHandler(OnStateTransition(
+            target_lifecycle_node=node, goal_state='active',
+            entities=[LogInfo(msg=f'{NODE_NAME} is active: actions are being published')])),
+        RegisterEventHandler(OnStateTransition(
+            target_lifecycle_node=node, start_state='configuring', goal_state='unconfigured',
+            entities=[LogInfo(msg=f'{NODE_NAME}: configure failed; the reason is in its log '
+                                  'and on /diagnostics')])),
+    ]
+    if arg('autostart').lower() == 'true':
+        actions += [
+            RegisterEventHandler(OnStateTransition(
+                target_lifecycle_node=node, start_state='configuring', goal_state='inactive',
+                entities=[_change_state(node, Transition.TRANSITION_ACTIVATE)])),
+            _change_state(node, Transition.TRANSITION_CONFIGURE),
+        ]
+    return actions
 
 
 def generate_launch_description():

@@ -55,9 +55,14 @@ def pick_rate(frame_s: float, max_hz: float, share: float = RATE_SHARE) -> float
     return max(0.1, math.floor(10 * min(max_hz, share / frame_s)) / 10)
 
 
+def decode_budget_value(decode_budget: str) -> int:
+    """--decode-budget ('adaptive' or k) -> the node's integer parameter (0 = adaptive)."""
+    return 0 if decode_budget == 'adaptive' else int(decode_budget)
+
+
 def reference_k(decode_budget: str) -> int:
     """Return the k the engine's frame time is measured at: the fixed k, or 1 for adaptive."""
-    return 1 if decode_budget == 'adaptive' else int(decode_budget)
+    return decode_budget_value(decode_budget) or 1
 
 
 def _dds_environment() -> None:
@@ -97,14 +102,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def node_overrides(args: argparse.Namespace, rate_hz: float) -> dict:
     """Parameters the demo sets on top of the robot's YAML."""
     return {'preset': args.preset, 'checkpoint': args.checkpoint, 'device': args.device,
-            'control_rate_hz': float(rate_hz), 'decode_budget': args.decode_budget,
+            'control_rate_hz': float(rate_hz),
+            'decode_budget': decode_budget_value(args.decode_budget),
             'tokens_per_request': args.tokens}
 
 
 def node_command(args: argparse.Namespace, rate_hz: float) -> list[str]:
     """Command line of the node: the robot's YAML plus the demo's overrides."""
     overrides = node_overrides(args, rate_hz)
-    overrides['decode_budget'] = f"'{args.decode_budget}'"   # a string parameter
     if args.threads:
         overrides['torch_threads'] = args.threads   # an older node ignores it
     cmd = [sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
@@ -130,7 +135,7 @@ def engine_reference(args: argparse.Namespace, instruction: str):
         torch.set_num_threads(args.threads)
     k = reference_k(args.decode_budget)
     values = load_node_params(CONFIG_DIR / f'{args.robot}.yaml')
-    values.update(node_overrides(args, 1.0), decode_budget=str(k))
+    values.update(node_overrides(args, 1.0), decode_budget=k)
     engine = build_engine(Settings.from_values(values))
     return time_engine(engine.system, args.robot, k=k, warmup=-(-args.tokens // k) + 2,
                        frames=ENGINE_FRAMES, camera_hw=(CAMERA_SIZE, CAMERA_SIZE),
@@ -209,7 +214,7 @@ def make_monitor(context=None):
             self.streams: dict[int, str] = {}              # request id -> text so far
             self.narrations: collections.deque[str] = collections.deque(maxlen=6)
             self.diagnostics: dict[str, tuple[int, str, dict]] = {}
-            self.create_subscription(ActionChunk, 'actions', self.on_action, qos.ACTIONS)
+            self.create_subscription(ActionChunk, 'actions', self.on_action, qos.ACTIONS_RECORDER)
             self.create_subscription(LanguageChunk, 'language/tokens', self.on_tokens,
                                      qos.TOKENS)
             self.create_subscription(String, 'language/narration', self.on_narration,

@@ -45,8 +45,8 @@ def sensor_qos(depth: int = 10) -> QoSProfile:
 
 def input_topics(params: ReplayParams, compressed: bool = False) -> dict[str, tuple[str, bool]]:
     """Return the node's input topics: absolute topic -> (message type, latched)."""
-    topics = {topic: (COMPRESSED_IMAGE if compressed or cam_compressed else IMAGE, False)
-              for _, topic, cam_compressed in params.cameras()}
+    topics = {topic: (COMPRESSED_IMAGE if jpeg else IMAGE, False)
+              for _, topic, jpeg in params.cameras(compressed or None)}
     topics[params.resolve(params.joint_states_topic)] = (JOINT_STATE, False)
     topics[params.resolve(params.instruction_topic)] = (STRING, True)
     return topics
@@ -85,8 +85,8 @@ def demo_input_nodes(params: ReplayParams, context: Context, instruction: str,
     from oxygen_ros.ros.sim_inputs import (CameraPublisher, InstructionPublisher,
                                            JointStatePublisher, PHOTOS, SimCamera)
 
-    cameras = [SimCamera(name, topic, PHOTOS[i % len(PHOTOS)], compressed or jpeg)
-               for i, (name, topic, jpeg) in enumerate(params.cameras())]
+    cameras = [SimCamera(name, topic, PHOTOS[i % len(PHOTOS)], jpeg)
+               for i, (name, topic, jpeg) in enumerate(params.cameras(compressed or None))]
     remap = ['--ros-args', '-r', f'joint_states:={params.resolve(params.joint_states_topic)}',
              '-r', f'instruction:={params.resolve(params.instruction_topic)}']
     common = dict(context=context, cli_args=remap, use_global_arguments=False)
@@ -104,8 +104,8 @@ def record_demo(out_path: str | Path, params: ReplayParams, duration_s: float, *
 
     publish: also run the demo's input publishers in this process (False: record what others
     publish, e.g. a robot or the node's demo). compressed: CompressedImage on every camera
-    topic (default: as camera_compressed configures each camera). The bag is closed properly
-    on Ctrl-C or errors.
+    topic (default: as cameras.<name>.compressed configures each camera). The bag is closed
+    properly on Ctrl-C or errors.
     """
     context = Context()
     stop = threading.Event()

@@ -144,7 +144,8 @@ class ChaosRobot:
         self.task_pub = self.node.create_publisher(String, 'instruction', qos.INSTRUCTION)
         self.task_pub.publish(String(data=INSTRUCTIONS[0]))
         self.params = self.node.create_client(SetParameters, '/oxygen_node/set_parameters')
-        self.node.create_subscription(ActionChunk, 'actions', self._on_action, qos.ACTIONS)
+        self.node.create_subscription(ActionChunk, 'actions', self._on_action,
+                                      qos.ACTIONS_RECORDER)
         self.node.create_subscription(LanguageChunk, 'language/tokens', self._on_tokens,
                                       qos.TOKENS)
         from diagnostic_msgs.msg import DiagnosticArray
@@ -177,7 +178,7 @@ class ChaosRobot:
     def _on_diagnostics(self, msg) -> None:
         with self.lock:
             for status in msg.status:
-                if status.hardware_id.endswith('oxygen_node'):
+                if status.name.startswith('oxygen_node: '):
                     part = status.name.split(': ', 1)[-1]
                     self.diagnostics[part] = {kv.key: kv.value for kv in status.values}
                     self.diagnostics[part]['_message'] = status.message
@@ -234,8 +235,7 @@ class ChaosRobot:
             self.unhealthy.append((now, now + gap))
             kind += f' {text!r}'
         elif kind == 'decode_budget':
-            choices = ['adaptive'] + [str(k) for k in range(1, self.opts.tokens + 1)]
-            value = self.rng.choice(choices)
+            value = self.rng.choice(range(0, self.opts.tokens + 1))   # 0 = adaptive
             self._set('decode_budget', value)
             kind += f' {value}'
         elif kind == 'request_rate':
@@ -292,7 +292,7 @@ def run_soak(opts: SoakOptions, progress=print) -> dict:
     opts.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, **{FAULT_ENV: f'{opts.fault_rate},{opts.seed}'})
     params = {'preset': opts.preset, 'robot': opts.robot, 'control_rate_hz': opts.rate_hz,
-              'tokens_per_request': opts.tokens, 'decode_budget': 'adaptive',
+              'tokens_per_request': opts.tokens, 'decode_budget': 0,
               'stale_frame_timeout_s': opts.stale_s, 'seed': opts.seed, 'torch_threads': 1}
     ros_args = ['--ros-args'] + [a for k, v in params.items()
                                  for a in ('-p', f'{k}:={v}')]

@@ -168,6 +168,7 @@ write_command() {  # name module
 }
 write_command oxygen_node oxygen_ros.ros.node
 write_command oxygen-ros oxygen_ros.cli
+write_command chunk_player oxygen_ros.ros.chunk_player
 
 # ---------------------------------------------------------------------------------------------
 # 6. smoke check, run from outside the repo so the cwd does not put the sources on sys.path

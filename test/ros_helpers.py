@@ -69,15 +69,16 @@ class Spinner:
 class Collector(Node):
     """Records the node's outputs with their DDS source timestamps (ns) and receipt times."""
 
-    def __init__(self, namespace: str = '', hardware_id: str = '', **kwargs):
+    def __init__(self, namespace: str = '', diagnostic_name: str = '', **kwargs):
         super().__init__('oxygen_test_collector', namespace=namespace, **kwargs)
-        self.hardware_id = hardware_id      # keep only this node's /diagnostics ('' = all)
+        self.diagnostic_name = diagnostic_name   # keep only this node's /diagnostics ('' = all)
         self.lock = threading.Lock()
         self.actions: list[tuple] = []      # (msg, source ns, monotonic receipt)
         self.tokens: list[tuple] = []
         self.narrations: list[str] = []
         self.diagnostics: list = []         # DiagnosticArray messages
-        self.create_subscription(ActionChunk, 'actions', self._on(self.actions), qos.ACTIONS)
+        self.create_subscription(ActionChunk, 'actions', self._on(self.actions),
+                                 qos.ACTIONS_RECORDER)
         self.create_subscription(LanguageChunk, 'language/tokens', self._on(self.tokens),
                                  qos.TOKENS)
         self.create_subscription(String, 'language/narration',
@@ -86,7 +87,8 @@ class Collector(Node):
                                  qos.DIAGNOSTICS)
 
     def _on_diagnostics(self, msg) -> None:
-        if not self.hardware_id or any(s.hardware_id == self.hardware_id for s in msg.status):
+        prefix = self.diagnostic_name + ': '
+        if not self.diagnostic_name or any(s.name.startswith(prefix) for s in msg.status):
             self._append(self.diagnostics, msg)
 
     def _append(self, target: list, item) -> None:
@@ -173,7 +175,8 @@ class NodeHarness:
         from rclpy.parameter import Parameter
 
         from oxygen_ros.ros.node import make_executor, OxygenNode
-        from oxygen_ros.runtime.params import robot_defaults
+        from oxygen_ros.runtime.params import (default_camera_topic, robot_defaults,
+                                               transport_topic)
         from oxygen_ros.ros.sim_inputs import camera_frame, image_msg, PHOTOS
 
         values = dict(robot_defaults(params.get('robot', 'libero')), autostart=False)
@@ -183,12 +186,13 @@ class NodeHarness:
         self.node = OxygenNode(context=context, namespace=namespace,
                                parameter_overrides=[Parameter(k, value=v)
                                                     for k, v in values.items()])
-        self.collector = Collector(namespace, self.node.get_fully_qualified_name(),
-                                   context=context)
+        self.collector = Collector(namespace, self.node.diagnostic_name, context=context)
         cameras = values['camera_names']
-        compressed = tuple(c for c, z in zip(cameras, values['camera_compressed']) if z)
-        self.feeder = Feeder(dict(zip(cameras, values['camera_topics'])), rate_hz,
-                             compressed, namespace, context=context)
+        compressed = tuple(c for c in cameras if values.get(f'cameras.{c}.compressed'))
+        # The feeder publishes where image_transport would: the base topic or <base>/compressed.
+        topics = {c: transport_topic(values.get(f'cameras.{c}.topic') or default_camera_topic(c),
+                                     c in compressed) for c in cameras}
+        self.feeder = Feeder(topics, rate_hz, compressed, namespace, context=context)
         self.node_spinner = Spinner(context, [self.node], executor=make_executor(context))
         self.spinner = Spinner(context, [self.collector, self.feeder])
         clock = self.feeder.get_clock()
@@ -246,7 +250,7 @@ class NodeHarness:
 
 
 # Node parameters of the in-process node tests: the tiny model, fast ticks, lenient staleness.
-TINY_NODE = dict(preset='tiny', decode_budget='2', tokens_per_request=4, control_rate_hz=20.0,
+TINY_NODE = dict(preset='tiny', decode_budget=2, tokens_per_request=4, control_rate_hz=20.0,
                  stale_frame_timeout_s=2.0)
 
 

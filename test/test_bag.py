@@ -32,7 +32,7 @@ START_NS = 1_700_000_000 * 10**9
 DURATION_S = 1.0
 RATE_HZ = 10.0
 TICKS = int(DURATION_S * RATE_HZ) + 1            # ticks at 0, 0.1, ..., 1.0 s
-ENGINE = {'preset': 'tiny', 'tokens_per_request': 4, 'decode_budget': '2', 'seed': 3}
+ENGINE = {'preset': 'tiny', 'tokens_per_request': 4, 'decode_budget': 2, 'seed': 3}
 IMAGE_HW = (32, 32)
 
 
@@ -191,8 +191,14 @@ def test_replay_is_deterministic(tmp_path, demo_bag, params):
     assert outputs[0][1], 'no tokens were generated'
 
 
-def test_sqlite3_bag_with_compressed_images(tmp_path, params):
-    bag = write_demo_bag(tmp_path / 'in', params, 0.5, compressed=True, storage='sqlite3',
+def test_sqlite3_bag_with_compressed_images(tmp_path):
+    # image_transport naming: compressed frames of base topic T are on T/compressed.
+    params = load_params(None, {**ENGINE, 'control_rate_hz': 10.0,
+                                'cameras.image.compressed': True,
+                                'cameras.wrist_image.compressed': True})
+    assert [t for _, t, _ in params.cameras()] == ['/camera/image/image_raw/compressed',
+                                                   '/camera/wrist_image/image_raw/compressed']
+    bag = write_demo_bag(tmp_path / 'in', params, 0.5, storage='sqlite3',
                          image_hw=IMAGE_HW, start_ns=START_NS)
     assert any(p.suffix == '.db3' for p in bag.iterdir())
     summary, frames = replay(bag, tmp_path / 'out', params)
@@ -222,9 +228,9 @@ def test_ticks_wait_for_inputs_and_skip_stale_cameras(tmp_path, params):
 def test_config_file_namespace_and_instruction_override(tmp_path, params):
     config = tmp_path / 'robot.yaml'
     config.write_text(
-        'oxygen_node:\n  ros__parameters:\n    preset: tiny\n    tokens_per_request: 4\n'
-        "    decode_budget: '2'\n    camera_topics: [front/rgb, wrist/rgb]\n"
-        '    control_rate_hz: 5.0\n')
+        '/**/oxygen_node:\n  ros__parameters:\n    preset: tiny\n    tokens_per_request: 4\n'
+        "    decode_budget: '2'\n    cameras:\n      image: {topic: front/rgb}\n"
+        '      wrist_image: {topic: wrist/rgb}\n    control_rate_hz: 5.0\n')
     ns_params = load_params(config, namespace='robot1', instruction_override='wave hello')
     assert [t for _, t, _ in ns_params.cameras()] == ['/robot1/front/rgb', '/robot1/wrist/rgb']
     bag = write_bag(tmp_path / 'in', ns_params)

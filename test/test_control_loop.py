@@ -285,7 +285,7 @@ def test_node_and_replay_give_the_same_outputs(rclpy_context, tmp_path):
     from oxygen_ros.runtime.inputs import sanitize_instruction
     from oxygen_ros.runtime.params import robot_defaults
 
-    engine = {'preset': 'tiny', 'tokens_per_request': 4, 'decode_budget': '2', 'seed': 3,
+    engine = {'preset': 'tiny', 'tokens_per_request': 4, 'decode_budget': 2, 'seed': 3,
               'control_rate_hz': 10.0}
     params = load_params(None, engine)
     bag = write_demo_bag(tmp_path / 'in', params, 1.0, image_hw=(32, 32),

@@ -19,6 +19,9 @@ import pytest
 ACTION_CHUNK_FIELDS = {
     'header': 'std_msgs/Header',
     'frame_index': 'uint64',
+    'action_space': 'uint8',
+    'names': 'sequence<string>',
+    'step_period': 'builtin_interfaces/Duration',
     'horizon': 'uint32',
     'action_dim': 'uint32',
     'actions': 'sequence<float>',
@@ -47,12 +50,24 @@ def sample_action_chunk():
     msg.header.stamp.nanosec = 999_999_999
     msg.header.frame_id = 'base_link'
     msg.frame_index = UINT64_MAX
+    msg.action_space = ActionChunk.END_EFFECTOR_DELTA
+    msg.names = ['joint_a', 'gripper ✓']
+    msg.step_period.sec = 1
+    msg.step_period.nanosec = 999_999_999
     msg.horizon = 3
     msg.action_dim = 2
     # float32-exact values, so equality after the float32 wire format is exact
     msg.actions = [0.5, -1.25, 3.0, 0.125, -0.0625, 65504.0]
     msg.inference_time = 0.046875
     return msg
+
+
+def test_action_space_constants_match_the_runtime_table():
+    from oxygen_ros.runtime.actions import ACTION_SPACE_IDS
+
+    assert ACTION_SPACE_IDS == {'joint_position': ActionChunk.JOINT_POSITION,
+                                'joint_velocity': ActionChunk.JOINT_VELOCITY,
+                                'end_effector_delta': ActionChunk.END_EFFECTOR_DELTA}
 
 
 def sample_language_chunk():
@@ -82,6 +97,9 @@ def assert_action_chunk_equal(got, want):
     """Assert every field of two ActionChunks is equal."""
     assert_header_equal(got.header, want.header)
     assert got.frame_index == want.frame_index
+    assert got.action_space == want.action_space and list(got.names) == list(want.names)
+    assert (got.step_period.sec, got.step_period.nanosec) == (want.step_period.sec,
+                                                              want.step_period.nanosec)
     assert got.horizon == want.horizon
     assert got.action_dim == want.action_dim
     assert list(got.actions) == list(want.actions)

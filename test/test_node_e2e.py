@@ -27,8 +27,10 @@ from lifecycle_msgs.srv import GetState  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 
 from oxygen_ros.engine.types import Observation  # noqa: E402
+from oxygen_ros.msg import ActionChunk  # noqa: E402
 from oxygen_ros.ros import qos  # noqa: E402
 from oxygen_ros.ros.conversions import actions_from_msg  # noqa: E402
+from oxygen_ros.runtime.actions import action_layout  # noqa: E402
 from oxygen_ros.runtime.params import robot_defaults, ROBOT_IO, Settings  # noqa: E402
 from oxygen_ros.ros.sim_inputs import camera_frame, CameraPublisher  # noqa: E402
 from oxygen_ros.ros.sim_inputs import InstructionPublisher, JointStatePublisher  # noqa: E402
@@ -43,7 +45,7 @@ CAMERAS = [SimCamera('image', 'camera/image/image_raw', 'astronaut'),
            SimCamera('wrist_image', 'camera/wrist_image/image_raw', 'coffee', static=True)]
 JOINTS = list(ROBOT_IO['libero'][1])
 STATE = np.linspace(-0.5, 0.5, len(JOINTS))
-PARAMS = dict(preset='tiny', robot='libero', decode_budget='2', tokens_per_request=6,
+PARAMS = dict(preset='tiny', robot='libero', decode_budget=2, tokens_per_request=6,
               request_every_n_frames=1, control_rate_hz=RATE_HZ, stale_frame_timeout_s=2.0,
               seed=0)
 
@@ -206,15 +208,21 @@ def test_end_to_end_across_processes(rclpy_context, node_process):
                     'slots_total', 'bytes_used', 'current_k', 'stale_or_missing'):
             assert key in keys, key
 
+        # The chunk says how to play it: LIBERO's end-effector deltas at 20 Hz.
+        chunk = actions[0][0]
+        assert chunk.action_space == ActionChunk.END_EFFECTOR_DELTA
+        assert list(chunk.names) == list(action_layout('libero').names)
+        assert (chunk.step_period.sec, chunk.step_period.nanosec) == (0, 50_000_000)
+
         # 6. A bad camera frame: a log line in the node's output and a diagnostic status;
         #    the node keeps running and recovers.
         cams.timer.cancel()
         bad = col.create_publisher(Image, 'camera/image/image_raw', qos.SENSOR)
         for _ in range(30):
-            bad.publish(Image(encoding='yuv422', height=SIZE, width=SIZE, step=SIZE * 2,
-                              data=bytes(SIZE * SIZE * 2)))
+            bad.publish(Image(encoding='bayer_rggb8', height=SIZE, width=SIZE, step=SIZE,
+                              data=bytes(SIZE * SIZE)))
             time.sleep(0.05)
-        reason = "camera 'image' (/camera/image/image_raw): unsupported encoding 'yuv422'"
+        reason = "camera 'image' (/camera/image/image_raw): raw Bayer image ('bayer_rggb8')"
         assert wait_for(lambda: node.has('[WARN]', reason), 10), node.output()[-2000:]
         assert wait_for(lambda: reason in getattr(col.latest_status('inputs'), 'message', ''),
                         5)

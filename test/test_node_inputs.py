@@ -15,6 +15,8 @@ import pytest
 rclpy = pytest.importorskip('rclpy')
 
 from rclpy.context import Context  # noqa: E402
+from rclpy.qos import (QoSProfile, qos_profile_system_default,  # noqa: E402
+                       ReliabilityPolicy)
 from rclpy.serialization import serialize_message  # noqa: E402
 from sensor_msgs.msg import CompressedImage, Image, JointState  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
@@ -24,7 +26,7 @@ from oxygen_ros.runtime.params import ROBOT_IO  # noqa: E402
 from ros_helpers import harnesses, NodeHarness, wait_for  # noqa: E402
 
 RATE_HZ = 20.0
-PARAMS = dict(preset='tiny', decode_budget='1', tokens_per_request=5, control_rate_hz=RATE_HZ,
+PARAMS = dict(preset='tiny', decode_budget=1, tokens_per_request=5, control_rate_hz=RATE_HZ,
               stale_frame_timeout_s=1.0, max_instruction_chars=200)
 JOINTS = list(ROBOT_IO['libero'][1])
 IMAGE_TOPIC = "camera 'image' (/camera/image/image_raw)"
@@ -100,8 +102,10 @@ CASES = [
      "camera 'wrist_image' (/camera/wrist_image/image_raw): stale, last message", True),
     ('NaN joint', ('joints', joints(JOINTS, [0.0, float('nan')] + [0.0] * 6)),
      "joint_states (/joint_states): NaN or inf position for joints ['eef_y']", True),
+    # Joints are merged per name: a publisher that stops sending one joint leaves that joint
+    # to go stale on its own.
     ('missing joint', ('joints', joints(JOINTS[:-1], [0.0] * 7)),
-     "joint_states (/joint_states): missing joints ['gripper_right_finger']", True),
+     "joint_states (/joint_states): stale joints ['gripper_right_finger']", True),
     ('stale joints', ('joints', None), 'joint_states (/joint_states): stale', True),
     ('empty instruction', ('instruction', ''),
      'instruction: empty, so there is no task (no actions)', True),
@@ -188,7 +192,7 @@ def harness(rclpy_context):
 
 
 def test_camera_that_never_starts(harness):
-    h = harness(camera_topics=['camera/image/image_raw', 'camera/nobody/image_raw'])
+    h = harness(**{'cameras.wrist_image.topic': 'camera/nobody/image_raw'})
     h.feeder.image_factory['wrist_image'] = None   # nobody publishes there
     h.start()
     reason = "camera 'wrist_image' (/h0/camera/nobody/image_raw): never received (waiting"
@@ -200,8 +204,8 @@ def test_camera_that_never_starts(harness):
 
 
 def test_corrupt_compressed_camera(harness):
-    h = harness(camera_compressed=[True, False], camera_topics=[
-        'camera/image/image_raw/compressed', 'camera/wrist_image/image_raw'])
+    # image_transport naming: base topic camera/image/image_raw, frames on .../compressed.
+    h = harness(**{'cameras.image.compressed': True})
     h.feeder.image_factory['image'] = lambda i: CompressedImage(
         format='jpeg', data=array.array('B', b'\xff\xd8\xff\xe0garbage'))
     h.start()
@@ -218,11 +222,38 @@ def test_corrupt_compressed_camera(harness):
     assert wait_for(lambda: len(h.collector.actions) >= 3, 10), 'good jpeg frames act'
 
 
+def test_instruction_from_the_cli_default_qos_reaches_the_node_and_newest_wins(running):
+    """`ros2 topic pub /instruction std_msgs/msg/String "data: ..."` works as typed.
+
+    The CLI's default profile is system_default (reliable + volatile here), which a
+    transient-local subscription alone refuses; the node also subscribes volatile.
+    """
+    h = running
+    cli = h.feeder.create_publisher(String, 'instruction', qos_profile_system_default)
+
+    def instruction():
+        return h.node._inputs.instruction.text
+
+    def publish_until_seen(pub, text):
+        # As `ros2 topic pub -t 3` does: publish a few times, once discovery has matched.
+        return wait_for(lambda: pub.publish(String(data=text)) or instruction() == text, 10,
+                        interval=0.3)
+    assert publish_until_seen(cli, 'wipe the table'), h.node.problem_history[-3:]
+    h.feeder.instruct('stack the cups')                 # the latched publisher again: newest
+    assert wait_for(lambda: instruction() == 'stack the cups', 10)
+    assert publish_until_seen(cli, 'open the drawer')   # and the CLI again
+    assert not _logged(h, WARN, 'incompatible QoS'), 'both kinds of publisher are expected'
+    count = len(h.collector.actions)
+    assert wait_for(lambda: len(h.collector.actions) >= count + 3, 10), 'a task: it acts'
+    h.feeder.instruct('pick up the red block')
+
+
 def test_instruction_publisher_with_incompatible_qos_is_named(running):
     h = running
-    # Durability volatile; it lives until the feeder goes (destroying it while the executor
-    # waits on its QoS event would race the executor).
-    h.feeder.create_publisher(String, 'instruction', 10)
+    # Best effort: neither reliable subscription takes it. It lives until the feeder goes
+    # (destroying it while the executor waits on its QoS event would race the executor).
+    h.feeder.create_publisher(String, 'instruction', QoSProfile(
+        depth=1, reliability=ReliabilityPolicy.BEST_EFFORT))
     assert wait_for(lambda: _logged(h, WARN, 'incompatible QoS'), 10), (
         h.node.problem_history[-3:])
 
@@ -256,7 +287,10 @@ def test_polled_input_age_is_its_receipt_time_not_the_tick_time(harness):
     from rclpy.lifecycle import TransitionCallbackReturn
     h = harness()
     assert h.node.trigger_configure() == TransitionCallbackReturn.SUCCESS
-    assert wait_for(lambda: h.feeder.sent['image'] >= 3, 10)
+    # Frames count only once discovery has matched the feeder with the new subscription.
+    assert wait_for(lambda: h.node.count_publishers('/h0/camera/image/image_raw') >= 1, 10)
+    sent = h.feeder.sent['image']
+    assert wait_for(lambda: h.feeder.sent['image'] >= sent + 3, 10)
     h.feeder.image_factory['image'] = None          # the main camera stops while inactive
     time.sleep(PARAMS['stale_frame_timeout_s'] + 0.5)
     assert h.node.trigger_activate() == TransitionCallbackReturn.SUCCESS

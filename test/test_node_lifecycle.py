@@ -16,7 +16,7 @@ from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
 from rclpy.node import Node  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
-from oxygen_ros.runtime.status import ERROR  # noqa: E402
+from oxygen_ros.runtime.status import ERROR, WARN  # noqa: E402
 from ros_helpers import harnesses, TINY_NODE, wait_for  # noqa: E402
 
 
@@ -160,18 +160,23 @@ def test_parameter_changes_rejected_with_reasons_and_applied(harness):
 
     for name, value, reason in [
             ('control_rate_hz', -1.0, ''),   # rclpy's own range check gives the reason
-            ('decode_budget', 'fast', "expected an integer k >= 1 or 'adaptive'"),
+            ('decode_budget', 'fast', 'expected an integer k >= 0 (0 = adaptive)'),
             ('preset', 'small', 'can only change while unconfigured (node is active)'),
             ('robot', 'droid', 'can only change while unconfigured'),
-            ('decode_budget', '1', 'needs 5 KV slots'),   # ceil(4 / 1) + 1
+            ('decode_budget', 1, 'needs 5 KV slots'),   # ceil(4 / 1) + 1
             ('language_prompt', 'say {what}', 'unknown placeholder')]:
         result = _set(node, name, value)
         assert not result.successful, name
         assert result.reason and reason in result.reason, result.reason
-    assert node.get_parameter('decode_budget').value == '2'
+    assert node.get_parameter('decode_budget').value == 2
 
-    assert _set(node, 'decode_budget', '4').successful
+    assert _set(node, 'decode_budget', 4).successful
     assert wait_for(lambda: getattr(node.engine.system.budget, 'k', None) == 4, 5)
+    # The old string form still works, with a deprecation warning that says what to type.
+    assert _set(node, 'decode_budget', '3').successful
+    assert wait_for(lambda: getattr(node.engine.system.budget, 'k', None) == 3, 5)
+    assert (WARN, "decode_budget as a string ('3') is deprecated: use the integer 3 (0 = "
+                  'adaptive), e.g. `-p decode_budget:=3`') in node.problem_history
     assert _set(node, 'stale_frame_timeout_s', 1.5).successful
 
     assert _set(node, 'control_rate_hz', 5.0).successful
@@ -204,11 +209,14 @@ def test_parameter_and_lifecycle_services_over_dds(harness):
         bad.value.type = ParameterType.PARAMETER_INTEGER
         bad.value.integer_value = 0
         good = ParameterMsg(name='decode_budget')
-        good.value.type = ParameterType.PARAMETER_STRING
-        good.value.string_value = 'adaptive'
-        response = _call(set_params, SetParameters.Request(parameters=[bad, good]))
+        good.value.type = ParameterType.PARAMETER_INTEGER
+        good.value.integer_value = 3
+        legacy = ParameterMsg(name='decode_budget')   # the deprecated string form
+        legacy.value.type = ParameterType.PARAMETER_STRING
+        legacy.value.string_value = 'adaptive'
+        response = _call(set_params, SetParameters.Request(parameters=[bad, good, legacy]))
         assert not response.results[0].successful and response.results[0].reason
-        assert response.results[1].successful
+        assert response.results[1].successful and response.results[2].successful
         assert _call(get_state, GetState.Request()).current_state.label == 'unconfigured'
         h.start()
         assert _call(get_state, GetState.Request()).current_state.label == 'active'

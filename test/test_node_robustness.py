@@ -48,14 +48,13 @@ def test_invalid_topic_name_fails_configure_with_the_reason(harness):
     # name failed with no log and no diagnostic.
     h = harness()
     node = h.node
-    assert _set(node, 'camera_topics', ['camera/image/image_raw', 'bad topic!']).successful
+    assert _set(node, 'cameras.wrist_image.topic', 'bad topic!').successful
     assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
     model = {s.name.split(': ')[1]: s for s in node.diagnostic_statuses()}['model']
     assert model.level == ERROR and 'bad topic!' in model.message
     assert node._subscriptions_made == [] and node._outputs is None, 'nothing left half-made'
     assert any('bad topic!' in line for _, line in node.problem_history)
-    assert _set(node, 'camera_topics', ['camera/image/image_raw',
-                                        'camera/wrist_image/image_raw']).successful
+    assert _set(node, 'cameras.wrist_image.topic', 'camera/wrist_image/image_raw').successful
     h.start()
     assert _still_acting(h)
 

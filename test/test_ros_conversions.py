@@ -9,8 +9,10 @@ from PIL import Image as PILImage
 import pytest
 
 from oxygen_ros.engine.types import ActionOutput, TokenDelta
+from oxygen_ros.msg import ActionChunk
 from oxygen_ros.ros.conversions import (action_chunk_msg, actions_from_msg, language_chunk_msg,
                                         seconds_to_stamp)
+from oxygen_ros.runtime.actions import ActionLayout
 from oxygen_ros.runtime.conversions import (compressed_to_rgb, image_to_rgb, InputError,
                                             joint_state_to_vector, stamp_to_seconds)
 
@@ -60,9 +62,35 @@ def test_last_row_padding_may_be_missing():
     np.testing.assert_array_equal(out, RGB)
 
 
+def _yuv422(rgb: np.ndarray, order: str) -> bytes:
+    """Pack uint8 [H, W, 3] RGB as 4:2:2 YUV (BT.601 video range), 'yuyv' or 'uyvy'."""
+    r, g, b = (rgb[..., i].astype(np.float64) for i in range(3))
+    y = 16 + 0.257 * r + 0.504 * g + 0.098 * b
+    u = 128 - 0.148 * r - 0.291 * g + 0.439 * b
+    v = 128 + 0.439 * r - 0.368 * g - 0.071 * b
+    # One U and V per pixel pair: the pair's mean.
+    u2, v2 = (c.reshape(c.shape[0], -1, 2).mean(axis=2) for c in (u, v))
+    y0, y1 = y[:, 0::2], y[:, 1::2]
+    parts = (y0, u2, y1, v2) if order == 'yuyv' else (u2, y0, v2, y1)
+    return np.clip(np.round(np.stack(parts, axis=-1)), 0, 255).astype(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize('encoding, order', [('yuv422_yuy2', 'yuyv'), ('yuyv', 'yuyv'),
+                                             ('yuv422', 'uyvy'), ('uyvy', 'uyvy')])
+def test_yuv422_cameras_convert_to_rgb(encoding, order):
+    # Pixel pairs of one colour each, so the shared chroma is exact: grey, red, green, blue.
+    colours = np.array([[128, 128, 128], [200, 30, 30], [30, 200, 30], [30, 30, 200]], np.uint8)
+    rgb = np.repeat(np.repeat(colours[None], 2, axis=1), 3, axis=0)   # [3, 8, 3]
+    out = image_to_rgb(encoding, 3, 8, 16, _yuv422(rgb, order))
+    assert out.shape == (3, 8, 3) and out.dtype == np.uint8
+    assert np.abs(out.astype(int) - rgb).max() <= 3   # 8-bit YUV round trip
+
+
 @pytest.mark.parametrize('encoding, height, width, step, nbytes, reason', [
     ('16UC1', 5, 7, 14, 70, 'unsupported encoding'),
-    ('yuv422', 5, 7, 14, 70, 'unsupported encoding'),
+    ('yuv422', 5, 7, 14, 70, 'needs an even width'),
+    ('yuv422_yuy2', 4, 6, 12, 40, 'truncated data'),
+    ('bayer_rggb8', 4, 6, 6, 24, 'remap this camera\'s topic to its image_color'),
     ('rgb8', 5, 7, 20, 105, 'step 20 < width * channels = 21'),
     ('rgb8', 5, 7, 21, 100, 'truncated data: 100 bytes'),
     ('rgb8', 0, 7, 21, 0, 'bad size'),
@@ -133,8 +161,11 @@ def test_action_chunk_message_is_row_major_robot_units():
     actions = np.arange(12, dtype=np.float32).reshape(4, 3)   # [H, A]
     out = ActionOutput(frame_index=7, actions=actions, normalized=np.zeros((4, 32)),
                        inference_time_s=0.25, stamp=3.5)
-    msg = action_chunk_msg(out, seconds_to_stamp(3.5), 'base_link')
+    layout = ActionLayout('joint_velocity', ('a', 'b', 'c'), 1 / 15, 8)
+    msg = action_chunk_msg(out, seconds_to_stamp(3.5), 'base_link', layout)
     assert (msg.frame_index, msg.horizon, msg.action_dim) == (7, 4, 3)
+    assert msg.action_space == ActionChunk.JOINT_VELOCITY and list(msg.names) == ['a', 'b', 'c']
+    assert (msg.step_period.sec, msg.step_period.nanosec) == (0, 66_666_667)
     assert msg.header.frame_id == 'base_link' and msg.header.stamp.sec == 3
     assert msg.inference_time == pytest.approx(0.25)
     np.testing.assert_array_equal(actions_from_msg(msg), actions)

@@ -9,11 +9,12 @@ import types
 import numpy as np
 import pytest
 
-from oxygen_ros.runtime.conversions import InputError
-from oxygen_ros.runtime.inputs import (build_observation, InputSource, LatestBuffer,
+from oxygen_ros.runtime.conversions import InputError, joint_state_to_vector
+from oxygen_ros.runtime.inputs import (build_observation, InputSet, InputSource, LatestBuffer,
                                        sanitize_instruction)
-from oxygen_ros.runtime.params import (check_value, load_node_params, PARAMS,
-                                       parse_decode_budget, robot_defaults, ROBOT_IO, Settings)
+from oxygen_ros.runtime.params import (camera_param_specs, check_value, deprecation_warning,
+                                       load_node_params, PARAMS, parse_decode_budget,
+                                       robot_defaults, ROBOT_IO, Settings)
 from oxygen_ros.runtime.status import build_statuses, ERROR, LoopStats, OK, ProblemLog, WARN
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / 'config'
@@ -149,6 +150,61 @@ def test_nan_joints_give_no_observation():
     assert result.problems == {'joint_states': 'joint_states: NaN or inf position'}
 
 
+# --- joint states merged per joint name ------------------------------------------------------
+ARM_AND_GRIPPER = ['j1', 'j2', 'finger']
+
+
+def _merging_inputs(stale_s=0.5):
+    joints = InputSource('joint_states', 'joint_states',
+                         lambda m: joint_state_to_vector(m.name, m.position, ARM_AND_GRIPPER))
+    inputs = InputSet(CAMERAS, joints, stale_s, joint_names=ARM_AND_GRIPPER)
+    inputs.set_instruction(TASK)
+    for key, value in (('camera:image', 1), ('camera:wrist', 2)):
+        inputs.put(key, _image_msg(value), 9.9)
+    return inputs
+
+
+def _joint_msg(names, positions):
+    return types.SimpleNamespace(name=names, position=positions)
+
+
+def test_partial_joint_state_publishers_are_merged_per_joint():
+    inputs = _merging_inputs()
+    inputs.put('joint_states', _joint_msg(['j1', 'j2', 'other'], [0.1, 0.2, 9.0]), 9.8)
+    # Only the arm so far: the gripper is named as missing, not a generic failure.
+    assert 'missing joints' in inputs.build(10.0).problems['joint_states']
+    inputs.put('joint_states', _joint_msg(['finger'], [0.04]), 9.9)
+    # Arm and gripper alternate (separate publishers): every tick has the whole state.
+    for t, msg in ((9.95, _joint_msg(['j1', 'j2'], [0.3, 0.4])),
+                   (9.97, _joint_msg(['finger'], [0.05]))):
+        inputs.put('joint_states', msg, t)
+        result = inputs.build(10.0)
+        assert result.problems == {}
+    np.testing.assert_array_equal(result.observation.state, [0.3, 0.4, 0.05])
+
+
+def test_one_stale_joint_stops_the_state_and_is_named():
+    inputs = _merging_inputs(stale_s=0.5)
+    inputs.put('joint_states', _joint_msg(['finger'], [0.04]), 9.0)          # gripper stopped
+    inputs.put('joint_states', _joint_msg(['j1', 'j2'], [0.1, 0.2]), 9.95)   # arm is fresh
+    result = inputs.build(10.0)
+    assert result.observation is None
+    assert "stale joints ['finger'], oldest received 1.00 s ago" in (
+        result.problems['joint_states'])
+    inputs.put('joint_states', _joint_msg(['finger'], [0.04]), 9.99)
+    assert inputs.build(10.0).problems == {}
+
+
+def test_a_malformed_joint_state_is_reported_then_repaired():
+    inputs = _merging_inputs()
+    inputs.put('joint_states', _joint_msg(ARM_AND_GRIPPER, [0.1, 0.2, 0.3]), 9.9)
+    inputs.put('joint_states', _joint_msg(['j1', 'j2'], [0.1]), 9.95)
+    assert '2 names but 1 positions' in inputs.build(10.0).problems['joint_states']
+    inputs.put('joint_states', _joint_msg(['j1'], [0.5]), 9.97)
+    result = inputs.build(10.0)
+    np.testing.assert_array_equal(result.observation.state, [0.5, 0.2, 0.3])
+
+
 # --- problem log and statistics --------------------------------------------------------------
 class FakeClock:
     def __init__(self):
@@ -255,8 +311,12 @@ def test_failed_configure_is_an_error_status():
     ('control_rate_hz', 0.0, 'must be in'),
     ('control_rate_hz', float('nan'), 'must be in'),
     ('tokens_per_request', 0, 'must be in'),
-    ('decode_budget', 'fast', "integer k >= 1 or 'adaptive'"),
-    ('decode_budget', '0', 'k must be >= 1'),
+    ('decode_budget', 'fast', 'expected an integer k >= 0 (0 = adaptive)'),
+    ('decode_budget', -1, 'must be in [0, 512]'),
+    ('decode_budget', '-2', 'k must be >= 0'),
+    ('decode_budget', 2.5, 'expected an integer'),
+    ('cameras.image.compressed', 'yes', 'expected a bool'),
+    ('cameras.image.topic', 3, 'expected a string'),
     ('robot', 'pr2', 'must be one of'),
     ('preset', 'huge', 'unknown preset'),
     ('dtype', 'int8', 'must be one of'),
@@ -279,32 +339,82 @@ def test_bad_parameter_values_have_reasons(name, value, reason):
 
 
 @pytest.mark.parametrize('name, value', [
-    ('control_rate_hz', 30.0), ('decode_budget', 'adaptive'), ('decode_budget', ' 4 '),
+    ('control_rate_hz', 30.0), ('decode_budget', 0), ('decode_budget', 4),
+    # the deprecated string forms are still accepted
+    ('decode_budget', 'adaptive'), ('decode_budget', ' 4 '),
+    ('cameras.image.compressed', True), ('diagnostics_period_s', 0.5),
     ('checkpoint', ''), ('language_prompt', 'Describe: {instruction}'), ('preset', 'tiny'),
 ])
 def test_good_parameter_values_pass(name, value):
     assert check_value(name, value) is None
 
 
-def test_decode_budget_parsing():
+def test_decode_budget_parsing_and_the_deprecated_string_form():
+    assert parse_decode_budget(0) is None and parse_decode_budget(3) == 3
     assert parse_decode_budget('adaptive') is None and parse_decode_budget('3') == 3
+    assert deprecation_warning('decode_budget', 4) == ''
+    assert 'use the integer 0 (0 = adaptive)' in deprecation_warning('decode_budget', 'adaptive')
+    assert '-p decode_budget:=4' in deprecation_warning('decode_budget', "4")
+    assert Settings.from_values({'decode_budget': 'adaptive'}).decode_budget is None
+    assert Settings.from_values({'decode_budget': '5'}).decode_budget == 5
+
+
+def test_cameras_are_names_with_sub_parameters_in_image_transport_naming():
+    settings = Settings.from_values({
+        'cameras.image.topic': '/zed/left', 'cameras.image.compressed': True,
+        'cameras.wrist_image.check_camera_info': True})
+    image, wrist = settings.cameras
+    assert (image.topic, image.image_topic, image.info_topic) == (
+        '/zed/left', '/zed/left/compressed', '/zed/camera_info')
+    assert (wrist.image_topic, wrist.info_topic, wrist.check_camera_info) == (
+        'camera/wrist_image/image_raw', 'camera/wrist_image/camera_info', True)
+    with pytest.raises(ValueError, match='two cameras subscribe the same topic'):
+        Settings.from_values({'cameras.image.topic': 'cam', 'cameras.wrist_image.topic': 'cam'})
+    with pytest.raises(ValueError, match=r"unknown camera parameters \['cameras.image.tpoic'\]"):
+        Settings.from_values({'cameras.image.tpoic': 'x'})
+
+
+def test_nested_yaml_camera_sections_read_as_dotted_parameters(tmp_path):
+    path = tmp_path / 'p.yaml'
+    path.write_text('/**/oxygen_node:\n  ros__parameters:\n    cameras:\n      image:\n'
+                    '        topic: /front\n        compressed: true\n')
+    assert load_node_params(path) == {'cameras.image.topic': '/front',
+                                      'cameras.image.compressed': True}
+
+
+def test_publish_trajectory_only_for_joint_position_robots():
+    assert Settings.from_values(dict(robot_defaults('aloha'), publish_trajectory=True))
+    with pytest.raises(ValueError, match="robot 'droid' acts in joint_velocity"):
+        Settings.from_values(dict(robot_defaults('droid'), publish_trajectory=True))
 
 
 def test_settings_cross_checks_name_every_problem():
-    values = dict(robot_defaults('droid'), camera_topics=['a'], joint_names=['j'] * 3)
+    values = dict(robot_defaults('droid'), joint_names=['j'] * 3)
     values['camera_names'] = ['exterior_image_1_left', 'image']
     with pytest.raises(ValueError) as err:
         Settings.from_values(values)
     text = str(err.value)
-    assert 'camera_topics has 1 entries but camera_names has 2' in text
     assert "lacks ['wrist_image_left']" in text and "has ['image']" in text
     assert 'joint_names has 3 names' in text
+
+
+def test_diagnostic_aggregator_config_groups_the_node_statuses():
+    import yaml
+
+    config = yaml.safe_load((CONFIG_DIR / 'diagnostic_aggregator.yaml').read_text())
+    analyzer = config['analyzers']['ros__parameters']['oxygen']
+    assert analyzer['type'] == 'diagnostic_aggregator/GenericAnalyzer'
+    names = [s.name for s in build_statuses('arm1/oxygen_node', 'unconfigured', {}, None, 10.0,
+                                            None, [], {}, None)]
+    assert names and all(any(c in n for c in analyzer['contains']) for n in names)
 
 
 @pytest.mark.parametrize('robot', sorted(ROBOT_IO))
 def test_robot_configs_are_valid_and_complete(robot):
     values = load_node_params(CONFIG_DIR / f'{robot}.yaml')
-    assert set(values) == {s.name for s in PARAMS} - {'autostart'}, 'config lists every param'
+    cameras = {s.name for c in ROBOT_IO[robot][0] for s in camera_param_specs(c)}
+    assert set(values) == {s.name for s in PARAMS} - {'autostart'} | cameras, (
+        'config lists every param')
     settings = Settings.from_values(values)
     assert settings.robot == robot and settings.checkpoint == ''
     assert [c.name for c in settings.cameras] == list(ROBOT_IO[robot][0])

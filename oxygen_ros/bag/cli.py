@@ -30,7 +30,8 @@ def _add_param_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--robot', help='libero, droid or aloha')
     group.add_argument('--namespace', help='node namespace for relative topic names')
     group.add_argument('--camera-names', nargs='+', metavar='NAME')
-    group.add_argument('--camera-topics', nargs='+', metavar='TOPIC')
+    group.add_argument('--camera-topics', nargs='+', metavar='TOPIC',
+                       help='base topic of each camera, in camera_names order')
     group.add_argument('--instruction-topic')
     group.add_argument('--joint-states-topic')
     group.add_argument('--joint-names', nargs='+', metavar='NAME')
@@ -41,8 +42,27 @@ def _param_overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
+def _camera_topic_overrides(args: argparse.Namespace) -> dict:
+    """--camera-topics T1 T2 -> cameras.<name>.topic for the cameras in camera_names order."""
+    if not getattr(args, 'camera_topics', None):
+        return {}
+    names = args.camera_names
+    from oxygen_ros.bag.config import node_values
+    from oxygen_ros.runtime.params import camera_param_name, robot_defaults
+
+    if names is None:
+        robot = args.robot
+        if robot is None and args.config:
+            robot = node_values(args.config, node_name=args.node_name).get('robot')
+        names = list(robot_defaults(robot or 'libero')['camera_names'])
+    if len(names) != len(args.camera_topics):
+        raise BagError(f'--camera-topics has {len(args.camera_topics)} topics for '
+                       f'{len(names)} cameras ({", ".join(names)})')
+    return {camera_param_name(n, 'topic'): t for n, t in zip(names, args.camera_topics)}
+
+
 # Node parameter names (oxygen_ros.runtime.params) set from the command line.
-_TOPIC_PARAMS = ('robot', 'camera_names', 'camera_topics', 'joint_names', 'control_rate_hz')
+_TOPIC_PARAMS = ('robot', 'camera_names', 'joint_names', 'control_rate_hz')
 _ENGINE_PARAMS = ('checkpoint', 'preset', 'device', 'dtype', 'seed', 'decode_budget',
                   'tokens_per_request', 'request_every_n_frames', 'language_prompt',
                   'kv_capacity', 'denoise_steps', 'stale_frame_timeout_s', 'tokenizer')
@@ -69,8 +89,8 @@ def add_replay_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument('--dtype', choices=['float32', 'bfloat16'])
     parser.add_argument('--tokenizer', help='SentencePiece model (default: the checkpoint\'s)')
     parser.add_argument('--seed', type=int)
-    parser.add_argument('--k', dest='decode_budget',
-                        help="tokens per request per frame, or 'adaptive'")
+    parser.add_argument('--k', dest='decode_budget', type=int,
+                        help='tokens per request per frame; 0 = adaptive')
     parser.add_argument('--tokens', type=int, dest='tokens_per_request', metavar='N',
                         help='tokens per language request')
     parser.add_argument('--request-every', type=int, dest='request_every_n_frames',
@@ -136,7 +156,8 @@ def params_from_args(args: argparse.Namespace, engine: bool = True):
     from oxygen_ros.bag.config import load_params
 
     names = _TOPIC_PARAMS + (_ENGINE_PARAMS if engine else ())
-    return load_params(args.config, _param_overrides(args, names), node_name=args.node_name,
+    overrides = {**_param_overrides(args, names), **_camera_topic_overrides(args)}
+    return load_params(args.config, overrides, node_name=args.node_name,
                        **_param_overrides(args, _REPLAY_OPTIONS))
 
 

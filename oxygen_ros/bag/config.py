@@ -55,9 +55,19 @@ class ReplayParams:
         ns = self.namespace.strip('/')
         return f'/{ns}/{name}' if ns else f'/{name}'
 
-    def cameras(self) -> list[tuple[str, str, bool]]:
-        """(camera name, absolute topic, compressed) per configured camera."""
-        return [(c.name, self.resolve(c.topic), c.compressed) for c in self.settings.cameras]
+    def cameras(self, compressed: bool | None = None) -> list[tuple[str, str, bool]]:
+        """(camera name, absolute topic, compressed) per configured camera.
+
+        The topic is the camera's image_transport topic: its base topic for raw frames,
+        `<base>/compressed` for compressed ones. compressed: True/False for every camera,
+        None: as each camera is configured.
+        """
+        out = []
+        for cam in self.settings.cameras:
+            jpeg = cam.compressed if compressed is None else compressed
+            out.append((cam.name, self.resolve(node_params.transport_topic(cam.topic, jpeg)),
+                        jpeg))
+        return out
 
 
 def node_values(config: str | Path | None, overrides: Mapping[str, Any] | None = None,
@@ -77,11 +87,16 @@ def node_values(config: str | Path | None, overrides: Mapping[str, Any] | None =
               else {'robot': robot})
     values.update(file_values)
     values.update(overrides)
-    unknown = sorted(set(values) - set(node_params.PARAMS_BY_NAME) - IGNORED_PARAMS)
+    unknown = sorted(k for k in values if node_params.param_spec(k) is None
+                     and k not in IGNORED_PARAMS and not k.startswith('qos_overrides.'))
     if unknown:
         logger.warning('%s: unknown parameters ignored: %s', config or 'command line',
                        ', '.join(unknown))
-    return {k: v for k, v in values.items() if k in node_params.PARAMS_BY_NAME}
+    for name, value in values.items():
+        warning = node_params.deprecation_warning(name, value)
+        if warning:
+            logger.warning('%s: %s', config or 'command line', warning)
+    return {k: v for k, v in values.items() if node_params.param_spec(k) is not None}
 
 
 def load_params(config: str | Path | None = None, overrides: Mapping[str, Any] | None = None,

@@ -16,6 +16,7 @@ from oxygen_ros.bag.typestore import ACTION_CHUNK, DIAGNOSTIC_ARRAY, LANGUAGE_CH
 
 if TYPE_CHECKING:   # the engine (and torch) load only when a replay runs
     from oxygen_ros.engine.types import ActionOutput, FinishedRequest, TokenDelta
+    from oxygen_ros.runtime.actions import ActionLayout
 
 
 def stamp_to_ns(stamp) -> int:
@@ -30,11 +31,16 @@ def header(store: Typestore, stamp_ns: int, frame_id: str = ''):
         stamp=types['builtin_interfaces/msg/Time'](sec=sec, nanosec=nanosec), frame_id=frame_id)
 
 
-def action_chunk(store: Typestore, action: ActionOutput, stamp_ns: int, frame_id: str):
-    """Build an ActionChunk: header (observation stamp, robot frame), row-major actions."""
+def action_chunk(store: Typestore, action: ActionOutput, stamp_ns: int, frame_id: str,
+                 layout: ActionLayout):
+    """Build an ActionChunk: header (observation stamp, robot frame), layout, row-major actions."""
     actions = np.asarray(action.actions, dtype=np.float32)       # [H, robot action dim]
+    step_ns = max(round(layout.step_period_s * 1e9), 0)
     return store.types[ACTION_CHUNK](
         header=header(store, stamp_ns, frame_id), frame_index=int(action.frame_index),
+        action_space=layout.action_space_id, names=list(layout.names),
+        step_period=store.types['builtin_interfaces/msg/Duration'](
+            sec=step_ns // 1_000_000_000, nanosec=step_ns % 1_000_000_000),
         horizon=int(actions.shape[0]), action_dim=int(actions.shape[1]),
         actions=np.ascontiguousarray(actions).reshape(-1),
         inference_time=float(action.inference_time_s))

@@ -32,6 +32,7 @@ from oxygen_ros.bag.typestore import (ACTION_CHUNK, COMPRESSED_IMAGE, DIAGNOSTIC
 from oxygen_ros.bag.writer import OutputBag
 from oxygen_ros.engine.types import FrameResult, Observation
 from oxygen_ros.runtime import conversions, inputs, status
+from oxygen_ros.runtime.actions import action_layout
 from oxygen_ros.runtime.engine_setup import build_engine as build_node_engine
 from oxygen_ros.runtime.frame_loop import FrameLoop
 
@@ -88,7 +89,7 @@ class ObservationBuilder:
             lambda msg: conversions.joint_state_to_vector(msg.name, msg.position, names))
         self.instruction_topic = params.resolve(params.instruction_topic)
         self.inputs = inputs.InputSet(self.cameras, self.joints, settings.stale_frame_timeout_s,
-                                      self.instruction_topic)
+                                      self.instruction_topic, joint_names=names)
         self.inputs.started_s = self.started_s
         if params.instruction_override:
             self.inputs.set_instruction(inputs.sanitize_instruction(
@@ -200,8 +201,10 @@ class _Diagnostics:
 
     def statuses(self, loop: FrameLoop) -> list:
         built = loop.last_inputs
+        # As the node names them: unique per namespace, the compute device as hardware_id.
         return status.build_statuses(
-            self.node_name, 'active', self.model, self.stats.snapshot(),
+            self.params.resolve(self.node_name).lstrip('/'), 'active', self.model,
+            self.stats.snapshot(),
             self.params.settings.control_rate_hz, loop.engine_summary(), built.inputs,
             built.problems, loop.inputs.instruction)
 
@@ -217,7 +220,8 @@ class _BagOutputs:
     def action(self, action, stamp_ns: int) -> None:
         p, summary = self.replay.params, self.replay.summary
         self.out.write(p.resolve('actions'), ACTION_CHUNK, self.tick_ns, messages.action_chunk(
-            self.replay.store, action, stamp_ns, p.settings.frame_id))
+            self.replay.store, action, stamp_ns, p.settings.frame_id,
+            action_layout(p.settings.robot)))
         summary.frames += 1
         summary.actions += 1
 
@@ -444,7 +448,7 @@ class Replay:
         if diag.due(tick_ns):
             out.write(DIAGNOSTICS_TOPIC, DIAGNOSTIC_ARRAY, tick_ns,
                       messages.diagnostic_array(self.store, tick_ns, diag.statuses(loop),
-                                                self.node_name))
+                                                self.params.settings.device))
             summary.diagnostics += 1
 
 

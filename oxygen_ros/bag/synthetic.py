@@ -112,8 +112,7 @@ def write_demo_bag(path: str | Path, params: ReplayParams, duration_s: float = 2
         pos = demo_joint_positions((t - start_ns) * 1e-9, len(names))
         events.append((t, 1, params.resolve(params.joint_states_topic), JOINT_STATE,
                        joint_state_msg(store, names, pos, t)))
-    for i, (camera, topic, camera_compressed) in enumerate(params.cameras()):
-        jpeg = camera_compressed if compressed is None else compressed
+    for i, (camera, topic, jpeg) in enumerate(params.cameras(compressed)):
         for k in range(int(duration_s * camera_hz) + 1):
             t = start_ns + round(k * 1e9 / camera_hz)
             image = demo_image(i, (t - start_ns) * 1e-9, *image_hw)

@@ -48,7 +48,7 @@ import time
 import numpy as np
 
 from oxygen_ros.runtime.control import thread_cpu, THREAD_NAME
-from oxygen_ros.runtime.params import load_node_params, NODE_NAME
+from oxygen_ros.runtime.params import camera_param_name, load_node_params, NODE_NAME
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PACKAGE_ROOT / 'config'
@@ -408,15 +408,15 @@ def node_command(opts: NodeBenchOptions, preset: str, device: str, dtype: str, t
                  rate_hz: float, seed: int) -> list[str]:
     """oxygen_node with the robot's YAML and the benchmark's overrides."""
     overrides = {'preset': preset, 'device': device, 'dtype': dtype,
-                 'control_rate_hz': f'{rate_hz:.6g}', 'decode_budget': f"'{opts.k}'",
+                 'control_rate_hz': f'{rate_hz:.6g}', 'decode_budget': int(opts.k),
                  'tokens_per_request': opts.tokens, 'seed': seed,
                  # Declared by nodes that pin torch's threads; an older node ignores it.
                  'torch_threads': threads}
     if opts.camera_format == 'jpeg':
-        # image_transport naming, as the stand-in robot publishes with --compressed
-        topics = [f'{topic}/compressed' for topic in node_parameters(opts.robot)['camera_topics']]
-        overrides['camera_topics'] = '[' + ', '.join(topics) + ']'
-        overrides['camera_compressed'] = '[' + ', '.join(['true'] * len(topics)) + ']'
+        # The node subscribes <base>/compressed (image_transport naming), as the stand-in
+        # robot publishes with --compressed.
+        for camera in node_parameters(opts.robot)['camera_names']:
+            overrides[camera_param_name(camera, 'compressed')] = 'true'
     cmd = [sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
            '--params-file', str(CONFIG_DIR / f'{opts.robot}.yaml')]
     for name, value in overrides.items():

@@ -58,6 +58,13 @@ def aloha_actions_from_pi(actions: np.ndarray) -> np.ndarray:
 
 
 # --- the table -----------------------------------------------------------------------------------
+# What one row of a robot's action chunk means (ActionChunk.action_space has one constant each).
+JOINT_POSITION = 'joint_position'            # absolute joint positions
+JOINT_VELOCITY = 'joint_velocity'            # joint velocities (rad/s)
+END_EFFECTOR_DELTA = 'end_effector_delta'    # end-effector delta pose + gripper
+ACTION_SPACES = (JOINT_POSITION, JOINT_VELOCITY, END_EFFECTOR_DELTA)
+
+
 @dataclasses.dataclass(frozen=True)
 class RobotSpec:
     """How one robot's observation maps onto the model and back."""
@@ -76,6 +83,11 @@ class RobotSpec:
     # Robot <-> model joint-space conversions on unnormalised values (None: identity).
     state_to_model: Callable[[np.ndarray], np.ndarray] | None = None
     actions_from_model: Callable[[np.ndarray], np.ndarray] | None = None
+    # What the robot's controller does with a row (openpi's clients and the training data):
+    action_space: str = JOINT_POSITION     # one of ACTION_SPACES
+    action_names: tuple[str, ...] = ()     # one per action column
+    step_period_s: float = 0.1             # time between rows (the data's control period)
+    open_loop_rows: int = 5                # rows openpi's client plays before it replans
 
     @property
     def camera_names(self) -> tuple[str, ...]:
@@ -89,12 +101,24 @@ ROBOTS: dict[str, RobotSpec] = {
                                      ('wrist_image', 'left_wrist_0_rgb')),
                   state_dim=8, action_dim=7, asset_id='physical-intelligence/libero',
                   joint_names=('eef_x', 'eef_y', 'eef_z', 'eef_rx', 'eef_ry', 'eef_rz',
-                               'gripper_left_finger', 'gripper_right_finger')),
+                               'gripper_left_finger', 'gripper_right_finger'),
+                  # LIBERO's OSC controller: delta position, delta axis-angle, gripper (-1
+                  # open, +1 closed); the simulator steps at 20 Hz, openpi replans every 5.
+                  action_space=END_EFFECTOR_DELTA,
+                  action_names=('eef_dx', 'eef_dy', 'eef_dz', 'eef_drx', 'eef_dry', 'eef_drz',
+                                'gripper'),
+                  step_period_s=0.05, open_loop_rows=5),
         RobotSpec('droid', cameras=(('exterior_image_1_left', 'base_0_rgb'),
                                     ('wrist_image_left', 'left_wrist_0_rgb')),
                   state_dim=8, action_dim=8, asset_id='droid',   # joints 7 + gripper 1
                   joint_names=tuple(f'panda_joint{i}' for i in range(1, 8))
-                  + ('panda_finger_joint1',)),
+                  + ('panda_finger_joint1',),
+                  # DROID's joint-velocity action space at 15 Hz; the gripper column is a
+                  # position in [0, 1]. openpi's DROID client plays 8 rows open loop.
+                  action_space=JOINT_VELOCITY,
+                  action_names=tuple(f'panda_joint{i}' for i in range(1, 8))
+                  + ('panda_finger_joint1',),
+                  step_period_s=1.0 / 15.0, open_loop_rows=8),
         RobotSpec('aloha', cameras=(('cam_high', 'base_0_rgb'),
                                     ('cam_left_wrist', 'left_wrist_0_rgb'),
                                     ('cam_right_wrist', 'right_wrist_0_rgb')),
@@ -103,7 +127,14 @@ ROBOTS: dict[str, RobotSpec] = {
                                     for joint in ('waist', 'shoulder', 'elbow', 'forearm_roll',
                                                   'wrist_angle', 'wrist_rotate', 'gripper')),
                   delta_action_mask=(True,) * 6 + (False,) + (True,) * 6 + (False,),
-                  state_to_model=aloha_state_to_pi, actions_from_model=aloha_actions_from_pi),
+                  state_to_model=aloha_state_to_pi, actions_from_model=aloha_actions_from_pi,
+                  # Absolute joint positions (the deltas are added back above) at ALOHA's
+                  # 50 Hz; openpi's ALOHA runtime plays 25 rows per chunk.
+                  action_space=JOINT_POSITION,
+                  action_names=tuple(f'{side}_{joint}' for side in ('left', 'right')
+                                     for joint in ('waist', 'shoulder', 'elbow', 'forearm_roll',
+                                                   'wrist_angle', 'wrist_rotate', 'gripper')),
+                  step_period_s=0.02, open_loop_rows=25),
     )
 }
 

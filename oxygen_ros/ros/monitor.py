@@ -72,7 +72,7 @@ class OutputMonitor(Node):
         self.diagnostics: list[dict] = []
         self.state = ('', 0)               # last (lifecycle state, model status level)
         self.started = time.monotonic()
-        self.create_subscription(ActionChunk, 'actions', self._on_action, qos.ACTIONS)
+        self.create_subscription(ActionChunk, 'actions', self._on_action, qos.ACTIONS_RECORDER)
         self.create_subscription(LanguageChunk, 'language/tokens', self._on_tokens, qos.TOKENS)
         self.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics,
                                  qos.DIAGNOSTICS)

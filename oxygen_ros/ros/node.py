@@ -33,6 +33,7 @@ the node clock when a tick had no new frame.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import logging
@@ -47,26 +48,30 @@ from rclpy.clock import Clock, ClockType
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
+from rclpy.qos_overriding_options import QoSOverridingOptions
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
                                 SetParametersResult)
 
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray
-from sensor_msgs.msg import CompressedImage, Image, JointState
+from sensor_msgs.msg import CameraInfo, CompressedImage, Image, JointState
 from std_msgs.msg import String
 
 from oxygen_ros.engine import AdaptiveBudget, FixedBudget
 from oxygen_ros.msg import ActionChunk, LanguageChunk
 from oxygen_ros.ros import qos
-from oxygen_ros.ros.conversions import action_chunk_msg, language_chunk_msg
+from oxygen_ros.ros.conversions import (action_chunk_msg, joint_trajectory_msg,
+                                        language_chunk_msg)
 from oxygen_ros.ros.diagnostics import to_diagnostic_array
 from oxygen_ros.ros.polling import never_called, PolledGroup, take_all
+from oxygen_ros.runtime.actions import action_layout, ActionLayout
 from oxygen_ros.runtime.control import ControlThread, CpuSplit
-from oxygen_ros.runtime.conversions import (compressed_to_rgb, image_to_rgb,
-                                            joint_state_to_vector)
+from oxygen_ros.runtime.conversions import (check_frame_size, compressed_to_rgb, image_to_rgb,
+                                            InputError, joint_state_to_vector)
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.inputs import InputSet, InputSource, sanitize_instruction
-from oxygen_ros.runtime.params import (check_value, NODE_NAME, PARAMS, PARAMS_BY_NAME,
+from oxygen_ros.runtime.params import (camera_param_specs, check_value, deprecation_warning,
+                                       NODE_NAME, param_spec, PARAMS, PARAMS_BY_NAME,
                                        parse_decode_budget, ROBOT_IO, robot_defaults,
                                        RUNTIME_PARAMS, SAFETY_LIMITS, Settings)
 from oxygen_ros.runtime.status import build_statuses, ERROR, LoopStats, OK, ProblemLog, WARN
@@ -85,7 +90,9 @@ STOP_TIMEOUT_S = 5.0   # deactivate waits this long for a running tick before gi
 
 
 def _descriptor(spec) -> ParameterDescriptor:
-    desc = ParameterDescriptor(description=spec.description, read_only=spec.read_only)
+    # A parameter with a legacy form (decode_budget's old string) takes either type.
+    desc = ParameterDescriptor(description=spec.description, read_only=spec.read_only,
+                               dynamic_typing=spec.legacy is not None)
     if spec.int_range is not None:
         desc.integer_range = [IntegerRange(from_value=spec.int_range[0],
                                            to_value=spec.int_range[1], step=1)]
@@ -153,6 +160,11 @@ class _BridgeAttachment:
                     logger.propagate = cls.propagate
 
 
+def _overridable(profile):
+    """Copy a shared QoS profile: QoS overriding options write into the profile given."""
+    return copy.copy(profile)
+
+
 def ns_to_stamp(stamp_ns: int) -> Time:
     """Integer nanoseconds -> builtin_interfaces/Time, exact."""
     stamp_ns = max(int(stamp_ns), 0)
@@ -167,14 +179,22 @@ class RosOutputs:
     tick that is still running.
     """
 
-    def __init__(self, node: LifecycleNode, frame_id: str):
+    def __init__(self, node: LifecycleNode, frame_id: str, layout: ActionLayout,
+                 trajectory: bool = False):
         self.frame_id = frame_id
+        self.layout = layout
         self._lock = threading.Lock()
         self._open = False
         self._node = node
         self._actions = node.create_publisher(ActionChunk, 'actions', qos.ACTIONS)
         self._tokens = node.create_publisher(LanguageChunk, 'language/tokens', qos.TOKENS)
         self._narration = node.create_publisher(String, 'language/narration', qos.NARRATION)
+        self._trajectory = None
+        if trajectory:
+            from trajectory_msgs.msg import JointTrajectory
+
+            self._trajectory = node.create_publisher(JointTrajectory, 'joint_trajectory',
+                                                     qos.TRAJECTORY)
 
     def open(self) -> None:
         with self._lock:
@@ -186,8 +206,9 @@ class RosOutputs:
 
     def destroy(self) -> None:
         self.close()
-        for pub in (self._actions, self._tokens, self._narration):
-            self._node.destroy_publisher(pub)
+        for pub in (self._actions, self._tokens, self._narration, self._trajectory):
+            if pub is not None:
+                self._node.destroy_publisher(pub)
 
     def _publish(self, publisher, msg) -> None:
         with self._lock:
@@ -196,7 +217,10 @@ class RosOutputs:
 
     def action(self, action, stamp_ns: int) -> None:
         self._publish(self._actions, action_chunk_msg(action, ns_to_stamp(stamp_ns),
-                                                      self.frame_id))
+                                                      self.frame_id, self.layout))
+        if self._trajectory is not None:
+            self._publish(self._trajectory,
+                          joint_trajectory_msg(action, self.frame_id, self.layout))
 
     def tokens(self, delta, stamp_ns: int) -> None:
         self._publish(self._tokens, language_chunk_msg(delta, ns_to_stamp(stamp_ns),
@@ -240,9 +264,9 @@ class OxygenNode(LifecycleNode):
         _BridgeAttachment.attach(self._bridge)
         self._diagnostics_pub = self.create_publisher(DiagnosticArray, '/diagnostics',
                                                       qos.DIAGNOSTICS)
+        self._diagnostics_timer = None
+        self._start_diagnostics_timer(self._value('diagnostics_period_s'))
         steady = Clock(clock_type=ClockType.STEADY_TIME)
-        self._diagnostics_timer = self.create_timer(1.0, self._publish_diagnostics,
-                                                    clock=steady)
         self._autostart_timer = None
         if self._value('autostart'):
             # A timer, not a call: configure runs inside the executor once it spins.
@@ -259,14 +283,31 @@ class OxygenNode(LifecycleNode):
         for spec in PARAMS:
             if spec.name != 'robot':
                 self._declare(spec, defaults.get(spec.name, spec.default))
+        self._declare_camera_params(self._value('camera_names'))
         self._declaring = False
+
+    def _declare_camera_params(self, cameras) -> None:
+        """Declare cameras.<name>.* for every camera not declared yet (new names included)."""
+        declaring, self._declaring = self._declaring, True
+        try:
+            for camera in cameras:
+                for spec in camera_param_specs(camera):
+                    if not self.has_parameter(spec.name):
+                        self._declare(spec)
+        finally:
+            self._declaring = declaring
 
     def _declare(self, spec, default=None):
         default = spec.default if default is None else default
         try:
-            return self.declare_parameter(spec.name, default, _descriptor(spec)).value
+            value = self.declare_parameter(spec.name, default, _descriptor(spec)).value
         except Exception as err:   # noqa: BLE001 - rclpy raises several exception types
             reason = str(err).strip() or type(err).__name__
+        else:
+            warning = deprecation_warning(spec.name, value)
+            if warning:
+                self._problems.note(WARN, warning)
+            return value
         # Keep the node alive and visible: declare the default, and configure refuses with the
         # reason until the parameter is set to a valid value.
         value = self.declare_parameter(spec.name, default, _descriptor(spec),
@@ -282,7 +323,7 @@ class OxygenNode(LifecycleNode):
         reasons = []
         active = self._lifecycle == 'active'
         for param in params:
-            spec = PARAMS_BY_NAME.get(param.name)
+            spec = param_spec(param.name)
             if param.name == 'use_sim_time' and active and not self._declaring:
                 # Switching clocks mid-run makes every input look stale or fresh at random.
                 reasons.append('use_sim_time: can only change while not active (deactivate '
@@ -298,7 +339,8 @@ class OxygenNode(LifecycleNode):
                 why = f'cannot be checked ({type(err).__name__})'
             if why:
                 reasons.append(f'{param.name}: {why}')
-            elif spec.configure_time and self._lifecycle not in ('unconfigured', 'finalized'):
+            elif (spec.configure_time and not self._declaring
+                  and self._lifecycle not in ('unconfigured', 'finalized')):
                 reasons.append(f'{param.name}: can only change while unconfigured (node is '
                                f'{self._lifecycle}): deactivate, cleanup, set it, configure')
             elif (active and param.name in SAFETY_LIMITS and not self._declaring
@@ -317,6 +359,11 @@ class OxygenNode(LifecycleNode):
             if not self._declaring:   # startup values are reported by _declare
                 self.get_logger().warning(f'parameter change rejected: {reason}')
             return SetParametersResult(successful=False, reason=reason)
+        if not self._declaring:
+            for param in params:
+                warning = deprecation_warning(param.name, param.value)
+                if warning:
+                    self._problems.note(WARN, warning)
         for param in params:
             self._param_errors.pop(param.name, None)
         if changes and not self._declaring:
@@ -353,6 +400,8 @@ class OxygenNode(LifecycleNode):
                 self._inputs.stale_timeout_s = self._stale_timeout_s
         if 'max_instruction_chars' in changes:
             self._max_instruction_chars = changes['max_instruction_chars']
+        if 'diagnostics_period_s' in changes:
+            self._start_diagnostics_timer(changes['diagnostics_period_s'])
         if self._settings is not None:
             fields = {k: v for k, v in changes.items() if k != 'decode_budget'}
             if 'decode_budget' in changes:
@@ -397,15 +446,20 @@ class OxygenNode(LifecycleNode):
             if self._param_errors:
                 raise ValueError('parameters rejected at startup: ' + '; '.join(
                     f'{k}: {v}' for k, v in self._param_errors.items()))
-            settings = Settings.from_values(
-                {spec.name: self._value(spec.name) for spec in PARAMS})
+            self._declare_camera_params(self._value('camera_names'))   # names set since
+            values = {spec.name: self._value(spec.name) for spec in PARAMS}
+            for camera in values['camera_names']:
+                values.update({spec.name: self._value(spec.name)
+                               for spec in camera_param_specs(camera)})
+            settings = Settings.from_values(values)
             from oxygen_ros.runtime.engine_setup import build_engine   # torch: load lazily
 
             engine = build_engine(settings)
             self._period_s = settings.period_s
             self._stale_timeout_s = settings.stale_frame_timeout_s
             self._max_instruction_chars = settings.max_instruction_chars
-            self._outputs = RosOutputs(self, settings.frame_id)
+            self._outputs = RosOutputs(self, settings.frame_id, action_layout(settings.robot),
+                                       settings.publish_trajectory)
             self._inputs = self._make_subscriptions(settings)
         except Exception as err:   # noqa: BLE001 - any failure is a FAILURE transition
             self._config_error = f'configure failed: {err}'
@@ -471,6 +525,13 @@ class OxygenNode(LifecycleNode):
         self._lifecycle = 'unconfigured'
         return TransitionCallbackReturn.SUCCESS
 
+    def _start_diagnostics_timer(self, period_s: float) -> None:
+        """(Re)start the /diagnostics timer (steady clock: works before /clock starts)."""
+        if self._diagnostics_timer is not None:
+            self.destroy_timer(self._diagnostics_timer)
+        self._diagnostics_timer = self.create_timer(
+            period_s, self._publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME))
+
     def _start_wake_timer(self) -> None:
         """(Re)start the timer that wakes the control thread once per period (node clock)."""
         if self._wake_timer is not None:
@@ -510,34 +571,63 @@ class OxygenNode(LifecycleNode):
     # ---- wiring -------------------------------------------------------------------------------
 
     def _make_subscriptions(self, settings: Settings) -> InputSet:
-        # Cameras and joint states are polled: the control thread takes the newest message at
-        # the start of a tick (ros/polling.py says why); only the instruction is a callback.
+        # Cameras and joint states are polled: the control thread takes their messages at the
+        # start of a tick (ros/polling.py says why); only the instruction is a callback.
+        # Each subscription's QoS can be overridden with parameters (qos_overrides.<topic>.
+        # subscription[_<id>].<policy>, read-only, given at startup), as rclcpp nodes allow.
         polled_group = PolledGroup()
         polled = []   # (buffer key, subscription)
         cameras = []
+        infos = {}    # camera name -> buffer key of its camera_info
         for cam in settings.cameras:
             key = f'camera:{cam.name}'
-            msg_type = CompressedImage if cam.compressed else Image
-            convert = ((lambda m: compressed_to_rgb(m.format, m.data)) if cam.compressed else
-                       (lambda m: image_to_rgb(m.encoding, m.height, m.width, m.step, m.data,
-                                               m.is_bigendian)))
-            sub = self.create_subscription(msg_type, cam.topic, never_called, qos.SENSOR,
-                                           callback_group=polled_group)
+            sub = self.create_subscription(
+                CompressedImage if cam.compressed else Image, cam.image_topic, never_called,
+                _overridable(qos.SENSOR), callback_group=polled_group,
+                qos_overriding_options=QoSOverridingOptions.with_default_policies())
             polled.append((key, sub))
-            cameras.append((cam.name, InputSource(key, f'camera {cam.name!r} '
-                                                       f'({sub.topic_name})', convert)))
+            if cam.check_camera_info:
+                infos[cam.name] = f'camera_info:{cam.name}'
+                info_sub = self.create_subscription(
+                    CameraInfo, cam.info_topic, never_called, qos.SENSOR,
+                    callback_group=polled_group)
+                polled.append((infos[cam.name], info_sub))
+            cameras.append((cam.name, InputSource(
+                key, f'camera {cam.name!r} ({sub.topic_name})',
+                self._image_converter(cam.compressed, infos.get(cam.name)))))
         joints = settings.joint_names
-        sub = self.create_subscription(JointState, 'joint_states', never_called, qos.SENSOR,
-                                       callback_group=polled_group)
+        # Deeper than the cameras': every JointState since the last tick is merged per joint
+        # name (arm and gripper often publish separately), so none may be overwritten.
+        sub = self.create_subscription(
+            JointState, 'joint_states', never_called, _overridable(qos.JOINT_STATES),
+            callback_group=polled_group,
+            qos_overriding_options=QoSOverridingOptions.with_default_policies())
         polled.append((JOINT_STATES_KEY, sub))
         joint_source = InputSource(JOINT_STATES_KEY, f'joint_states ({sub.topic_name})',
                                    lambda m: joint_state_to_vector(m.name, m.position, joints))
         self._subscriptions_made.extend(sub for _, sub in polled)
+        inputs = InputSet(cameras, joint_source, settings.stale_frame_timeout_s,
+                          joint_names=joints)
+        # The instruction, twice: a latched publisher (transient local, the task as state) and
+        # a plain one (`ros2 topic pub`: reliable + volatile) each match one of these; the
+        # newest message of either wins. A transient-local publisher reaches both, so the same
+        # text may arrive twice: it changes nothing the second time.
+        # A volatile publisher is incompatible with the latched subscription by design: that
+        # event is ignored (rclpy would log it); the volatile one reports real mismatches.
+        ignore = SubscriptionEventCallbacks(incompatible_qos=lambda event: None)
         events = SubscriptionEventCallbacks(incompatible_qos=self._on_instruction_qos)
-        sub = self.create_subscription(String, 'instruction', self._on_instruction,
-                                       qos.INSTRUCTION, event_callbacks=events)
-        self._subscriptions_made.append(sub)
-        inputs = InputSet(cameras, joint_source, settings.stale_frame_timeout_s, sub.topic_name)
+        for entity_id, profile, event_callbacks in (
+                ('latched', qos.INSTRUCTION, ignore),
+                ('volatile', qos.INSTRUCTION_VOLATILE, events)):
+            # Bound to `inputs`: a latched message can arrive before configure returns.
+            sub = self.create_subscription(
+                String, 'instruction', lambda msg: self._on_instruction(msg, inputs),
+                _overridable(profile),
+                event_callbacks=event_callbacks,
+                qos_overriding_options=QoSOverridingOptions.with_default_policies(
+                    entity_id=entity_id))
+            self._subscriptions_made.append(sub)
+            inputs.instruction_topic = sub.topic_name   # as remapped
 
         def take_polled(now_s: float) -> None:
             for key, polled_sub in polled:
@@ -547,10 +637,27 @@ class OxygenNode(LifecycleNode):
         inputs.pull = take_polled
         return inputs
 
-    def _on_instruction(self, msg: String) -> None:
+    def _image_converter(self, compressed: bool, info_key: str | None):
+        """Message -> RGB for one camera; with info_key, also check the size from camera_info."""
+        def convert(msg):
+            if compressed:
+                rgb = compressed_to_rgb(msg.format, msg.data)
+            else:
+                rgb = image_to_rgb(msg.encoding, msg.height, msg.width, msg.step, msg.data,
+                                   msg.is_bigendian)
+            if info_key is not None:
+                entry = self._inputs.buffer.get(info_key) if self._inputs is not None else None
+                if entry is None:
+                    raise InputError('no camera_info received yet (check_camera_info is on)')
+                check_frame_size(rgb, entry.msg.width, entry.msg.height)
+            return rgb
+        return convert
+
+    def _on_instruction(self, msg: String, inputs: InputSet) -> None:
         instruction = sanitize_instruction(msg.data, self._max_instruction_chars)
-        if self._inputs is not None:
-            self._inputs.set_instruction(instruction)
+        if inputs.instruction == instruction:
+            return   # the same task again (both subscriptions get a latched publisher's)
+        inputs.set_instruction(instruction)
         if not instruction.text:
             self._problems.note(WARN, 'instruction is empty: no task, so no actions until a '
                                       'non-empty instruction arrives (running language '
@@ -564,8 +671,9 @@ class OxygenNode(LifecycleNode):
 
     def _on_instruction_qos(self, event) -> None:
         self._problems.event('instruction_qos', WARN, (
-            'an instruction publisher has incompatible QoS: the node subscribes reliable + '
-            'transient local; publish with `--qos-durability transient_local`'))
+            'an instruction publisher has incompatible QoS: the node takes reliable '
+            'publishers, volatile or transient local; publish reliable (the `ros2 topic pub` '
+            'default)'))
 
     # ---- the control tick (control thread) ----------------------------------------------------
 
@@ -593,9 +701,10 @@ class OxygenNode(LifecycleNode):
     def _publish_diagnostics(self) -> None:
         self._cpu_pct = self._cpu.sample() or self._cpu_pct
         try:
+            # hardware_id names the device the model runs on (as a driver names its device).
             self._diagnostics_pub.publish(to_diagnostic_array(
                 self.diagnostic_statuses(), self.get_clock().now().to_msg(),
-                self.get_fully_qualified_name()))
+                self.hardware_id))
         except Exception as err:   # noqa: BLE001 - diagnostics must not take the node down
             self._problems.event('diagnostics', ERROR, f'diagnostics failed: {err!r}')
 
@@ -618,13 +727,23 @@ class OxygenNode(LifecycleNode):
             snapshot['cpu_control_thread_pct'], snapshot['cpu_other_threads_pct'] = (
                 self._cpu_pct)
         return build_statuses(
-            self.get_name(), self._lifecycle, model, snapshot, 1.0 / self._period_s,
+            self.diagnostic_name, self._lifecycle, model, snapshot, 1.0 / self._period_s,
             loop.engine_summary() if loop is not None else None,
             inputs.inputs if inputs is not None else [],
             dict(inputs.problems) if inputs is not None else {}, instruction,
             self._config_error)
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    @property
+    def diagnostic_name(self) -> str:
+        """Prefix of the node's diagnostic names: its full name, so unique per namespace."""
+        return self.get_fully_qualified_name().lstrip('/')
+
+    @property
+    def hardware_id(self) -> str:
+        """The /diagnostics hardware_id: the torch device the model runs on."""
+        return self._value('device')
 
     @property
     def lifecycle_state(self) -> str:

@@ -28,7 +28,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 
 from oxygen_ros.ros import qos
-from oxygen_ros.runtime.params import default_camera_topic, ROBOT_IO
+from oxygen_ros.runtime.params import default_camera_topic, ROBOT_IO, transport_topic
 
 PHOTOS = ('astronaut', 'coffee', 'chelsea', 'rocket', 'immunohistochemistry')
 
@@ -100,8 +100,8 @@ class SimCamera:
 
 def robot_cameras(robot: str, compressed: bool = False) -> list[SimCamera]:
     """List the robot's cameras on the node's default topics, each showing another photo."""
-    return [SimCamera(name, default_camera_topic(name, compressed), PHOTOS[i % len(PHOTOS)],
-                      compressed)
+    return [SimCamera(name, transport_topic(default_camera_topic(name), compressed),
+                      PHOTOS[i % len(PHOTOS)], compressed)
             for i, name in enumerate(ROBOT_IO[robot][0])]
 
 

@@ -52,13 +52,56 @@ def _check_size(width: int, height: int) -> None:
                          'smaller image, e.g. with image_proc/resize)')
 
 
+# Packed 4:2:2 YUV (two pixels share one U and one V): encoding -> byte offsets of Y0, U, Y1, V
+# in each 4-byte pair. sensor_msgs names UYVY `yuv422` (and `uyvy`), YUYV `yuv422_yuy2`
+# (and `yuyv`); USB (UVC) cameras' image_raw is usually YUYV.
+_YUV422 = {'yuv422': (1, 0, 3, 2), 'uyvy': (1, 0, 3, 2),
+           'yuv422_yuy2': (0, 1, 2, 3), 'yuyv': (0, 1, 2, 3)}
+
+
+def _bayer_error(encoding: str) -> InputError:
+    return InputError(f'raw Bayer image ({shorten(encoding)}): not demosaiced here; subscribe '
+                      'the colour image instead: run image_proc (debayer) and remap this '
+                      "camera's topic to its image_color (or image_rect_color)")
+
+
+def _yuv422_to_rgb(offsets, height: int, width: int, step: int, buffer) -> np.ndarray:
+    """Packed 4:2:2 YUV (BT.601, video range, as camera drivers send) -> uint8 [H, W, 3]."""
+    if width % 2:
+        raise InputError(f'4:2:2 YUV needs an even width, got {width}')
+    row_bytes = width * 2
+    if step < row_bytes:
+        raise InputError(f'step {step} < width * 2 = {row_bytes} (yuv422)')
+    needed = step * (height - 1) + row_bytes
+    if len(buffer) < needed:
+        raise InputError(f'truncated data: {len(buffer)} bytes, expected step * height = '
+                         f'{step} * {height} = {step * height}')
+    flat = np.frombuffer(buffer, dtype=np.uint8, count=needed)
+    rows = np.lib.stride_tricks.as_strided(flat, shape=(height, row_bytes), strides=(step, 1))
+    pairs = rows.reshape(height, width // 2, 4).astype(np.float32)   # [H, W/2, 4]
+    y0, u, y1, v = (pairs[:, :, i] for i in offsets)
+    y = np.stack([y0, y1], axis=-1).reshape(height, width) - 16.0   # [H, W]
+    u = np.repeat(u, 2, axis=1) - 128.0
+    v = np.repeat(v, 2, axis=1) - 128.0
+    r = 1.164 * y + 1.596 * v
+    g = 1.164 * y - 0.392 * u - 0.813 * v
+    b = 1.164 * y + 2.017 * u
+    return np.clip(np.stack([r, g, b], axis=-1) + 0.5, 0, 255).astype(np.uint8)
+
+
 def image_to_rgb(encoding: str, height: int, width: int, step: int, data,
                  is_bigendian: int = 0) -> np.ndarray:
     """sensor_msgs/Image fields -> uint8 [height, width, 3] RGB (a copy, safe to keep)."""
     enc = encoding[:MAX_FIELD_CHARS].strip().lower()
+    if enc.startswith('bayer_'):
+        raise _bayer_error(encoding)
+    if enc in _YUV422:
+        _check_size(width, height)
+        buffer = memoryview(data).cast('B') if not isinstance(data, np.ndarray) else data
+        return _yuv422_to_rgb(_YUV422[enc], height, width, step, buffer)
     if enc not in _ENCODINGS:
         raise InputError(f"unsupported encoding {shorten(encoding)}; expected one of "
-                         f"{', '.join(sorted(_ENCODINGS))}")
+                         f"{', '.join(sorted(set(_ENCODINGS) | set(_YUV422)))}")
     channels, order = _ENCODINGS[enc]
     if enc == '8uc3':
         order = (2, 1, 0)
@@ -104,6 +147,15 @@ def compressed_to_rgb(fmt: str, data) -> np.ndarray:
         reason = shorten(f'{type(err).__name__}: {err}', 200)
         raise InputError(f'cannot decode compressed image (format {fmt}): {reason}') from None
     return np.ascontiguousarray(rgb, dtype=np.uint8)
+
+
+def check_frame_size(rgb: np.ndarray, info_width: int, info_height: int) -> None:
+    """Raise InputError when a frame's size differs from its camera_info (0 x 0: unknown)."""
+    height, width = rgb.shape[:2]
+    if info_width and info_height and (width, height) != (info_width, info_height):
+        raise InputError(f'frame is {width}x{height} but camera_info says '
+                         f'{info_width}x{info_height} (a resized or cropped stream on this '
+                         'topic?)')
 
 
 def joint_state_to_vector(names: Sequence[str], positions: Sequence[float],

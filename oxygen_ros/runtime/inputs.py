@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import unicodedata
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -121,6 +121,59 @@ def convert_once(entry: Received, convert: Callable[[Any], Any]) -> Any:
     return entry.converted
 
 
+# --- joint states merged per joint name -------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MergedJointState:
+    """Newest position of each wanted joint, from any number of JointState publishers.
+
+    Has `name` and `position` like sensor_msgs/JointState, so the same converter reads it;
+    `received_s` holds each joint's own time of receipt.
+    """
+
+    name: list[str]                 # wanted joints received so far, in wanted order
+    position: list[float]
+    received_s: list[float]
+
+    def stale_names(self, now_s: float, timeout_s: float) -> list[str]:
+        """Joints whose newest position is older than `timeout_s` (or from the future)."""
+        return [n for n, t in zip(self.name, self.received_s) if abs(now_s - t) > timeout_s]
+
+
+class JointStateMerger:
+    """Merges JointState messages per joint name (arm and gripper may publish separately)."""
+
+    def __init__(self, wanted: Sequence[str]):
+        self.wanted = tuple(wanted)
+        self._index = {name: i for i, name in enumerate(self.wanted)}
+        self._latest: dict[str, tuple[float, float]] = {}   # joint -> (position, received_s)
+
+    def update(self, names: Sequence[str], positions: Sequence[float],
+               received_s: float) -> bool:
+        """Take one message; return whether it held a wanted joint. Raise InputError if bad."""
+        names = list(names)
+        positions = list(positions)
+        if len(positions) != len(names):
+            raise InputError(f'JointState has {len(names)} names but {len(positions)} '
+                             'positions')
+        seen = set()
+        for name, value in zip(names, positions):
+            if name in self._index and name not in seen:   # a duplicate: the first one wins
+                seen.add(name)
+                self._latest[name] = (float(value), received_s)
+        return bool(seen)
+
+    def snapshot(self) -> MergedJointState | None:
+        """Return the merged state (None before any wanted joint arrived)."""
+        have = [n for n in self.wanted if n in self._latest]
+        if not have:
+            return None
+        return MergedJointState(have, [self._latest[n][0] for n in have],
+                                [self._latest[n][1] for n in have])
+
+    def clear(self) -> None:
+        self._latest.clear()
+
+
 # --- observation ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class InputSource:
@@ -191,6 +244,11 @@ def build_observation(buffer: LatestBuffer, cameras: list[tuple[str, InputSource
             status.state = 'stale'
             status.detail = (f'{source.label}: stale, last message {age:.2f} s ago '
                              f'(stale_frame_timeout_s {stale_timeout_s:g})')
+            if isinstance(entry.msg, MergedJointState):
+                status.detail = (f'{source.label}: stale joints '
+                                 f'{entry.msg.stale_names(now_s, stale_timeout_s)}, oldest '
+                                 f'received {age:.2f} s ago (stale_frame_timeout_s '
+                                 f'{stale_timeout_s:g})')
             problems[source.key] = status.detail
             continue
         try:
@@ -207,7 +265,7 @@ def build_observation(buffer: LatestBuffer, cameras: list[tuple[str, InputSource
                 stamp_ns = round(entry.received_s * 1e9)
     if instruction is None:
         problems['instruction'] = (f'instruction: none received yet on {instruction_topic} '
-                                   '(std_msgs/String, reliable + transient local)')
+                                   '(std_msgs/String, reliable; transient local or volatile)')
     elif not instruction.text:
         problems['instruction'] = 'instruction: empty, so there is no task (no actions)'
     if problems:
@@ -226,11 +284,18 @@ class InputSet:
     loop calls `build(now_s)`. cameras: (observation camera name, source) pairs. pull(now_s),
     when set, is called by `build` first: a source read on demand (the node takes its polled
     subscriptions there, on the control thread) puts its newest messages then.
+
+    joint_names: when given, JointState messages (anything with `name` and `position`) put on
+    the joints key are merged per joint name, each joint with its own time of receipt: the
+    buffer then holds a MergedJointState whose receipt time is its oldest joint's, so one
+    joint that stops makes the state stale while partial publishers (arm, gripper) combine.
     """
 
     def __init__(self, cameras: list[tuple[str, InputSource]], joints: InputSource,
-                 stale_timeout_s: float, instruction_topic: str = 'instruction'):
+                 stale_timeout_s: float, instruction_topic: str = 'instruction',
+                 joint_names: Sequence[str] | None = None):
         self.buffer = LatestBuffer()
+        self.merger = JointStateMerger(joint_names) if joint_names is not None else None
         self.cameras = cameras
         self.joints = joints
         self.stale_timeout_s = stale_timeout_s
@@ -240,6 +305,18 @@ class InputSet:
         self.pull: Callable[[float], None] | None = None
 
     def put(self, key: str, msg: Any, received_s: float) -> None:
+        if key == self.joints.key and self.merger is not None:
+            try:
+                changed = self.merger.update(msg.name, msg.position, received_s)
+            except InputError:
+                self.buffer.put(key, msg, received_s)   # the converter reports why
+                return
+            merged = self.merger.snapshot()
+            if changed or self.buffer.get(key) is None:
+                # Without a wanted joint yet, the message shows what is missing.
+                self.buffer.put(key, merged or msg,
+                                min(merged.received_s) if merged else received_s)
+            return
         self.buffer.put(key, msg, received_s)
 
     def set_instruction(self, instruction: Instruction) -> None:
@@ -256,4 +333,6 @@ class InputSet:
     def clear(self) -> None:
         """Forget every message and the instruction (cleanup)."""
         self.buffer.clear()
+        if self.merger is not None:
+            self.merger.clear()
         self.instruction = None

@@ -2,8 +2,12 @@
 
 Pure Python (no rclpy): the node turns each ParamSpec into a declared parameter with a
 ParameterDescriptor, and calls `check_value` from its on-set callback. Cross-parameter checks
-(camera lists of equal length, joints matching the robot) need all values at once and run in
-`Settings.from_values`, at configure time, so parallel arrays can be changed one by one.
+(cameras and joints matching the robot) need all values at once and run in
+`Settings.from_values`, at configure time, so related values can be changed one by one.
+
+Cameras are a list of names, `camera_names`, each with its own sub-parameters
+`cameras.<name>.topic` (image_transport base topic), `cameras.<name>.compressed` and
+`cameras.<name>.check_camera_info` (CAMERA_PARAMS; `camera_param_specs` names them).
 
 Two kinds of parameters:
   configure-time  shape the model, the KV pool or the subscriptions; changeable only while
@@ -43,9 +47,20 @@ ROBOT_IO = {
 }
 
 
-def default_camera_topic(camera: str, compressed: bool = False) -> str:
-    """Relative topic of a camera (image_transport naming), remappable at launch."""
-    return f'camera/{camera}/image_raw' + ('/compressed' if compressed else '')
+def default_camera_topic(camera: str) -> str:
+    """Relative base topic of a camera (image_transport naming), remappable at launch."""
+    return f'camera/{camera}/image_raw'
+
+
+def transport_topic(base: str, compressed: bool) -> str:
+    """Return the topic image_transport sends a base topic's frames on (raw or compressed)."""
+    return f'{base.rstrip("/")}/compressed' if compressed else base
+
+
+def camera_info_topic(base: str) -> str:
+    """image_transport's camera_info topic of a base topic: a sibling named camera_info."""
+    head, _, _ = base.rstrip('/').rpartition('/')
+    return f'{head}/camera_info' if head else 'camera_info'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +75,10 @@ class ParamSpec:
     float_range: tuple[float, float] | None = None
     check: Callable[[Any], str | None] | None = None   # returns the reason a value is bad
     read_only: bool = False
+    # An older form of the value that is still accepted, with a deprecation warning: returns
+    # (reason it is bad or None, the warning). The node declares such a parameter with
+    # dynamic typing.
+    legacy: Callable[[Any], tuple[str | None, str]] | None = None
 
 
 def _check_choice(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
@@ -116,26 +135,37 @@ def _check_tokenizer(value) -> str | None:
     return None
 
 
-def parse_decode_budget(value: str) -> int | None:
-    """'adaptive' -> None; an integer k >= 1 as text -> k; anything else raises ValueError."""
-    text = str(value).strip().lower()
-    if text == 'adaptive':
-        return None
-    try:
-        k = int(text)
-    except ValueError:
-        raise ValueError(f"expected an integer k >= 1 or 'adaptive', got {value!r}") from None
-    if k < 1:
-        raise ValueError(f'k must be >= 1, got {k}')
-    return k
+def parse_decode_budget(value: int | str) -> int | None:
+    """Read the decode budget k: 0 -> None (adaptive), k >= 1 -> k.
+
+    Also reads the deprecated string form ('adaptive', or k as text, e.g. "'4'"). Anything
+    else raises ValueError.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f'expected an integer k >= 0 (0 = adaptive), got {value!r}')
+    if isinstance(value, int):
+        k = value
+    else:
+        text = str(value).strip().lower()
+        if text == 'adaptive':
+            return None
+        try:
+            k = int(text)
+        except ValueError:
+            raise ValueError(f'expected an integer k >= 0 (0 = adaptive), got {value!r}'
+                             ) from None
+    if k < 0:
+        raise ValueError(f'k must be >= 0 (0 = adaptive), got {k}')
+    return k or None
 
 
-def _check_decode_budget(value) -> str | None:
+def _legacy_decode_budget(value) -> tuple[str | None, str]:
     try:
-        parse_decode_budget(value)
+        k = parse_decode_budget(value)
     except ValueError as err:
-        return str(err)
-    return None
+        return str(err), ''
+    return None, (f'decode_budget as a string ({value!r}) is deprecated: use the integer '
+                  f'{k or 0} (0 = adaptive), e.g. `-p decode_budget:={k or 0}`')
 
 
 def _check_names(value) -> str | None:
@@ -177,15 +207,14 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('robot', 'libero', 'Robot adapter (cameras, state and action layout).',
               check=_check_choice(ROBOTS)),
     ParamSpec('camera_names', list(ROBOT_IO['libero'][0]),
-              "Robot camera names, in the adapter's terms (parallel to camera_topics).",
-              check=_check_names),
-    ParamSpec('camera_topics', [default_camera_topic(c) for c in ROBOT_IO['libero'][0]],
-              'Image topic of each camera (relative names are remappable).', check=_check_names),
-    ParamSpec('camera_compressed', [False] * len(ROBOT_IO['libero'][0]),
-              'Per camera: subscribe sensor_msgs/CompressedImage (jpeg/png) instead of Image.'),
+              "Robot camera names, in the adapter's terms; each has the sub-parameters "
+              'cameras.<name>.topic, .compressed and .check_camera_info.', check=_check_names),
     ParamSpec('joint_names', list(ROBOT_IO['libero'][1]),
               'JointState names forming the robot state vector, in order.', check=_check_names),
     ParamSpec('frame_id', 'base_link', 'frame_id written into ActionChunk headers.'),
+    ParamSpec('publish_trajectory', False, 'Also publish each chunk as trajectory_msgs/'
+              'JointTrajectory on joint_trajectory (joint-position robots only), for '
+              "ros2_control's joint_trajectory_controller."),
     ParamSpec('control_rate_hz', 10.0, 'Control ticks per second (one action chunk each).',
               configure_time=False, float_range=(0.1, 1000.0)),
     ParamSpec('denoise_steps', 0, 'Flow-matching steps; 0 = the model config default.',
@@ -195,9 +224,9 @@ PARAMS: tuple[ParamSpec, ...] = (
               check=_check_template),
     ParamSpec('tokens_per_request', 10, 'N: tokens each language request generates at most.',
               int_range=(1, 512)),
-    ParamSpec('decode_budget', 'adaptive', "k tokens per request per tick, or 'adaptive' "
-              '(as many as fit before the tick deadline).', configure_time=False,
-              check=_check_decode_budget),
+    ParamSpec('decode_budget', 0, 'k tokens per request per tick; 0 = adaptive (as many as '
+              'fit before the tick deadline).', configure_time=False, int_range=(0, 512),
+              legacy=_legacy_decode_budget),
     ParamSpec('request_every_n_frames', 1, 'Start a language request every n frames (0 = no '
               'language).', configure_time=False, int_range=(0, 1_000_000)),
     ParamSpec('kv_capacity', 0, 'KV pool slots; 0 = sized from N, k and the request rate '
@@ -210,6 +239,9 @@ PARAMS: tuple[ParamSpec, ...] = (
               float_range=(0.01, 5.0)),
     ParamSpec('max_instruction_chars', 500, 'Longer instructions are truncated (and reported).',
               configure_time=False, int_range=(1, 100_000)),
+    ParamSpec('diagnostics_period_s', 1.0, 'Seconds between /diagnostics messages (steady '
+              'clock, in every lifecycle state).', configure_time=False,
+              float_range=(0.05, 60.0)),
     ParamSpec('seed', 0, 'Seed of random weights, flow-matching noise and request arrivals.',
               int_range=(0, 2**31 - 1)),
     ParamSpec('tokenizer', '', "SentencePiece model; '' = the checkpoint's tokenizer.model, or "
@@ -217,6 +249,52 @@ PARAMS: tuple[ParamSpec, ...] = (
               check=_check_tokenizer),
 )
 PARAMS_BY_NAME = {spec.name: spec for spec in PARAMS}
+
+# Per-camera sub-parameters: cameras.<name>.<field>.
+CAMERA_PARAMS: tuple[ParamSpec, ...] = (
+    ParamSpec('topic', '', "image_transport base topic ('' = camera/<name>/image_raw): raw "
+              'sensor_msgs/Image on it, CompressedImage on <topic>/compressed.'),
+    ParamSpec('compressed', False, 'Subscribe sensor_msgs/CompressedImage (jpeg/png) on '
+              '<topic>/compressed instead of Image on <topic>.'),
+    ParamSpec('check_camera_info', False, 'Also subscribe sensor_msgs/CameraInfo (the '
+              'camera_info sibling of <topic>) and reject frames whose size differs from it.'),
+)
+_CAMERA_PARAMS_BY_FIELD = {spec.name: spec for spec in CAMERA_PARAMS}
+_CAMERA_PARAM_RE = re.compile(r'^cameras\.([^.]+)\.([^.]+)$')
+
+
+def camera_param_name(camera: str, field: str) -> str:
+    """Full name of a camera sub-parameter, e.g. cameras.image.topic."""
+    return f'cameras.{camera}.{field}'
+
+
+def camera_param_specs(camera: str) -> list[ParamSpec]:
+    """Return the sub-parameter specs of one camera, named and with its defaults."""
+    defaults = {'topic': default_camera_topic(camera)}
+    return [dataclasses.replace(spec, name=camera_param_name(camera, spec.name),
+                                default=defaults.get(spec.name, spec.default))
+            for spec in CAMERA_PARAMS]
+
+
+def param_spec(name: str) -> ParamSpec | None:
+    """Return the spec of parameter `name`, camera sub-parameters included (None: not ours)."""
+    spec = PARAMS_BY_NAME.get(name)
+    if spec is None and (match := _CAMERA_PARAM_RE.match(name)):
+        field = _CAMERA_PARAMS_BY_FIELD.get(match.group(2))
+        if field is not None:
+            spec = dataclasses.replace(field, name=name)
+    return spec
+
+
+def deprecation_warning(name: str, value: Any) -> str:
+    """Return the warning for a value of `name` in a deprecated form ('' if none)."""
+    spec = param_spec(name)
+    if spec is None or spec.legacy is None or _type_problem(spec.default, value) is None:
+        return ''
+    why, warning = spec.legacy(value)
+    return '' if why else warning
+
+
 RUNTIME_PARAMS = frozenset(s.name for s in PARAMS if not s.configure_time)
 # Runtime parameters that must not be loosened while the robot is being driven: name -> the
 # direction that loosens them.
@@ -253,10 +331,12 @@ def _type_problem(default: Any, value: Any) -> str | None:
 
 def check_value(name: str, value: Any) -> str | None:
     """Return why `value` is not acceptable for parameter `name`, or None when it is."""
-    spec = PARAMS_BY_NAME.get(name)
+    spec = param_spec(name)
     if spec is None:
         return None
     why = _type_problem(spec.default, value)
+    if why and spec.legacy is not None and isinstance(value, str):
+        return spec.legacy(value)[0]
     if why:
         return why
     if spec.int_range is not None:
@@ -277,8 +357,19 @@ class CameraConfig:
     """One subscribed camera."""
 
     name: str          # robot adapter's camera name (observation key)
-    topic: str         # topic (relative or absolute)
-    compressed: bool   # sensor_msgs/CompressedImage instead of Image
+    topic: str         # image_transport base topic (relative or absolute)
+    compressed: bool   # sensor_msgs/CompressedImage on <topic>/compressed instead of Image
+    check_camera_info: bool = False   # compare frame sizes with <topic>'s camera_info
+
+    @property
+    def image_topic(self) -> str:
+        """The topic frames arrive on (base or <base>/compressed)."""
+        return transport_topic(self.topic, self.compressed)
+
+    @property
+    def info_topic(self) -> str:
+        """The camera_info topic next to the base topic."""
+        return camera_info_topic(self.topic)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +386,7 @@ class Settings:
     cameras: tuple[CameraConfig, ...]
     joint_names: tuple[str, ...]
     frame_id: str
+    publish_trajectory: bool
     control_rate_hz: float
     denoise_steps: int
     language_prompt: str
@@ -304,6 +396,7 @@ class Settings:
     kv_capacity: int
     stale_frame_timeout_s: float
     max_instruction_chars: int
+    diagnostics_period_s: float
     seed: int
     tokenizer: str
 
@@ -318,16 +411,28 @@ class Settings:
         merged.update(values)
         problems = [f'{name}: {why}' for name in PARAMS_BY_NAME
                     if (why := check_value(name, merged[name]))]
+        unknown = sorted(n for n in values if param_spec(n) is None
+                         and n.startswith('cameras.'))
+        if unknown:
+            problems.append(f'unknown camera parameters {unknown}; each camera has '
+                            f'{", ".join(s.name for s in CAMERA_PARAMS)}')
         robot = merged['robot']
         names = list(merged['camera_names'])
-        topics = list(merged['camera_topics'])
-        compressed = [bool(c) for c in merged['camera_compressed']]
-        if len(topics) != len(names):
-            problems.append(f'camera_topics has {len(topics)} entries but camera_names has '
-                            f'{len(names)} (parallel arrays)')
-        if len(compressed) != len(names):
-            problems.append(f'camera_compressed has {len(compressed)} entries but camera_names '
-                            f'has {len(names)} (parallel arrays)')
+        cameras = []
+        for name in names:
+            fields = {}
+            for spec in camera_param_specs(name):
+                value = merged.get(spec.name, spec.default)
+                why = check_value(spec.name, value)
+                if why:
+                    problems.append(f'{spec.name}: {why}')
+                fields[spec.name.rsplit('.', 1)[1]] = value
+            cameras.append(CameraConfig(name, fields['topic'] or default_camera_topic(name),
+                                        bool(fields['compressed']),
+                                        bool(fields['check_camera_info'])))
+        topics = [c.image_topic for c in cameras]
+        if len(set(topics)) != len(topics):
+            problems.append(f'two cameras subscribe the same topic: {topics}')
         if robot in ROBOT_IO:
             required = ROBOT_IO[robot][0]
             missing = [c for c in required if c not in names]
@@ -343,15 +448,22 @@ class Settings:
             if len(merged['joint_names']) != state_dim:
                 problems.append(f'joint_names has {len(merged["joint_names"])} names but robot '
                                 f'{robot!r} has a {state_dim}-value state')
+            if merged['publish_trajectory']:
+                from oxygen_ros.model.robots import JOINT_POSITION
+                space = get_robot(robot).action_space
+                if space != JOINT_POSITION:
+                    problems.append(f'publish_trajectory: robot {robot!r} acts in {space}, not '
+                                    'joint positions; a JointTrajectory of its rows would be '
+                                    'wrong (use the actions topic or chunk_player)')
         if problems:
             raise ValueError('invalid parameters:\n  ' + '\n  '.join(problems))
-        cameras = tuple(CameraConfig(n, t, c) for n, t, c in zip(names, topics, compressed))
         return cls(
             checkpoint=merged['checkpoint'], preset=merged['preset'], device=merged['device'],
             dtype=merged['dtype'], torch_threads=int(merged['torch_threads']),
             control_nice=int(merged['control_nice']), robot=robot,
-            cameras=cameras,
+            cameras=tuple(cameras),
             joint_names=tuple(merged['joint_names']), frame_id=merged['frame_id'],
+            publish_trajectory=bool(merged['publish_trajectory']),
             control_rate_hz=float(merged['control_rate_hz']),
             denoise_steps=int(merged['denoise_steps']),
             language_prompt=merged['language_prompt'],
@@ -361,15 +473,26 @@ class Settings:
             kv_capacity=int(merged['kv_capacity']),
             stale_frame_timeout_s=float(merged['stale_frame_timeout_s']),
             max_instruction_chars=int(merged['max_instruction_chars']),
+            diagnostics_period_s=float(merged['diagnostics_period_s']),
             seed=int(merged['seed']), tokenizer=merged['tokenizer'])
 
 
 def robot_defaults(robot: str) -> dict[str, Any]:
     """Camera and joint parameter values matching `robot` (defaults follow the robot)."""
     cameras, joints = ROBOT_IO[robot]
-    return {'robot': robot, 'camera_names': list(cameras),
-            'camera_topics': [default_camera_topic(c) for c in cameras],
-            'camera_compressed': [False] * len(cameras), 'joint_names': list(joints)}
+    return {'robot': robot, 'camera_names': list(cameras), 'joint_names': list(joints)}
+
+
+def flatten_params(params: dict[str, Any], prefix: str = '') -> dict[str, Any]:
+    """Nested YAML mappings -> dotted parameter names, as rcl reads a parameter file."""
+    flat = {}
+    for key, value in params.items():
+        name = f'{prefix}{key}'
+        if isinstance(value, dict):
+            flat.update(flatten_params(value, name + '.'))
+        else:
+            flat[name] = value
+    return flat
 
 
 def load_node_params(path: str | Path, node_name: str = NODE_NAME) -> dict[str, Any]:
@@ -386,7 +509,7 @@ def load_node_params(path: str | Path, node_name: str = NODE_NAME) -> dict[str, 
     for key in ('/**', f'/**/{node_name}', f'/{node_name}', node_name):
         section = data.get(key)
         if isinstance(section, dict) and isinstance(section.get('ros__parameters'), dict):
-            params.update(section['ros__parameters'])
+            params.update(flatten_params(section['ros__parameters']))
             found = True
     if not found:
         raise ValueError(f'{path}: no "{node_name}: ros__parameters:" section '

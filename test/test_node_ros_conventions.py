@@ -1,0 +1,112 @@
+"""The node as ROS 2 users expect it, in-process over real DDS: QoS overrides, diagnostics per
+namespace, camera_info checks, partial joint-state publishers, a JointTrajectory output.
+"""
+
+import threading
+
+import pytest
+
+rclpy = pytest.importorskip('rclpy')
+
+from rclpy.qos import ReliabilityPolicy  # noqa: E402
+from sensor_msgs.msg import CameraInfo, JointState  # noqa: E402
+
+from oxygen_ros.ros import qos  # noqa: E402
+from oxygen_ros.runtime.actions import action_layout  # noqa: E402
+from oxygen_ros.runtime.status import ERROR, OK  # noqa: E402
+from ros_helpers import harnesses, TINY_NODE, wait_for  # noqa: E402
+
+
+@pytest.fixture
+def harness(rclpy_context):
+    with harnesses(rclpy_context, TINY_NODE, namespaced=True) as make:
+        yield make
+
+
+def _subscription(node, topic):
+    (sub,) = [s for s in node._subscriptions_made if s.topic_name == topic]
+    return sub
+
+
+def test_subscription_qos_can_be_overridden_with_parameters(harness):
+    h = harness(**{'qos_overrides./h0/camera/image/image_raw.subscription.depth': 5,
+                   'qos_overrides./h0/instruction.subscription_volatile.reliability':
+                   'best_effort'})
+    h.start()
+    assert _subscription(h.node, '/h0/camera/image/image_raw').qos_profile.depth == 5
+    assert _subscription(h.node, '/h0/camera/wrist_image/image_raw').qos_profile.depth == 1
+    instruction = [s for s in h.node._subscriptions_made if s.topic_name == '/h0/instruction']
+    assert sorted(s.qos_profile.reliability for s in instruction) == sorted(
+        [ReliabilityPolicy.RELIABLE, ReliabilityPolicy.BEST_EFFORT])
+    assert qos.SENSOR.depth == 1, 'the shared profile is not modified'
+    assert wait_for(lambda: len(h.collector.actions) >= 2, 20), h.node.problem_history[-3:]
+
+
+def test_diagnostics_are_named_per_namespace_with_the_device_and_period(harness):
+    a = harness(diagnostics_period_s=0.2)
+    b = harness()
+    assert a.node.diagnostic_name == 'h0/oxygen_node' and b.node.diagnostic_name == (
+        'h1/oxygen_node')
+    assert {s.name for s in a.node.diagnostic_statuses()}.isdisjoint(
+        s.name for s in b.node.diagnostic_statuses())
+    a.collector.clear()
+    assert wait_for(lambda: len(a.collector.diagnostics) >= 6, 5), 'about 5 per second'
+    statuses = [s for array in a.collector.diagnostics for s in array.status
+                if s.name.startswith('h0/oxygen_node: ')]
+    assert statuses and {s.hardware_id for s in statuses} == {'cpu'}
+    assert a.node._diagnostics_timer.timer_period_ns == 200_000_000
+
+
+def test_camera_info_size_check(harness):
+    h = harness(**{'cameras.image.check_camera_info': True})
+    info_pub = h.feeder.create_publisher(CameraInfo, 'camera/image/camera_info', qos.SENSOR)
+    h.start()
+    label = "camera 'image' (/h0/camera/image/image_raw)"
+    assert wait_for(lambda: f'{label}: no camera_info received yet' in
+                    h.statuses()['inputs'].message, 10), h.statuses()['inputs'].message
+    size = {'width': 64, 'height': 64}
+    timer = h.feeder.create_timer(0.05, lambda: info_pub.publish(CameraInfo(**size)))
+    try:
+        assert wait_for(lambda: 'frame is 32x32 but camera_info says 64x64' in
+                        h.statuses()['inputs'].message, 10), h.statuses()['inputs'].message
+        assert h.statuses()['inputs'].level == ERROR
+        size.update(width=32, height=32)
+        assert wait_for(lambda: h.statuses()['inputs'].level == OK, 10)
+        count = len(h.collector.actions)
+        assert wait_for(lambda: len(h.collector.actions) >= count + 3, 10)
+    finally:
+        h.feeder.destroy_timer(timer)
+
+
+def test_arm_and_gripper_on_separate_joint_state_publishers(harness):
+    h = harness()
+    names = list(h.values['joint_names'])
+    arm, gripper = names[:6], names[6:]
+    # Two publishers' messages, alternating, each with only its own joints.
+    h.feeder.joint_factory = lambda i: JointState(
+        name=arm if i % 2 else gripper, position=[0.1] * (6 if i % 2 else 2))
+    h.start()
+    assert wait_for(lambda: len(h.collector.actions) >= 10, 20), h.statuses()['inputs'].message
+    assert h.statuses()['inputs'].level == OK
+
+
+def test_joint_position_robot_publishes_a_joint_trajectory(harness):
+    from trajectory_msgs.msg import JointTrajectory
+
+    h = harness(robot='aloha', publish_trajectory=True)
+    got, lock = [], threading.Lock()
+
+    def on_trajectory(msg):
+        with lock:
+            got.append(msg)
+    h.collector.create_subscription(JointTrajectory, 'joint_trajectory', on_trajectory,
+                                    qos.TRAJECTORY)
+    h.start()
+    assert wait_for(lambda: len(got) >= 2, 20), h.node.problem_history[-3:]
+    layout = action_layout('aloha')
+    msg = got[-1]
+    horizon = h.collector.actions[-1][0].horizon   # rows per chunk of this preset
+    assert list(msg.joint_names) == list(layout.names) and len(msg.points) == horizon > 1
+    assert (msg.header.stamp.sec, msg.header.stamp.nanosec) == (0, 0)   # start on receipt
+    assert [p.time_from_start.nanosec for p in msg.points[:2]] == [20_000_000, 40_000_000]
+    assert all(len(p.positions) == 14 for p in msg.points)
