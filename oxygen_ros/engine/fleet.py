@@ -75,24 +75,27 @@ class FleetRobot:
 
 
 @dataclasses.dataclass
-class _RobotState:
-    """A robot inside the engine: its scheduler and output side, frame numbering, pending frame."""
+class FleetMember:
+    """A robot inside the engine: its scheduler (over its KV share), frontend, numbering."""
 
     name: str
-    scheduler: Scheduler
+    scheduler: Scheduler         # its requests, budget, policy; its pool is a QuotaPool
     frontend: Frontend
-    output: OutputProcessor
-    seed: int
+    seed: int = 0                # flow-matching noise seed
+    output: OutputProcessor = dataclasses.field(init=False)
     next_frame_index: int = 0
     last_frame_index: int = -1
     frame: _Frame | None = None          # the frame act() began, until advance_language()
+
+    def __post_init__(self):
+        self.output = OutputProcessor(self.frontend)
 
 
 @dataclasses.dataclass
 class _Frame:
     """One robot's frame between act() and advance_language()."""
 
-    robot: _RobotState
+    robot: FleetMember
     index: int
     obs: Observation
     prepared: PreparedObservation
@@ -132,9 +135,9 @@ class FleetEngine:
 
     system = 'fleet'
 
-    def __init__(self, robots: list[_RobotState], runner: Runner, pool: KVPool, *,
+    def __init__(self, members: list[FleetMember], runner: Runner, pool: KVPool, *,
                  debug: bool = False, clock: Callable[[], float] = time.perf_counter):
-        self.robots = {r.name: r for r in robots}
+        self.robots = {m.name: m for m in members}
         self.runner = runner
         self.pool = pool
         self.debug = debug
@@ -172,7 +175,7 @@ class FleetEngine:
     def close(self) -> None:
         """Nothing is held outside this process."""
 
-    def _robot(self, name: str) -> _RobotState:
+    def _robot(self, name: str) -> FleetMember:
         try:
             return self.robots[name]
         except KeyError:
@@ -214,7 +217,7 @@ class FleetEngine:
         self._act = FleetActions(actions, rejected, len(frames), act_s)
         return self._act
 
-    def _begin_frame(self, robot: _RobotState, obs: Observation,
+    def _begin_frame(self, robot: FleetMember, obs: Observation,
                      rejected: dict[str, str]) -> _Frame | None:
         if robot.frame is not None:
             # act() twice without advance_language(): the earlier frame gets no language.
@@ -326,12 +329,12 @@ class FleetEngine:
                          frame.index, err)
             robot.scheduler.drop_frame()
 
-    def _token_steps(self, working: list[_RobotState], tick_start: float) -> list[int]:
+    def _token_steps(self, working: list[FleetMember], tick_start: float) -> list[int]:
         """Run rounds of every robot's next step together; return rows of each decode step."""
         batch_sizes = []
         open_robots = list(working)
         while open_robots:
-            plans: list[tuple[_RobotState, StepPlan]] = []
+            plans: list[tuple[FleetMember, StepPlan]] = []
             for robot in list(open_robots):
                 plan = robot.scheduler.schedule(self.clock() - tick_start)
                 if plan is None:
@@ -346,7 +349,7 @@ class FleetEngine:
                 batch_sizes.append(self._run_plans(decode, first_token=False))
         return batch_sizes
 
-    def _run_plans(self, plans: list[tuple[_RobotState, StepPlan]], first_token: bool) -> int:
+    def _run_plans(self, plans: list[tuple[FleetMember, StepPlan]], first_token: bool) -> int:
         """Run the rows of several robots' plans as one model call; return the row count."""
         # Slots are distinct across robots (a partitioned pool), so a slot names its row.
         rows = sorted((slot, gen_len, token) for _, plan in plans for slot, gen_len, token in
@@ -437,8 +440,8 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
                          **runner_options)
     pool = KVPool(sum(quotas.values()), runner.store.bytes_per_slot)
     shares = pool.partition(quotas)
-    states = [_RobotState(r.name, Scheduler(r.policy, r.budget, shares[r.name], max_gen_len,
-                                            pressure=r.pressure, share_prefix=True,
-                                            max_forced_tokens=max_forced_tokens),
-                          r.frontend, OutputProcessor(r.frontend), r.seed) for r in robots]
-    return FleetEngine(states, runner, pool, debug=debug, clock=clock)
+    members = [FleetMember(r.name, Scheduler(r.policy, r.budget, shares[r.name], max_gen_len,
+                                             pressure=r.pressure, share_prefix=True,
+                                             max_forced_tokens=max_forced_tokens),
+                           r.frontend, r.seed) for r in robots]
+    return FleetEngine(members, runner, pool, debug=debug, clock=clock)
