@@ -54,8 +54,8 @@ def key(frame, tag):
     return 10 * frame + tag
 
 
-def fake_fleet(robots, step_s=lambda rows: 0.0, prefill_s=0.0):
-    """robots: name -> (tag, policy, budget, quota, pressure)."""
+def fake_fleet(robots, step_s=lambda rows: 0.0, prefill_s=0.0, frontend=TaggedFrontend):
+    """robots: name -> (tag, policy, budget, quota, pressure); frontend(tag) per robot."""
     clock = FakeClock()
     quotas = {name: spec[3] for name, spec in robots.items()}
     max_gen_len = max(spec[1].max_request_len for spec in robots.values()) - 1
@@ -63,7 +63,7 @@ def fake_fleet(robots, step_s=lambda rows: 0.0, prefill_s=0.0):
     pool = KVPool(sum(quotas.values()), 10)
     shares = pool.partition(quotas)
     members = [FleetMember(name, Scheduler(policy, budget, shares[name], max_gen_len,
-                                           pressure=pressure), TaggedFrontend(tag))
+                                           pressure=pressure), frontend(tag))
                for name, (tag, policy, budget, _, pressure) in robots.items()]
     return FleetEngine(members, runner, pool, debug=True, clock=clock)
 
