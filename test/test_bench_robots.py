@@ -5,7 +5,8 @@ import csv
 import pytest
 
 from oxygen_ros.bench.phases import PhaseCosts
-from oxygen_ros.bench.robots import component_ideal, jobs_for, robot_workloads
+from oxygen_ros.bench.robots import (chunked_prefill_s, component_ideal, jobs_for,
+                                     prefill_rows, robot_workloads)
 from oxygen_ros.bench.run import BenchOptions
 from oxygen_ros.cli import main
 
@@ -48,6 +49,19 @@ def test_fleet_component_model_on_known_numbers():
     # two robots alone in turn: 2 · (P + D + k·d(2))
     assert ideal['ideal_single_hz'] == pytest.approx(10 / (2 * 0.174))
     assert costs.prefill_at(4) == pytest.approx(0.4)      # not measured: R × P
+    # prefills in calls of one row: 2 · P(1) instead of P(2)
+    chunked = component_ideal(costs, 2, n_tokens=4, k=2, horizon=10, prefill_rows=1)
+    assert chunked['ideal_fleet_hz'] == pytest.approx(10 / 0.292)
+    assert chunked_prefill_s(costs, 5, 2) == pytest.approx(2 * 0.18 + 0.1)
+
+
+def test_prefill_rows_default_and_flags():
+    assert prefill_rows(BenchOptions.quick_defaults()) == 1            # the CPU
+    assert prefill_rows(BenchOptions.quick_defaults(device='cuda')) == 0
+    with pytest.raises(SystemExit, match='--robot-prefill-rows'):
+        main(['bench', '--quick', '--parts', 'robots', '--robot-prefill-rows', '-1'])
+    with pytest.raises(SystemExit, match='--robots'):
+        main(['bench', '--quick', '--parts', 'robots', '--robots', '0'])
 
 
 def test_jobs_cycle_workloads_and_split_threads():

@@ -54,7 +54,8 @@ def key(frame, tag):
     return 10 * frame + tag
 
 
-def fake_fleet(robots, step_s=lambda rows: 0.0, prefill_s=0.0, frontend=TaggedFrontend):
+def fake_fleet(robots, step_s=lambda rows: 0.0, prefill_s=0.0, frontend=TaggedFrontend,
+               max_prefill_rows=None):
     """robots: name -> (tag, policy, budget, quota, pressure); frontend(tag) per robot."""
     clock = FakeClock()
     quotas = {name: spec[3] for name, spec in robots.items()}
@@ -65,7 +66,8 @@ def fake_fleet(robots, step_s=lambda rows: 0.0, prefill_s=0.0, frontend=TaggedFr
     members = [FleetMember(name, Scheduler(policy, budget, shares[name], max_gen_len,
                                            pressure=pressure), frontend(tag))
                for name, (tag, policy, budget, _, pressure) in robots.items()]
-    return FleetEngine(members, runner, pool, debug=True, clock=clock)
+    return FleetEngine(members, runner, pool, max_prefill_rows=max_prefill_rows, debug=True,
+                       clock=clock)
 
 
 def obs(frame, state=np.zeros(1)):
@@ -116,14 +118,15 @@ def test_partition_gives_each_owner_its_quota_of_one_pool():
 
 # ---- scheduling (fake runner) ------------------------------------------------------------------
 
-def test_each_robot_streams_equal_its_own_and_decode_mixes_robots():
+@pytest.mark.parametrize('max_prefill_rows', [None, 2])
+def test_each_robot_streams_equal_its_own_and_decode_mixes_robots(max_prefill_rows):
     robots = {'a': (1, LanguagePolicy(max_new_tokens=7, eos_id=None), FixedBudget(2), 5,
                     'evict_oldest'),
               'b': (2, LanguagePolicy(max_new_tokens=5, eos_id=None), FixedBudget(1), 6,
                     'evict_oldest'),
               'c': (3, LanguagePolicy(max_new_tokens=4, every_n_frames=2, eos_id=None),
                     FixedBudget(4), 2, 'refuse_new')}
-    fleet = fake_fleet(robots)
+    fleet = fake_fleet(robots, max_prefill_rows=max_prefill_rows)
     results = []
     for frame in range(8):
         # c runs at half the rate of a and b: its ticks coincide with theirs every other tick.
@@ -143,8 +146,10 @@ def test_each_robot_streams_equal_its_own_and_decode_mixes_robots():
         for frame, req in requests[name].items():
             assert req.token_ids == reference(key(frame, tag), policy.max_new_tokens), name
             assert req.finish_reason == 'length'
-    # One prefill call per tick with every framed robot's row; decode steps mixed robots.
-    assert [len(c) for c in fleet.runner.prefill_calls] == [3, 2] * 4
+    # One prefill call per tick with every framed robot's row (or calls of at most
+    # max_prefill_rows rows); decode steps mixed robots.
+    calls = [len(c) for c in fleet.runner.prefill_calls]
+    assert calls == ([3, 2] * 4 if max_prefill_rows is None else [2, 1, 2] * 4)
     assert max(r.decode_batch_size for r in results) >= 6
     assert fleet.pool.num_in_use == 0
     assert all(m.scheduler.pool.num_in_use == 0 for m in fleet.robots.values())
@@ -228,6 +233,8 @@ def test_make_fleet_refuses_bad_setups(setup):  # noqa: F811 - the fixture
         make_fleet(model, [robot, robot])
     with pytest.raises(ValueError, match='pressure'):
         make_fleet(model, [FleetRobot('a', frontend, policy, FixedBudget(1), pressure='x')])
+    with pytest.raises(ValueError, match='max_prefill_rows'):
+        make_fleet(model, [robot], max_prefill_rows=0)
 
 
 # ---- the tiny model: each robot == its own single-robot engine ---------------------------------
@@ -237,7 +244,8 @@ def robot_obs(robot, frame):
                               instruction=INSTRUCTIONS[frame % len(INSTRUCTIONS)])
 
 
-def test_each_robot_equals_its_single_robot_engine(setup):  # noqa: F811 - the fixture
+@pytest.mark.parametrize('max_prefill_rows', [None, 2])
+def test_each_robot_equals_its_single_robot_engine(setup, max_prefill_rows):  # noqa: F811
     model, libero = setup
     frontends = {robot: Frontend.from_config(CFG, robot, libero.tokenizer,
                                              identity_norm_stats(robot))
@@ -255,7 +263,7 @@ def test_each_robot_equals_its_single_robot_engine(setup):  # noqa: F811 - the f
               FleetRobot('aloha', frontends['aloha'], LanguagePolicy(max_new_tokens=4,
                                                                      eos_id=None),
                          FixedBudget(4), seed=3)]
-    fleet = make_fleet(model, robots, debug=True)
+    fleet = make_fleet(model, robots, max_prefill_rows=max_prefill_rows, debug=True)
     singles = {r.name: make_system('oxygen', model, r.frontend, r.policy, k=r.budget.k,
                                    seed=r.seed, debug=True) for r in robots}
     fleet_requests, single_requests, fleet_results = {}, {}, []

@@ -139,6 +139,8 @@ class PlanOptions:
     robot_frames: int = 12           # part 'robots': measured ticks per (R, system)
     robot_n: int = 10                # part 'robots': N of every robot's requests
     robot_k: int = 5                 # part 'robots': fixed k of every robot
+    robot_prefill_rows: int | None = None   # part 'robots': rows per fleet prefill call
+    #                                  (0: all; None: 1 on the CPU, all on an accelerator)
 
 
 def _filter(systems, allowed) -> tuple[SystemSpec, ...]:

@@ -4,8 +4,10 @@ For each R (default 1, 2, 4, 8), three systems serve the same R robots (workload
 through the plan's, each robot its own frames, requests and noise; N tokens per request at a
 fixed k), each in fresh worker processes so their memory peaks are their own:
 
-    fleet       one process, one model, one FleetEngine: per tick ONE prefill and ONE denoise
-                over the R frames, decode steps over every robot's live requests
+    fleet       one process, one model, one FleetEngine: per tick the R frames prefilled in
+                calls of `prefill_rows` rows (default 1 on the CPU, where batching prefill rows
+                gains nothing and costs activations; all R on an accelerator), ONE denoise over
+                the R frames, decode steps over every robot's live requests
     separate    R processes, one single-robot oxygen engine each (its own weights), running
                 side by side on the same cores (max(1, threads // R) torch threads each)
     sequential  one process, one model, R single-robot oxygen engines served one after
@@ -19,8 +21,11 @@ to the last one's last); memory = peak RSS of all the system's processes, and ab
 runtime (weights + KV + activations) as in the memory part.
 
 Component model (phases.py, sampled in this process between the runs): a fleet tick costs
-P(R) + D(R) + k·d(R·ceil(N/k)); one robot alone P + D + k·d(ceil(N/k)), so R engines sharing
-the cores (or served in turn) give each robot at best H / (R · that).
+P_c(R) + D(R) + k·d(R·ceil(N/k)), with P_c(R) the prefills of R rows in calls of c rows (P(R)
+for c = R); one robot alone P + D + k·d(ceil(N/k)), so R engines sharing the cores (or served
+in turn) give each robot at best H / (R · that). The systems of one R run in turn, the first
+one rotating with R. On CUDA the workers build their models one after another (each builds
+in float32 on the host first) and memory is torch's CUDA peak.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class RobotsJob:
     k: int
     warmup: int                  # ticks before the measured window
     frames: int                  # measured ticks
+    prefill_rows: int = 0        # fleet: rows per prefill call (0: all)
 
 
 @dataclasses.dataclass
@@ -112,7 +118,7 @@ def _build(job: RobotsJob):
                 for r, i, w in zip(robots, indices, job.workloads)}
 
     if job.system == 'fleet':
-        fleet = make_fleet(model, robots)
+        fleet = make_fleet(model, robots, max_prefill_rows=job.prefill_rows or None)
 
         def serve(frame):
             result = fleet.step(observations(frame))
@@ -156,8 +162,13 @@ def worker_main(job: RobotsJob, inbox, outbox) -> None:
     outbox.put(('ready', None))
     if inbox.get() is None:
         return
+    import torch
+    cuda = job.device.startswith('cuda')
     try:
         reset_peak_rss()   # weights' init transients do not count, the weights do
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         logs = {robot_name(job.first_robot + i): RobotLog() for i in range(len(job.workloads))}
         window = [math.inf, -math.inf]
         for frame in range(job.warmup + job.frames):
@@ -178,14 +189,20 @@ def worker_main(job: RobotsJob, inbox, outbox) -> None:
                 logs[name].log.record_finished(result.finished, -1)
         pools = system.values() if isinstance(system, dict) else [system]
         kv_bytes = sum(p.pool.total_bytes for p in pools)
+        cuda_bytes = torch.cuda.max_memory_allocated() if cuda else math.nan
         outbox.put(('ok', {'logs': logs, 'window': window, 'runtime_kb': runtime_kb,
-                           'peak_kb': read_status_kb('VmHWM'), 'kv_bytes': kv_bytes}))
+                           'peak_kb': read_status_kb('VmHWM'), 'kv_bytes': kv_bytes,
+                           'cuda_bytes': cuda_bytes}))
     except Exception as err:   # reported to the parent, which raises
         outbox.put(('error', repr(err)))
 
 
 def run_workers(jobs: list[RobotsJob], timeout_s: float = WORKER_TIMEOUT_S) -> list[dict]:
-    """Start one process per job, start them together once all are built, gather reports."""
+    """Start one process per job, start them together once all are built, gather reports.
+
+    On CUDA each worker is built before the next starts: a model is built in float32 on the
+    host first (13 GB for pi05), so eight at once could exhaust the host memory.
+    """
     import torch.multiprocessing as mp
 
     ctx = mp.get_context('spawn')
@@ -202,8 +219,11 @@ def run_workers(jobs: list[RobotsJob], timeout_s: float = WORKER_TIMEOUT_S) -> l
             procs.append(proc)
             inboxes.append(inbox)
             outboxes.append(outbox)
+            if job.device.startswith('cuda'):
+                _receive(job, outbox, 'ready', timeout_s)
         for job, outbox in zip(jobs, outboxes):
-            _receive(job, outbox, 'ready', timeout_s)
+            if not job.device.startswith('cuda'):
+                _receive(job, outbox, 'ready', timeout_s)
         for inbox in inboxes:
             inbox.put('go')
         return [_receive(job, outbox, 'ok', timeout_s) for job, outbox in zip(jobs, outboxes)]
@@ -237,6 +257,14 @@ def robot_workloads(workloads: tuple[str, ...], count: int) -> tuple[str, ...]:
     return tuple(workloads[i % len(workloads)] for i in range(count))
 
 
+def prefill_rows(opts) -> int:
+    """Rows per fleet prefill call (0: all): the plan's, else 1 on the CPU, all elsewhere."""
+    rows = opts.plan.robot_prefill_rows
+    if rows is None:
+        return 1 if opts.device == 'cpu' else 0
+    return rows
+
+
 def jobs_for(system: str, count: int, opts, steps: int) -> list[RobotsJob]:
     """Return the worker jobs of (system, R): one process, or one per robot (separate)."""
     plan = opts.plan
@@ -244,7 +272,7 @@ def jobs_for(system: str, count: int, opts, steps: int) -> list[RobotsJob]:
     base = dict(system=system, preset=opts.preset, device=opts.device, dtype=opts.dtype,
                 seed=opts.seed, steps=steps, n_tokens=plan.robot_n, k=plan.robot_k,
                 warmup=math.ceil(plan.robot_n / plan.robot_k) + WARMUP_FRAMES,
-                frames=plan.robot_frames)
+                frames=plan.robot_frames, prefill_rows=prefill_rows(opts))
     if system == 'separate':
         return [RobotsJob(workloads=(w,), first_robot=i, threads=max(1, opts.threads // count),
                           **base) for i, w in enumerate(workloads)]
@@ -268,6 +296,7 @@ def system_row(system: str, count: int, reports: list[dict], horizon: int) -> di
         'aggregate_hz': chunks * horizon / wall,
         'tokens_per_s': sum(log.tokens for log in logs.values()) / wall,
         'peak_rss_mb': sum(r['peak_kb'] for r in reports) / 1024,
+        'cuda_peak_mb': sum(r['cuda_bytes'] for r in reports) / 2**20,
         'above_runtime_mb': sum(r['peak_kb'] - r['runtime_kb'] for r in reports) / 1024,
         'kv_pool_mb': sum(r['kv_bytes'] for r in reports) / 2**20,
         'per_robot_hz': ' '.join(f'{hz[n]:.2f}' for n in sorted(hz)),
@@ -289,13 +318,23 @@ def compare_robots(reference: list[dict], candidate: list[dict]) -> dict:
             'action_max_diff': diff}
 
 
-def component_ideal(costs, count: int, n_tokens: int, k: int, horizon: int) -> dict:
+def chunked_prefill_s(costs, count: int, rows: int) -> float:
+    """P_c(R): prefills of `count` rows in calls of at most `rows` rows (0: one call)."""
+    rows = rows or count
+    full, rest = divmod(count, rows)
+    return full * costs.prefill_at(rows) + (costs.prefill_at(rest) if rest else 0.0)
+
+
+def component_ideal(costs, count: int, n_tokens: int, k: int, horizon: int,
+                    prefill_rows: int = 0) -> dict:
     """Per-robot Hz the component model allows: one fleet tick, or R single engines in turn."""
     batch = -(-n_tokens // k)
-    fleet_s = costs.prefill_at(count) + costs.denoise_at(count) + k * costs.decode_at(
-        count * batch)
+    prefill_s = chunked_prefill_s(costs, count, prefill_rows)
+    fleet_s = prefill_s + costs.denoise_at(count) + k * costs.decode_at(count * batch)
     single_s = costs.prefill_s + costs.denoise_s + k * costs.decode_at(batch)
-    return {'comp_prefill_ms': 1e3 * costs.prefill_at(count),
+    return {'prefill_rows_per_call': prefill_rows or count,
+            'comp_prefill_ms': 1e3 * prefill_s, 'comp_prefill_one_call_ms':
+            1e3 * costs.prefill_at(count),
             'comp_denoise_ms': 1e3 * costs.denoise_at(count),
             'comp_decode_ms': 1e3 * costs.decode_at(count * batch),
             'comp_fleet_tick_ms': 1e3 * fleet_s, 'comp_single_frame_ms': 1e3 * single_s,
@@ -316,12 +355,17 @@ def run_robots_part(opts, models, bar=None) -> list[dict]:
     horizon = get_workload(plan.workloads[0]).horizon
     batch = -(-plan.robot_n // plan.robot_k)
     counts = tuple(sorted(set(plan.robot_counts)))
+    chunk = prefill_rows(opts)
     decode_batches = sorted({1, batch} | {count * batch for count in counts})
-    probe = PhaseProbe(models.model(steps), batches=decode_batches, rows=counts, seed=opts.seed)
+    row_sizes = set(counts) | ({chunk} | {count % chunk for count in counts} if chunk else set())
+    probe = PhaseProbe(models.model(steps), batches=decode_batches, rows=row_sizes - {0},
+                       seed=opts.seed)
     rows = []
-    for count in counts:
+    for turn, count in enumerate(counts):
         reports, loads = {}, {}
-        for system in ROBOT_SYSTEMS:
+        # Systems in turn, the first one rotating: a slow phase of the machine hits all.
+        order = ROBOT_SYSTEMS[turn % 3:] + ROBOT_SYSTEMS[:turn % 3]
+        for system in order:
             probe.sample()
             load = OtherLoad()
             reports[system] = run_workers(jobs_for(system, count, opts, steps))
@@ -330,7 +374,7 @@ def run_robots_part(opts, models, bar=None) -> list[dict]:
                 bar.update(1)
         probe.sample()
         costs = probe.costs()
-        ideal = component_ideal(costs, count, plan.robot_n, plan.robot_k, horizon)
+        ideal = component_ideal(costs, count, plan.robot_n, plan.robot_k, horizon, chunk)
         for system in ROBOT_SYSTEMS:
             row = {'preset': opts.preset, 'device': opts.device, 'dtype': opts.dtype,
                    'threads': opts.threads, 'steps': steps, 'n_tokens': plan.robot_n,

@@ -8,7 +8,8 @@ model calls. One tick, as the runtime drives it:
     1. act({robot: obs})    robots whose frame is due send an observation (the others none);
                             per robot: prepare it (a bad one rejects that robot only) and
                             take a frame slot from its own KV quota; then ONE prefill over
-                            every robot's row and ONE denoise over every row
+                            every robot's row (or prefills of max_prefill_rows rows each)
+                            and ONE denoise over every row
     2. advance_language()   per robot: admit (a request adopts its frame's slot), choose k
                             with its own budget; then rounds: every robot's scheduler plans
                             its next step, and the rows of all robots run as ONE first-token
@@ -17,6 +18,11 @@ model calls. One tick, as the runtime drives it:
 So a robot's tokens and actions are those of a single-robot Engine over the same frames
 (greedy tokens identical; actions equal up to the float rounding of a larger batch), and a
 robot that sends no frame costs the others nothing but its live requests' decode rows.
+
+max_prefill_rows trades a prefill's peak activations (~25 MB per pi05-cpu row on the CPU,
+next to 54 MB of weights) against batching: a compute-bound CPU gains nothing from rows of
+one prefill (measured: P(4) > 4 P(1) there), a GPU reads the weights once for all of them
+(None: every row in one call).
 
 KV quotas: the store's slots are partitioned (KVPool.partition); a robot's scheduler sees a
 QuotaPool of its quota and evicts only its own requests, and the quotas add up to the store,
@@ -109,7 +115,7 @@ class FleetActions:
 
     actions: dict[str, ActionOutput]   # robot -> its action chunk, ready to publish
     rejected: dict[str, str]           # robot -> why its observation gave no actions
-    prefill_rows: int                  # rows of the tick's one prefill (and one denoise)
+    prefill_rows: int                  # frames prefilled and denoised this tick
     act_s: float                       # wall time of act(): every chunk's latency
 
 
@@ -119,7 +125,7 @@ class FleetResult:
 
     robots: dict[str, FrameResult]     # robots with a frame or live requests this tick
     rejected: dict[str, str]           # robot -> why its observation gave no actions
-    prefill_rows: int                  # rows of the tick's prefill / denoise (0: no frame)
+    prefill_rows: int                  # frames prefilled and denoised (0: no frame)
     batch_sizes: list[int]             # rows of every decode step, all robots together
     timings: Timings                   # the tick's wall time (each robot's frame is the tick)
     kv_usage: dict                     # the shared pool's usage
@@ -136,8 +142,12 @@ class FleetEngine:
     system = 'fleet'
 
     def __init__(self, members: list[FleetMember], runner: Runner, pool: KVPool, *,
-                 debug: bool = False, clock: Callable[[], float] = time.perf_counter):
+                 max_prefill_rows: int | None = None, debug: bool = False,
+                 clock: Callable[[], float] = time.perf_counter):
+        if max_prefill_rows is not None and max_prefill_rows < 1:
+            raise ValueError(f'max_prefill_rows must be >= 1 or None, got {max_prefill_rows}')
         self.robots = {m.name: m for m in members}
+        self.max_prefill_rows = max_prefill_rows   # rows per prefill call (None: all)
         self.runner = runner
         self.pool = pool
         self.debug = debug
@@ -243,7 +253,11 @@ class FleetEngine:
                 frame.slot = frame.robot.scheduler.allocate_frame_slot(frame.index)
             frames.sort(key=lambda f: f.slot)   # a run of slots is read as a view
             slots = [f.slot for f in frames]
-            self.runner.prefill_rows([f.prepared.tensors for f in frames], slots)
+            step = self.max_prefill_rows or len(frames)
+            for first in range(0, len(frames), step):
+                chunk = frames[first:first + step]
+                self.runner.prefill_rows([f.prepared.tensors for f in chunk],
+                                         slots[first:first + step])
             H, A = self.runner.action_shape
             noise = np.stack([frame_noise(f.robot.seed, f.index, H, A) for f in frames])
             normalized = self.runner.sample_actions_rows(slots, noise)        # [B, H, A]
@@ -407,9 +421,12 @@ class FleetEngine:
 
 
 def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
-               max_forced_tokens: int | None = None, debug: bool = False,
-               clock: Callable[[], float] = time.perf_counter, **runner_options) -> FleetEngine:
+               max_forced_tokens: int | None = None, max_prefill_rows: int | None = None,
+               debug: bool = False, clock: Callable[[], float] = time.perf_counter,
+               **runner_options) -> FleetEngine:
     """Build a FleetEngine: one ModelRunner whose store has the sum of the robots' quotas.
+
+    max_prefill_rows: rows per prefill call (None: every framed robot in one call).
 
     runner_options: ModelRunner's max_holes_per_row / bucket_sizes / compile_decode / kv_dtype.
     Raises ValueError for an empty fleet, repeated names, a frontend made for another model
@@ -444,4 +461,5 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
                                              pressure=r.pressure, share_prefix=True,
                                              max_forced_tokens=max_forced_tokens),
                            r.frontend, r.seed) for r in robots]
-    return FleetEngine(members, runner, pool, debug=debug, clock=clock)
+    return FleetEngine(members, runner, pool, max_prefill_rows=max_prefill_rows, debug=debug,
+                       clock=clock)
