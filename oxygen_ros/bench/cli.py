@@ -18,6 +18,8 @@ examples:
   oxygen-ros bench                              # every sweep + memory (the README numbers)
   oxygen-ros bench --preset pi05 --device cuda --dtype bfloat16 --parts nk memory
   oxygen-ros bench --parts node                 # oxygen_node process vs the engine (~2 min)
+  oxygen-ros bench --parts robots               # R = 1 2 4 8 robots: one engine vs R engines
+  oxygen-ros bench --quick --parts robots       # the same in miniature (tiny preset, R = 1 2)
 """
 
 
@@ -38,8 +40,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                        choices=['libero', 'droid', 'aloha'],
                        help='first one runs the N x k, S, arrivals and mixed sweeps')
     bench.add_argument('--parts', nargs='+', default=None, choices=ALL_PARTS,
-                       help=f'what to run (default all: {" ".join(PARTS)}; node only when '
-                       'named: it needs ROS and starts processes)')
+                       help=f'what to run (default all: {" ".join(PARTS)}; robots and node '
+                       'only when named: they start processes, node needs ROS)')
     bench.add_argument('--systems', nargs='+', default=None, choices=SYSTEM_NAMES)
     bench.add_argument('--ns', type=int, nargs='+', default=None,
                        help=f'tokens per request N (default {" ".join(map(str, PAPER_NS))})')
@@ -69,6 +71,21 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     bench.add_argument('--plot-statistic', choices=['mean', 'p50'], default=None,
                        help='frame latency behind the plotted action Hz: mean (the paper, '
                        'default) or p50 (robust on a busy machine)')
+    robots = bench.add_argument_group(
+        'robots part', 'R robots served by one FleetEngine vs R separate engines (one process '
+        'each) vs one engine serving them in turn; robots cycle through --workloads')
+    robots.add_argument('--robots', type=int, nargs='+', default=None, metavar='R',
+                        help='robot counts (default 1 2 4 8; quick 1 2)')
+    robots.add_argument('--robot-frames', type=int, default=None,
+                        help='measured ticks per (R, system) (default 12; quick 3)')
+    robots.add_argument('--robot-n', type=int, default=None,
+                        help='tokens per request N of every robot (default 10; quick 4)')
+    robots.add_argument('--robot-k', type=int, default=None,
+                        help='fixed k of every robot (default 5; quick 2)')
+    robots.add_argument('--robot-prefill-rows', type=int, default=None,
+                        help='rows per prefill call of the fleet (0: all robots in one call; '
+                        'default 1 on the CPU, where batching prefill rows gains nothing and '
+                        'costs ~25 MB per pi05-cpu row; all on an accelerator)')
     node = bench.add_argument_group(
         'node part', 'oxygen_node in its own process with a stand-in robot, next to the engine '
         'alone (same preset, threads, N, k)')
@@ -115,6 +132,16 @@ def options_from_args(args: argparse.Namespace):
         plan_changes['extra_frames'] = args.extra_frames
     if args.parallel:
         plan_changes['parallel'] = args.parallel
+    for flag, name, value, lowest in (
+            ('--robots', 'robot_counts', args.robots, 1),
+            ('--robot-frames', 'robot_frames', args.robot_frames, 1),
+            ('--robot-n', 'robot_n', args.robot_n, 1), ('--robot-k', 'robot_k', args.robot_k, 1),
+            ('--robot-prefill-rows', 'robot_prefill_rows', args.robot_prefill_rows, 0)):
+        if value is None:
+            continue
+        if min(value if isinstance(value, list) else [value]) < lowest:
+            raise SystemExit(f'{flag}: expected values >= {lowest}, got {value}')
+        plan_changes[name] = tuple(value) if isinstance(value, list) else value
     if args.ns and 'headline_n' not in plan_changes:
         plan_changes['headline_n'] = max(args.ns)
     plan = (quick_options if args.quick else full_options)(**plan_changes)

@@ -1,7 +1,8 @@
 """Per-phase cost of the π0.5 passes: measured time next to FLOP and byte accounting.
 
 Used for the model's phase table (`oxygen-ros phases`) and as the benchmark's component
-model: prefill P, denoise D, decode step d(B) per batch size.
+model: prefill P, denoise D, decode step d(B) per batch size; for several robots served by one
+engine also P(R) and D(R), one prefill / denoise over the frames of R robots.
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ class PhaseCosts:
     decode_s: dict[int, float]       # batch size -> one decode step
     flops: dict[str, float]          # analytic multiply-adds × 2 per phase
     weight_bytes: dict[str, float]   # parameter bytes each phase reads
+    prefill_rows_s: dict[int, float] = dataclasses.field(default_factory=dict)  # R -> P(R)
+    denoise_rows_s: dict[int, float] = dataclasses.field(default_factory=dict)  # R -> D(R)
+
+    def prefill_at(self, rows: int) -> float:
+        """P(R): one prefill over R observations (R × P where R was not measured)."""
+        if rows == 1:
+            return self.prefill_s
+        return self.prefill_rows_s.get(rows, rows * self.prefill_s)
+
+    def denoise_at(self, rows: int) -> float:
+        """D(R): one flow matching over R prefixes (R × D where R was not measured)."""
+        if rows == 1:
+            return self.denoise_s
+        return self.denoise_rows_s.get(rows, rows * self.denoise_s)
 
     def ideal_speedup(self, n_tokens: int, k: int) -> float:
         """(2P + D + N·d(1)) / (P + D + k·d(ceil(N/k))): isolated vs oxygen frame time."""
@@ -83,11 +98,13 @@ class PhaseProbe:
     """
 
     @torch.no_grad()
-    def __init__(self, model: Pi05Model, batches=(1, 4, 8), warmup: int = 2, seed: int = 0):
+    def __init__(self, model: Pi05Model, batches=(1, 4, 8), warmup: int = 2, seed: int = 0,
+                 rows=(1,)):
         cfg = model.config
         device = next(model.parameters()).device
         self.model = model
         self.batches = tuple(sorted(batches))
+        self.rows = tuple(sorted(r for r in set(rows) if r > 1))   # R of P(R), D(R)
         self._sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
         g = torch.Generator().manual_seed(seed)
         S = cfg.vision.image_size
@@ -97,17 +114,20 @@ class PhaseProbe:
         token_masks = torch.zeros(1, cfg.max_token_len, dtype=torch.bool, device=device)
         token_masks[:, : cfg.max_token_len // 4] = True
         self._prefill_inputs = (images, image_masks, tokens.to(device), token_masks)
-        max_batch = max(self.batches)
+        max_batch = max(self.batches + self.rows)
         self._kv = KVTensors.allocate(cfg, max_batch, cfg.prefix_len + 64, model.compute_dtype,
                                       device)
         self._flat_images = images.flatten(0, 1).to(model.compute_dtype)
         for slot in range(max_batch):
             self._prefix = self._run_prefill(slot)
         self._noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, generator=g).to(device)
+        self._row_prefix = {r: self._run_prefill_rows(r) for r in self.rows}
         self._valid = self._prefix.valid.expand(max_batch, -1)     # [max_batch, P]
         self._n_valid = self._prefix.n_valid.expand(max_batch)     # [max_batch]
         self.samples: dict[str, list[float]] = {'vision': [], 'prefill': [], 'denoise': []}
         self.samples.update({f'decode {b}': [] for b in self.batches})
+        self.samples.update({f'{phase} x{r}': [] for r in self.rows
+                             for phase in ('prefill', 'denoise')})
         for _ in range(warmup):
             for fn in self._passes().values():
                 fn()
@@ -115,6 +135,11 @@ class PhaseProbe:
     def _run_prefill(self, slot: int = 0):
         return self.model.prefill(*self._prefill_inputs, kv=self._kv,
                                   slots=torch.tensor([slot]))
+
+    def _run_prefill_rows(self, rows: int):
+        """One prefill of `rows` observations (the same inputs repeated) into slots 0..R-1."""
+        inputs = [t.expand(rows, *t.shape[1:]) for t in self._prefill_inputs]
+        return self.model.prefill(*inputs, kv=self._kv, slots=torch.arange(rows))
 
     def _decode(self, batch: int):
         self.model.decode_step(self._kv, torch.arange(batch), self._valid[:batch],
@@ -126,6 +151,11 @@ class PhaseProbe:
                   'prefill': self._run_prefill,
                   'denoise': lambda: self.model.sample_actions(self._prefix, self._noise)}
         passes.update({f'decode {b}': (lambda b=b: self._decode(b)) for b in self.batches})
+        for r in self.rows:
+            noise = self._noise.expand(r, -1, -1)
+            passes[f'prefill x{r}'] = lambda r=r: self._run_prefill_rows(r)
+            passes[f'denoise x{r}'] = (lambda r=r, noise=noise:
+                                       self.model.sample_actions(self._row_prefix[r], noise))
         return passes
 
     @torch.no_grad()
@@ -144,7 +174,9 @@ class PhaseProbe:
         s = {name: statistic(values) for name, values in self.samples.items()}
         flops, weight_bytes = analytic_costs(self.model.config)
         return PhaseCosts(s['vision'], s['prefill'], s['denoise'],
-                          {b: s[f'decode {b}'] for b in self.batches}, flops, weight_bytes)
+                          {b: s[f'decode {b}'] for b in self.batches}, flops, weight_bytes,
+                          {r: s[f'prefill x{r}'] for r in self.rows},
+                          {r: s[f'denoise x{r}'] for r in self.rows})
 
 
 def measure_phases(model: Pi05Model, batches=(1, 4, 8), repeats: int = 5,

@@ -23,9 +23,12 @@ from ..engine.workload import LanguagePolicy
 SYSTEM_NAMES = ('action-only', 'isolated', 'parallel', 'shared', 'oxygen', 'oxygen-adaptive')
 SWEEPS = ('nk', 'steps', 'arrivals', 'mixed', 'workloads')
 PARTS = SWEEPS + ('memory',)   # the default ('all'): runs anywhere, ROS or not
-# 'node' starts oxygen_node, a stand-in robot and a monitor as processes: it needs the ROS
-# install and the built messages, and takes a minute and more, so it runs only when asked for.
-ALL_PARTS = PARTS + ('node', 'serve')   # serve: `oxygen-ros serve` over the engine, localhost
+# 'robots' (R robots from one engine vs R engines, in worker processes, minutes), 'node'
+# (oxygen_node, a stand-in robot and a monitor as processes: it needs the ROS install and the
+# built messages) and 'serve' (`oxygen-ros serve` over the engine, a client on localhost) run
+# only when asked for.
+ALL_PARTS = PARTS + ('robots', 'node', 'serve')
+ROBOT_COUNTS = (1, 2, 4, 8)
 PAPER_NS = (5, 10, 15, 20, 30)
 PAPER_STEPS = (5, 10, 15, 20)
 # One request per 0.25 .. 4 frames (Poisson), as requests per frame.
@@ -133,6 +136,12 @@ class PlanOptions:
     headline_k: int = HEADLINE_K
     parallel: str = 'all'            # which N × k groups run 'parallel': all / headline / none
     systems: tuple[str, ...] = SYSTEM_NAMES   # systems allowed anywhere
+    robot_counts: tuple[int, ...] = ROBOT_COUNTS   # part 'robots': R values
+    robot_frames: int = 12           # part 'robots': measured ticks per (R, system)
+    robot_n: int = 10                # part 'robots': N of every robot's requests
+    robot_k: int = 5                 # part 'robots': fixed k of every robot
+    robot_prefill_rows: int | None = None   # part 'robots': rows per fleet prefill call
+    #                                  (0: all; None: 1 on the CPU, all on an accelerator)
 
 
 def _filter(systems, allowed) -> tuple[SystemSpec, ...]:
@@ -188,5 +197,6 @@ def quick_options(**changes) -> PlanOptions:
     """Return a short smoke run over every code path (tiny preset, few frames)."""
     quick = PlanOptions(workloads=('libero', 'aloha'), ns=(5, 10), ks=(1, 5), steps=(2, 4),
                         default_steps=3, arrival_rates=(2.0,), lengths=(2, 5), frames=3,
-                        extra_frames=3, headline_n=10, headline_k=5, parallel='headline')
+                        extra_frames=3, headline_n=10, headline_k=5, parallel='headline',
+                        robot_counts=(1, 2), robot_frames=3, robot_n=4, robot_k=2)
     return dataclasses.replace(quick, **changes)

@@ -33,6 +33,14 @@ TARGET_RATE_HELD = 0.97               # ticks delivered / asked
 TARGET_NODE_MISS_PCT = 2.0            # deadline misses, % of asked ticks
 TARGET_NODE_CPU_ACTIVE_PCT = 5.0      # node CPU outside the control thread, % of one core
 TARGET_NODE_CPU_IDLE_PCT = 3.0
+# The robots part (issue 14, item 3): R robots from one FleetEngine, at R = TARGET_ROBOTS.
+TARGET_ROBOTS = 4
+TARGET_FLEET_HZ_OVER_IDEAL = 0.9      # every robot's Hz / component-model fleet Hz
+TARGET_FLEET_OVER_SEPARATE = 1.5      # aggregate Hz, fleet / R separate engines side by side
+TARGET_FLEET_MEMORY_OVER_ONE = 1.3    # fleet memory / one single-robot engine
+GPU_TARGET_ROBOTS, GPU_TARGET_ROBOT_HZ = 8, 10.0   # pi05 bf16: each of 8 robots >= 10 Hz
+ROBOT_STYLE = {'fleet': ('tab:blue', 'o'), 'separate': ('tab:red', 'v'),
+               'sequential': ('tab:orange', 'D')}
 
 
 # ---- files ------------------------------------------------------------------------------------
@@ -71,6 +79,9 @@ def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
     if result.memory:
         paths['memory'] = out / 'memory.csv'
         write_csv(result.memory, paths['memory'])
+    if result.robots:
+        paths['robots'] = out / 'robots.csv'
+        write_csv(result.robots, paths['robots'])
     paths.update(write_plots(result, out))
     paths['summary'].write_text(summary_markdown(result, paths))
     return paths
@@ -157,6 +168,7 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
             'met': ratio <= TARGET_MEMORY_OVER_ACTION_ONLY})
     targets += node_targets(result)
     targets += serve_targets(result.serve)
+    targets += robots_targets(result)
     if not result.rows:
         return targets
     checked = [r for r in result.rows if r['tokens_identical'] != '']
@@ -216,6 +228,115 @@ def node_targets(result: BenchResult) -> list[dict]:
                      f'{fmt(r["cpu_outside_control_idle_pct"], 1)}% idle' + cpu_note,
          'met': cpu_met},
     ]
+
+
+def _robot_rows(result: BenchResult, count: int | None = None) -> dict[str, dict]:
+    """Rows of the robots part at R = count (default: the target's R, else the largest)."""
+    counts = sorted({r['robots'] for r in result.robots})
+    if count is None:
+        below = [c for c in counts if c <= TARGET_ROBOTS]
+        count = TARGET_ROBOTS if TARGET_ROBOTS in counts else max(below or counts)
+    return {r['system']: r for r in result.robots if r['robots'] == count}
+
+
+def robots_targets(result: BenchResult) -> list[dict]:
+    """Return the robots part's targets at R = 4 (or the largest R run below it)."""
+    if not result.robots:
+        return []
+    at = _robot_rows(result)
+    fleet, separate = at['fleet'], at['separate']
+    count = fleet['robots']
+    where = f'R={count}' + ('' if count == TARGET_ROBOTS else
+                            f' (R={TARGET_ROBOTS} not run)')
+    one = _robot_rows(result, 1).get('separate')
+    key = 'cuda_peak_mb' if result.options.device.startswith('cuda') else 'above_runtime_mb'
+    ceiling = fleet['ideal_fleet_hz'] / fleet['ideal_single_hz']
+    targets = [
+        {'target': f'robots: every robot ≥ {TARGET_FLEET_HZ_OVER_IDEAL:.1f} × the component '
+                   f'model\'s fleet rate, R={TARGET_ROBOTS}',
+         'measured': f'{where}: min robot {fleet["action_hz_min"]:.2f} Hz / ideal '
+                     f'{fleet["ideal_fleet_hz"]:.2f} Hz = {fleet["hz_min_over_ideal"]:.3f}',
+         'met': fleet['hz_min_over_ideal'] >= TARGET_FLEET_HZ_OVER_IDEAL},
+        {'target': f'robots: aggregate ≥ {TARGET_FLEET_OVER_SEPARATE:.1f} × {TARGET_ROBOTS} '
+                   'separate engines',
+         'measured': f'{where}: {fleet["aggregate_hz"]:.1f} vs {separate["aggregate_hz"]:.1f} '
+                     f'action rows/s = {fleet["aggregate_hz"] / separate["aggregate_hz"]:.2f}×'
+                     f' (sequential {at["sequential"]["aggregate_hz"]:.1f}); the component '
+                     f'model allows {ceiling:.2f}× over R engines sharing the device',
+
+         'met': fleet['aggregate_hz'] >= TARGET_FLEET_OVER_SEPARATE * separate['aggregate_hz']},
+    ]
+    if one is not None:
+        ratio = fleet[key] / one[key]
+        targets.append({
+            'target': f'robots: memory ≤ {TARGET_FLEET_MEMORY_OVER_ONE:.1f} × one engine, '
+                      f'R={TARGET_ROBOTS}',
+            'measured': f'{where}: {ratio:.3f}× {key.replace("_mb", "").replace("_", " ")} '
+                        f'({fleet[key]:.0f} vs {one[key]:.0f} MB); whole process RSS '
+                        f'{fleet["peak_rss_mb"] / one["peak_rss_mb"]:.3f}×; {count} separate '
+                        f'engines {separate[key] / one[key]:.2f}×',
+
+            'met': ratio <= TARGET_FLEET_MEMORY_OVER_ONE})
+    checked = [r for r in result.robots if r['tokens_identical'] != '']
+    bad = [r for r in checked if r['tokens_identical'] is not True]
+    targets.append({
+        'target': 'robots: every robot\'s tokens identical to its single-robot engine',
+        'measured': f'{len(checked) - len(bad)}/{len(checked)} runs identical '
+                    f'({sum(r["requests_compared"] for r in checked)} requests); max action '
+                    f'diff {max((r["action_max_diff"] for r in checked), default=math.nan):.1e}',
+        'met': bool(checked) and not bad})
+    if result.options.device.startswith('cuda'):
+        gpu = _robot_rows(result, GPU_TARGET_ROBOTS).get('fleet')
+        targets.append({
+            'target': f'GPU: R={GPU_TARGET_ROBOTS}, each robot ≥ {GPU_TARGET_ROBOT_HZ:g} Hz',
+            'measured': 'not run' if gpu is None else f'min robot {gpu["action_hz_min"]:.1f} Hz',
+            'met': None if gpu is None else gpu['action_hz_min'] >= GPU_TARGET_ROBOT_HZ})
+    return targets
+
+
+def robots_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
+    """Markdown of the robots part: per R, the three systems side by side."""
+    if not result.robots:
+        return []
+    first = result.robots[0]
+    chunk = result.options.plan.robot_prefill_rows
+    chunk_text = ('all R rows in one call' if chunk == 0 else f'{chunk} row(s) per call'
+                  if chunk else '1 row per call on the CPU, all R on an accelerator')
+    lines = [f'## Several robots, one engine (N={first["n_tokens"]}, k={first["k"]}, '
+             f'S={first["steps"]}, {first["frames"]} measured ticks)', '',
+             'fleet = one process, one model, one FleetEngine (prefills of the R frames: '
+             f'{chunk_text}; one denoise over the R frames, decode steps over every robot\'s '
+             'requests); separate = R '
+             'processes with a single-robot engine each, side by side; sequential = one model, '
+             'R single-robot engines served in turn. Robot Hz = H / mean frame time (fleet, '
+             'sequential: the tick); latency = observation to actions (sequential: from the '
+             'tick\'s start); aggregate = every robot\'s action rows / wall time of the '
+             'measured window. Ideal per robot: fleet H / (P_c(R) + D(R) + k·d(R·⌈N/k⌉)) with '
+             'P_c(R) the prefills in calls of c rows, separate and sequential '
+             'H / (R · (P + D + k·d(⌈N/k⌉))).', '',
+             table(['R', 'system', 'robot Hz min / mean', 'ideal Hz', 'min / ideal',
+                    'latency p50 / p99 ms', 'aggregate rows/s', 'tok/s', 'peak RSS MB',
+                    'above runtime MB', 'CUDA peak MB', 'KV MB', 'tokens identical',
+                    'other load %'],
+                   [[r['robots'], r['system'],
+                     f'{r["action_hz_min"]:.2f} / {r["action_hz_mean"]:.2f}',
+                     r['ideal_fleet_hz' if r['system'] == 'fleet' else 'ideal_single_hz'],
+                     r['hz_min_over_ideal'],
+                     f'{r["latency_ms_p50"]:.0f} / {r["latency_ms_p99_max"]:.0f}',
+                     r['aggregate_hz'], r['tokens_per_s'], r['peak_rss_mb'],
+                     r['above_runtime_mb'], r['cuda_peak_mb'], r['kv_pool_mb'],
+                     r['tokens_identical'],
+                     r['other_load_pct']] for r in result.robots]), '',
+             'Component model per R (sampled in the benchmark process between the runs):', '',
+             table(['R', 'P(R) one call ms', 'rows per call c', 'P_c(R) ms', 'D(R) ms',
+                    'd(R·⌈N/k⌉) ms', 'fleet tick ms', 'one robot alone ms'],
+                   [[r['robots'], r['comp_prefill_one_call_ms'], r['prefill_rows_per_call'],
+                     r['comp_prefill_ms'], r['comp_denoise_ms'], r['comp_decode_ms'],
+                     r['comp_fleet_tick_ms'], r['comp_single_frame_ms']]
+                    for r in result.robots if r['system'] == 'fleet']), '']
+    if 'robots_hz' in paths:
+        lines += [f'![robots vs Hz]({paths["robots_hz"].name})', '']
+    return lines
 
 
 def node_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
@@ -362,6 +483,7 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
                   'processes. MKL fast memory manager '
                   f'{"on" if result.memory[0].get("mkl_fast_mm", True) else "off"} in the '
                   'probes (MKL_DISABLE_FAST_MM; it caches a GEMM buffer per row count).', '']
+    parts += robots_section(result, paths)
     parts += node_section(result, paths)
     parts += ['## Files', ''] + [f'- `{p.name}`' for p in paths.values()] + ['']
     return '\n'.join(parts)
@@ -400,6 +522,7 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, Path]:
     paths = {}
     for name, draw in (('tradeoff', plot_tradeoff), ('speedup_heatmap', plot_heatmap),
                        ('action_hz_vs_n', plot_hz_vs_n), ('memory', plot_memory),
+                       ('robots_hz', plot_robots),
                        ('node_latency', plot_node_latency)):
         fig = draw(result)
         if fig is None:
@@ -599,6 +722,45 @@ def _bars_with_ratio(ax, x, values, colours, ratios, bottom=None):
         ax.text(bar.get_x() + bar.get_width() / 2, low + value, f'{low + value:.0f}\n'
                 f'({ratio:.2f}×)', ha='center', va='bottom', fontsize=8)
     ax.set_ylim(top=max(lo + v for lo, v in zip(base, values)) * 1.2)
+
+
+def plot_robots(result: BenchResult):
+    """Robots vs per-robot Hz (with the component model), aggregate rows/s and memory."""
+    if not result.robots:
+        return None
+    cuda = result.options.device.startswith('cuda')
+    memory = 'cuda_peak_mb' if cuda else 'above_runtime_mb'
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for system, (colour, marker) in ROBOT_STYLE.items():
+        sub = sorted((r for r in result.robots if r['system'] == system),
+                     key=lambda r: r['robots'])
+        counts = [r['robots'] for r in sub]
+        axes[0].plot(counts, [r['action_hz_min'] for r in sub], marker=marker, color=colour,
+                     label=f'{system} (slowest robot)')
+        ideal = 'ideal_fleet_hz' if system == 'fleet' else 'ideal_single_hz'
+        if system != 'sequential':   # sequential and separate share one ideal
+            axes[0].plot(counts, [r[ideal] for r in sub], linestyle=':', color=colour,
+                         label=f'{"fleet" if system == "fleet" else "R engines"}: component '
+                         'model')
+        axes[1].plot(counts, [r['aggregate_hz'] for r in sub], marker=marker, color=colour,
+                     label=system)
+        axes[2].plot(counts, [r[memory] for r in sub], marker=marker, color=colour,
+                     label=system)
+    titles = ('action rate per robot (Hz)', 'all robots: action rows / s',
+              'peak CUDA memory (MB)' if cuda else 'peak RSS above the runtime (MB)')
+    for ax, title in zip(axes, titles):
+        ax.set_xlabel('robots R')
+        ax.set_ylabel(title)
+        ax.set_xticks(sorted({r['robots'] for r in result.robots}))
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    last = max(result.robots, key=lambda r: r['robots'])
+    fig.suptitle(f'R robots: one FleetEngine vs R separate engines vs one engine in turn, '
+                 f'N={last["n_tokens"]} k={last["k"]}, robots {last["workloads"]}\n'
+                 f'{_subtitle(result, hz=False)}', fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def plot_node_latency(result: BenchResult):

@@ -38,6 +38,7 @@ from .measure import compare_tokens, max_action_diff, summarize, SystemLog
 from .node import NodeBenchOptions, run_node_part
 from .phases import measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
+from .robots import run_robots_part
 
 # Deadline of oxygen-adaptive and of the deadline-miss count when no control rate is given:
 # the action path (P + D) plus this share of it for language (about k = 5 decode steps of the
@@ -85,6 +86,7 @@ class BenchResult:
     environment: dict
     options: BenchOptions
     node: list[dict] = dataclasses.field(default_factory=list)        # part 'node': one row
+    robots: list[dict] = dataclasses.field(default_factory=list)      # part 'robots': (R, system)
     node_ticks: list[dict] = dataclasses.field(default_factory=list)  # its per-tick records
     serve: list[dict] = dataclasses.field(default_factory=list)       # part 'serve': one row
 
@@ -480,15 +482,21 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
                 time.perf_counter() - start)
     memory: list[dict] = []
     result = BenchResult(rows, memory, components, periods, part_seconds, env, opts)
-    if checkpoint is not None and groups and {'memory', 'node'} & set(opts.plan.parts):
+    if checkpoint is not None and groups and {'memory', 'robots', 'node'} & set(opts.plan.parts):
         checkpoint(result)
     if 'memory' in opts.plan.parts:
         start = time.perf_counter()
         group = memory_group(opts)
         memory += probe_memory(opts, group, periods[group.steps])
         part_seconds['memory'] = time.perf_counter() - start
-    if 'node' in opts.plan.parts:
+    if 'robots' in opts.plan.parts:
         if checkpoint is not None and memory:
+            checkpoint(result)
+        start = time.perf_counter()
+        result.robots.extend(run_robots_part(opts, models))
+        part_seconds['robots'] = time.perf_counter() - start
+    if 'node' in opts.plan.parts:
+        if checkpoint is not None and (memory or result.robots):
             checkpoint(result)
         start = time.perf_counter()
         say = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress else (

@@ -5,6 +5,8 @@ from oxygen_ros.engine.baselines import (action_only_policy, make_system, Parall
 from oxygen_ros.engine.budget import (AdaptiveBudget, Budget, FixedBudget, StepCostModel,
                                       UnlimitedBudget)
 from oxygen_ros.engine.engine import Engine, make_engine
+from oxygen_ros.engine.fleet import (FleetActions, FleetEngine, FleetMember, FleetResult,
+                                     FleetRobot, make_fleet)
 from oxygen_ros.engine.frontend import (Frontend, identity_norm_stats, random_observation,
                                         random_setup)
 from oxygen_ros.engine.output import OutputProcessor
@@ -19,6 +21,7 @@ from oxygen_ros.kv import FinishReason
 
 __all__ = ['action_only_policy', 'ActionOutput', 'AdaptiveBudget', 'Admission', 'Budget',
            'default_num_slots', 'Engine', 'FinishedRequest', 'FinishReason', 'FixedBudget',
+           'FleetActions', 'FleetEngine', 'FleetMember', 'FleetResult', 'FleetRobot', 'make_fleet',
            'FrameResult', 'Frontend', 'get_workload', 'identity_norm_stats', 'LanguagePolicy',
            'make_engine', 'make_system', 'ModelRunner', 'Observation', 'OutputProcessor',
            'ParallelSystem', 'PRESSURE_POLICIES', 'random_observation', 'random_setup',

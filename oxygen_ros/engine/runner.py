@@ -49,6 +49,12 @@ class Runner(Protocol):
     def sample_actions(self, slot: int, noise: np.ndarray) -> np.ndarray:
         """Return normalised actions [H, A] from the prefix in `slot`."""
 
+    def prefill_rows(self, rows: list[dict], slots: list[int]) -> None:
+        """Write several observations' prefixes (row b into slots[b]) in one model call."""
+
+    def sample_actions_rows(self, slots: list[int], noise: np.ndarray) -> np.ndarray:
+        """Return normalised actions [B, H, A] from the prefixes in `slots` (noise [B, H, A])."""
+
     def first_tokens(self, slots: list[int]) -> list[int]:
         """Return each slot's first generated token (from its prefix)."""
 
@@ -166,6 +172,41 @@ class ModelRunner:
         start = self.clock()
         noise_t = torch.from_numpy(noise)[None].to(self.device)           # [1, H, A]
         actions = self.model.sample_actions(self._prefix(slot), noise_t)[0]
+        out = actions.to('cpu', torch.float32).numpy()                      # syncs
+        self._add('action', start)
+        return out
+
+    # ---- the action path of several robots (FleetEngine) -------------------------------------
+
+    def _slot_index(self, slots: list[int]) -> torch.Tensor:
+        """Slot ids as a device tensor: a view of store.slot_ids for a run, else one copy."""
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return self.store.slot_ids[slots[0]:slots[0] + len(slots)]
+        return torch.tensor(slots, dtype=torch.long).to(self.device)
+
+    def prefill_rows(self, rows: list[dict[str, torch.Tensor]], slots: list[int]) -> None:
+        """One prefill over B observations: rows[b] (prepared tensors, 1 row each) -> slots[b]."""
+        assert len(rows) == len(slots) and len(set(slots)) == len(slots), (len(rows), slots)
+        start = self.clock()
+        tensors = {key: torch.cat([row[key] for row in rows]) for key in rows[0]}   # [B, ...]
+        prefix = self.model.prefill(**tensors, kv=self.kv, slots=self._slot_index(slots))
+        for b, slot in enumerate(slots):
+            self.store.record_prefix(slot, prefix.valid[b], prefix.n_valid[b],
+                                     prefix.last_hidden[b])
+        self._sync()
+        self._add('prefill', start)
+
+    def sample_actions_rows(self, slots: list[int], noise: np.ndarray) -> np.ndarray:
+        """One flow matching over B prefixes: noise [B, H, A] -> float32 actions [B, H, A]."""
+        assert noise.shape[0] == len(slots), (noise.shape, slots)
+        start = self.clock()
+        s = self.store
+        index = self._slot_index(slots)
+        prefix = PrefixCache(self.kv, index, s.prefix_valid.index_select(0, index),
+                             s.n_valid.index_select(0, index),
+                             s.last_hidden.index_select(0, index), s.prefix_len)
+        noise_t = torch.from_numpy(noise).to(self.device)                  # [B, H, A]
+        actions = self.model.sample_actions(prefix, noise_t)
         out = actions.to('cpu', torch.float32).numpy()                      # syncs
         self._add('action', start)
         return out

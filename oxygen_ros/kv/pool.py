@@ -9,6 +9,10 @@ what crosses this class's boundary is a slot id (int) or a count.
 Allocation takes the lowest free id. With one request per frame the live requests then sit on
 the lowest ids and a finished request's slot is refilled first, so the slots a decode step
 reads form a run (the model reads a run of slots as a view, anything else as a gather).
+
+Several robots served by one engine share one pool through `partition`: each robot's
+scheduler gets a QuotaPool, a share of a fixed number of slots with the same interface. The
+quotas add up to at most the pool, so no robot's requests can take another robot's slots.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class KVPool:
         self.peak_slots_in_use = 0
         self.num_allocations = 0     # successful allocate() calls, for accounting
         self.num_refusals = 0        # allocate() calls that found the pool full
+        self.shares: dict[str, QuotaPool] = {}   # set once by partition()
 
     # ---- sizes -----------------------------------------------------------------------------
 
@@ -112,6 +117,27 @@ class KVPool:
             raise IndexError(f'slot {slot} out of range [0, {self.num_slots})')
         return self._holders[slot]
 
+    def partition(self, quotas: dict[str, int]) -> dict[str, QuotaPool]:
+        """Split the pool into named shares of at most `quotas[owner]` slots each (once).
+
+        The quotas must fit in the pool, so an owner below its quota always finds a free slot
+        whatever the others hold: one robot's language can never take another's action slot.
+        """
+        if self.shares:
+            raise ValueError(f'pool already partitioned among {sorted(self.shares)}')
+        if not quotas:
+            raise ValueError('partition needs at least one owner')
+        bad = {owner: q for owner, q in quotas.items() if not owner or '/' in owner or q < 1}
+        if bad:
+            raise ValueError(f'owners need a name without "/" and a quota >= 1, got {bad}')
+        if sum(quotas.values()) > self.num_slots:
+            raise ValueError(f'quotas {quotas} need {sum(quotas.values())} slots, the pool has '
+                             f'{self.num_slots}')
+        if self.num_in_use:
+            raise ValueError(f'partition of a pool with {self.num_in_use} slots in use')
+        self.shares = {owner: QuotaPool(self, owner, q) for owner, q in quotas.items()}
+        return dict(self.shares)
+
     # ---- accounting and invariants ------------------------------------------------------
 
     def usage(self) -> dict:
@@ -149,4 +175,129 @@ class KVPool:
         for slot, holders in enumerate(self._holders):
             if holders:
                 lines.append(f'  slot {slot}: ' + ', '.join(holders))
+        return '\n'.join(lines)
+
+
+class QuotaPool:
+    """One owner's share of a partitioned KVPool: at most `quota` slots (KVPool's interface).
+
+    Made by KVPool.partition. A robot's scheduler sees its share as a pool of `quota` slots;
+    slot ids are the shared pool's, so the decode rows of several robots index one KV store.
+    Holders are named '<owner>/<holder>' in the shared pool; this view shows them without the
+    prefix and only ever touches its own slots.
+    """
+
+    def __init__(self, pool: KVPool, owner: str, quota: int):
+        self.pool = pool
+        self.owner = owner
+        self.quota = quota
+        self._prefix = f'{owner}/'
+        self._held: set[int] = set()    # slots this owner holds (by one holder or more)
+        self.peak_slots_in_use = 0
+        self.num_allocations = 0        # successful allocate() calls
+        self.num_refusals = 0           # allocate() calls at the quota
+
+    # ---- sizes (of the share) -------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return self.quota
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.pool.bytes_per_slot
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_slot * self.quota
+
+    @property
+    def num_in_use(self) -> int:
+        return len(self._held)
+
+    @property
+    def num_free(self) -> int:
+        return self.quota - len(self._held)
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.num_in_use * self.bytes_per_slot
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_slots_in_use * self.bytes_per_slot
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def allocate(self, holder: str) -> int | None:
+        """Take the shared pool's lowest free slot; None (nothing changed) at the quota."""
+        if len(self._held) >= self.quota:
+            self.num_refusals += 1
+            return None
+        slot = self.pool.allocate(self._prefix + holder)
+        if slot is None:   # only if a party outside the partition took slots
+            self.num_refusals += 1
+            return None
+        self._held.add(slot)
+        self.num_allocations += 1
+        self.peak_slots_in_use = max(self.peak_slots_in_use, len(self._held))
+        return slot
+
+    def retain(self, slot: int, holder: str) -> None:
+        """Add `holder` to one of this owner's slots."""
+        if slot not in self._held:
+            raise SlotError(f'{self.owner}: retain of slot {slot} it does not hold by '
+                            f'{holder!r}')
+        self.pool.retain(slot, self._prefix + holder)
+
+    def release(self, slot: int, holder: str) -> bool:
+        """Drop `holder` from `slot`; return True when the slot left this share."""
+        self.pool.release(slot, self._prefix + holder)
+        if self.holders(slot):
+            return False
+        self._held.discard(slot)
+        return True
+
+    def holders(self, slot: int) -> tuple[str, ...]:
+        """Return this owner's holders of `slot`, without the prefix."""
+        n = len(self._prefix)
+        return tuple(h[n:] for h in self.pool.holders(slot) if h.startswith(self._prefix))
+
+    def refcount(self, slot: int) -> int:
+        return len(self.holders(slot))
+
+    def slots_in_use(self) -> list[int]:
+        return sorted(self._held)
+
+    # ---- accounting and invariants --------------------------------------------------------
+
+    def usage(self) -> dict:
+        """Return counts of the share, like KVPool.usage, plus the shared pool's slots."""
+        return {
+            'slots_in_use': self.num_in_use,
+            'slots_total': self.quota,
+            'bytes_in_use': self.bytes_in_use,
+            'bytes_total': self.total_bytes,
+            'peak_slots_in_use': self.peak_slots_in_use,
+            'peak_bytes': self.peak_bytes,
+            'bytes_per_slot': self.bytes_per_slot,
+            'holders': {s: list(self.holders(s)) for s in sorted(self._held)},
+            'pool_slots_in_use': self.pool.num_in_use,
+            'pool_slots_total': self.pool.num_slots,
+        }
+
+    def check(self) -> None:
+        """Assert the shared pool's invariants and that this share matches its holders."""
+        self.pool.check()
+        mine = {s for s in range(self.pool.num_slots) if self.holders(s)}
+        assert mine == self._held, f'{self.owner}: holds {sorted(mine)}, thinks {self._held}'
+        assert len(self._held) <= self.quota, (
+            f'{self.owner}: {len(self._held)} slots over its quota {self.quota}')
+
+    def __str__(self) -> str:
+        lines = [f'KV share {self.owner!r}: {self.num_in_use}/{self.quota} slots '
+                 f'(peak {self.peak_slots_in_use}) of a pool at '
+                 f'{self.pool.num_in_use}/{self.pool.num_slots}']
+        for slot in sorted(self._held):
+            lines.append(f'  slot {slot}: ' + ', '.join(self.holders(slot)))
         return '\n'.join(lines)

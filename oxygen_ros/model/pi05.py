@@ -281,11 +281,18 @@ class Pi05Model(nn.Module):
         cos, sin = self.rope_tables(P, x.device)
         cos, sin = cos[positions], sin[positions]                               # [B, P, D]
         key_mask = valid[:, None, :]                                            # [B, 1, P]
+        # Why one row at a time on the CPU: its SDPA with a mask materializes the scores,
+        # N·P·P floats per row (30 MB on pi05-cpu), so a prefill of several robots' frames
+        # would peak at B times that. Attention has no weights to share; the projections and
+        # MLPs, where batching pays, still run on all B rows.
+        rows = [slice(b, b + 1) for b in range(B)] if x.device.type == 'cpu' else [slice(None)]
         for i, layer in enumerate(self.backbone.layers):
             def attend(q, k, v, i=i):   # write the prefix K/V, attend among the prefix
                 write_rows(kv.k[i], slot_list, k)
                 write_rows(kv.v[i], slot_list, v)
-                return attention(q, k, v, key_mask)
+                if len(rows) == 1:
+                    return attention(q, k, v, key_mask)
+                return torch.cat([attention(q[r], k[r], v[r], key_mask[r]) for r in rows])
             x = layer(x, cos, sin, attend)
         # The first generated token reads the hidden state at the last valid position.
         last = P - 1 - valid.flip(-1).long().argmax(-1)                         # [B]

@@ -1,0 +1,155 @@
+"""The frame loop of several robots: R robots' inputs -> one FleetEngine tick -> R sinks.
+
+What FrameLoop is for one robot, FleetLoop is for a fleet served by one engine (the multi-robot
+node runs it on its control thread; a replay could run it at bag times). Each robot keeps its
+own inputs, output sink, control period and loop statistics.
+
+Gathering: every robot has its own grid of tick times (its period). A tick at `now_s` serves
+every robot due by now + gather_s, so robots whose ticks nearly coincide share one prefill and
+one denoise; a robot is served early by at most gather_s and never late because of another
+robot (the earliest due robot sets the tick). A robot whose inputs are missing or stale sends
+no observation: the others' frames go ahead without it, and its live requests still advance.
+
+One tick, in the order the work happens:
+
+    1. build       each due robot's observation from its newest inputs (or the reasons not)
+    2. act         fleet.act(observations): one prefill + one denoise over the due robots
+    3. emit        each robot's action on its own sink, at once
+    4. language    fleet.advance_language(): every robot's live requests in shared steps
+    5. emit        tokens and narrations on each robot's sink
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+from oxygen_ros.engine import FinishReason, FleetEngine
+from oxygen_ros.engine.types import FrameResult
+from oxygen_ros.runtime.frame_loop import OutputSink, TickOutcome
+from oxygen_ros.runtime.inputs import InputSet
+from oxygen_ros.runtime.status import LoopStats, ProblemLog, WARN
+
+logger = logging.getLogger(__name__)
+
+# Why: a grid built by adding periods drifts by float rounding (0.4 + 0.2 > 0.6), which would
+# make a tick at exactly 0.6 miss the robot due then.
+DUE_TOLERANCE_S = 1e-6
+
+
+@dataclasses.dataclass
+class RobotLoop:
+    """One robot of a FleetLoop: its inputs, where its outputs go, its period, its statistics."""
+
+    name: str                          # the robot's name in the FleetEngine
+    inputs: InputSet
+    sink: OutputSink
+    period_s: float                    # its control period
+    problems: ProblemLog | None = None  # where its input problems and failed requests go
+    stats: LoopStats = dataclasses.field(default_factory=LoopStats)
+    next_due_s: float | None = None    # its next tick time (None: due at the first tick)
+    skipped_ticks: int = 0             # grid ticks that passed while the fleet was busy
+    finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def __post_init__(self):
+        if not self.period_s > 0:
+            raise ValueError(f'{self.name}: period_s must be > 0, got {self.period_s}')
+
+    def due(self, now_s: float, gather_s: float) -> bool:
+        return self.next_due_s is None or self.next_due_s <= now_s + gather_s + DUE_TOLERANCE_S
+
+    def advance(self, now_s: float) -> None:
+        """Move to the next tick of its own grid after now (counting grid ticks skipped)."""
+        due = now_s if self.next_due_s is None else self.next_due_s
+        due += self.period_s
+        while due <= now_s + DUE_TOLERANCE_S:
+            due += self.period_s
+            self.skipped_ticks += 1
+        self.next_due_s = due
+
+
+class FleetLoop:
+    """R robots' control ticks over one FleetEngine (see the module docstring)."""
+
+    def __init__(self, fleet: FleetEngine, robots: list[RobotLoop], *, gather_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
+        unknown = [r.name for r in robots if r.name not in fleet.robots]
+        if unknown:
+            raise ValueError(f'robots {unknown} are not in the fleet ({fleet.robot_names})')
+        if gather_s < 0:
+            raise ValueError(f'gather_s must be >= 0, got {gather_s}')
+        self.fleet = fleet
+        self.robots = {r.name: r for r in robots}
+        self.gather_s = gather_s
+        self.clock = clock
+        self.last_result = None
+
+    def next_tick_s(self) -> float | None:
+        """When the next robot is due (None: some robot has not ticked yet, so now)."""
+        dues = [r.next_due_s for r in self.robots.values()]
+        return None if None in dues else min(dues)
+
+    def tick(self, now_s: float) -> dict[str, TickOutcome]:
+        """Serve every robot due by now_s + gather_s; return each served robot's outcome.
+
+        Robots not due but with live requests get their tokens too (stamped now); their
+        outcome is included when they got any.
+        """
+        start = self.clock()
+        now_ns = round(now_s * 1e9)
+        due = [r for r in self.robots.values() if r.due(now_s, self.gather_s)]
+        outcomes, observations = {}, {}
+        for robot in due:   # 1. build
+            built = robot.inputs.build(now_s)
+            outcomes[robot.name] = TickOutcome(built, dict(built.problems),
+                                               built.stamp_ns if built.observation else now_ns)
+            if built.observation is not None:
+                observations[robot.name] = built.observation
+        act = self.fleet.act(observations) if observations else None   # 2. act
+        for name, action in (act.actions.items() if act else ()):   # 3. emit at once
+            outcome = outcomes[name]
+            self.robots[name].sink.action(action, outcome.stamp_ns)
+            outcome.action = action
+            outcome.latency_s = self.clock() - start
+        for name, why in (act.rejected.items() if act else ()):
+            outcomes[name].problems['observation'] = f'observation rejected: {why}'
+            outcomes[name].stamp_ns = now_ns
+        for robot in due:
+            if robot.problems is not None:
+                robot.problems.update('inputs', outcomes[robot.name].problems)
+        if act is not None or self.fleet.num_live_requests:   # 4. language
+            self.last_result = self.fleet.advance_language()
+            for name, result in self.last_result.robots.items():   # 5. emit
+                outcome = outcomes.get(name) or TickOutcome(None, {}, now_ns)
+                self._emit_language(self.robots[name], result, outcome)
+                if name in outcomes or outcome.tokens:
+                    outcomes[name] = outcome
+        duration = self.clock() - start
+        for robot in due:
+            outcome = outcomes[robot.name]
+            outcome.duration_s = duration
+            action = outcome.action
+            robot.stats.record(start, duration, robot.period_s, outcome.latency_s,
+                               action.inference_time_s if action is not None else None,
+                               outcome.tokens)
+            robot.advance(now_s)
+        return outcomes
+
+    def _emit_language(self, robot: RobotLoop, result: FrameResult,
+                       outcome: TickOutcome) -> None:
+        outcome.result = result
+        for delta in result.deltas:
+            robot.sink.tokens(delta, outcome.stamp_ns)
+            outcome.tokens += len(delta.token_ids)
+        for done in result.finished:
+            robot.finished[done.finish_reason] += 1
+            if FinishReason(done.finish_reason).completed:
+                robot.sink.narration(done, outcome.stamp_ns)
+            elif robot.problems is not None:
+                robot.problems.event(f'request_{done.finish_reason}', WARN, (
+                    f'{robot.name}: language request {done.request_id} (frame '
+                    f'{done.origin_frame}) ended {done.finish_reason} after '
+                    f'{len(done.token_ids)} tokens' + (f': {done.error}' if done.error else '')))

@@ -1,0 +1,74 @@
+"""Benchmark part 'robots': the quick run end to end (worker processes), the component model."""
+
+import csv
+
+import pytest
+
+from oxygen_ros.bench.phases import PhaseCosts
+from oxygen_ros.bench.robots import (chunked_prefill_s, component_ideal, jobs_for,
+                                     prefill_rows, robot_workloads)
+from oxygen_ros.bench.run import BenchOptions
+from oxygen_ros.cli import main
+
+PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
+
+
+@pytest.fixture(scope='module')
+def robots_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp('bench_robots')
+    assert main(['bench', '--quick', '--parts', 'robots', '--robot-frames', '2', '--out',
+                 str(out), '--no-progress']) == 0
+    return out
+
+
+def test_quick_robots_part_writes_rows_summary_and_plot(robots_run):
+    with open(robots_run / 'robots.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert {(r['robots'], r['system']) for r in rows} == {
+        (str(count), system) for count in (1, 2) for system in ('fleet', 'separate',
+                                                                'sequential')}
+    for row in rows:
+        assert float(row['action_hz_min']) > 0 and float(row['aggregate_hz']) > 0
+        assert float(row['above_runtime_mb']) > 0 and float(row['ideal_fleet_hz']) > 0
+        if row['system'] != 'sequential':
+            # every robot's tokens equal those of its own single-robot engine
+            assert row['tokens_identical'] == 'True' and int(row['requests_compared']) > 0
+    separate = {r['robots']: r for r in rows if r['system'] == 'separate'}
+    assert separate['2']['processes'] == '2' and separate['1']['processes'] == '1'
+    summary = (robots_run / 'summary.md').read_text()
+    assert 'Several robots, one engine' in summary and 'robots: aggregate' in summary
+    assert (robots_run / 'robots_hz.png').read_bytes().startswith(PNG_MAGIC)
+
+
+def test_fleet_component_model_on_known_numbers():
+    costs = PhaseCosts(0.0, 0.1, 0.05, {1: 0.01, 2: 0.012, 4: 0.016}, {}, {},
+                       prefill_rows_s={2: 0.18}, denoise_rows_s={2: 0.06})
+    ideal = component_ideal(costs, 2, n_tokens=4, k=2, horizon=10)
+    # fleet tick: P(2) + D(2) + k·d(2·2) = 0.18 + 0.06 + 2·0.016
+    assert ideal['ideal_fleet_hz'] == pytest.approx(10 / 0.272)
+    # two robots alone in turn: 2 · (P + D + k·d(2))
+    assert ideal['ideal_single_hz'] == pytest.approx(10 / (2 * 0.174))
+    assert costs.prefill_at(4) == pytest.approx(0.4)      # not measured: R × P
+    # prefills in calls of one row: 2 · P(1) instead of P(2)
+    chunked = component_ideal(costs, 2, n_tokens=4, k=2, horizon=10, prefill_rows=1)
+    assert chunked['ideal_fleet_hz'] == pytest.approx(10 / 0.292)
+    assert chunked_prefill_s(costs, 5, 2) == pytest.approx(2 * 0.18 + 0.1)
+
+
+def test_prefill_rows_default_and_flags():
+    assert prefill_rows(BenchOptions.quick_defaults()) == 1            # the CPU
+    assert prefill_rows(BenchOptions.quick_defaults(device='cuda')) == 0
+    with pytest.raises(SystemExit, match='--robot-prefill-rows'):
+        main(['bench', '--quick', '--parts', 'robots', '--robot-prefill-rows', '-1'])
+    with pytest.raises(SystemExit, match='--robots'):
+        main(['bench', '--quick', '--parts', 'robots', '--robots', '0'])
+
+
+def test_jobs_cycle_workloads_and_split_threads():
+    opts = BenchOptions.quick_defaults(threads=2)
+    assert robot_workloads(('libero', 'aloha'), 3) == ('libero', 'aloha', 'libero')
+    separate = jobs_for('separate', 4, opts, steps=3)
+    assert [j.first_robot for j in separate] == [0, 1, 2, 3]
+    assert {j.threads for j in separate} == {1}
+    (fleet,) = jobs_for('fleet', 4, opts, steps=3)
+    assert fleet.threads == 2 and len(fleet.workloads) == 4
