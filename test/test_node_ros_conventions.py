@@ -110,3 +110,24 @@ def test_joint_position_robot_publishes_a_joint_trajectory(harness):
     assert (msg.header.stamp.sec, msg.header.stamp.nanosec) == (0, 0)   # start on receipt
     assert [p.time_from_start.nanosec for p in msg.points[:2]] == [20_000_000, 40_000_000]
     assert all(len(p.positions) == 14 for p in msg.points)
+
+
+def test_bf16_kv_store_and_real_time_control_thread_from_parameters(harness):
+    """kv_dtype and control_priority reach the engine and the control thread."""
+    import os
+
+    import torch
+
+    h = harness(kv_dtype='bfloat16', control_priority=5)
+    h.start()
+    assert wait_for(lambda: len(h.collector.actions) >= 2, 20), h.node.problem_history[-3:]
+    assert h.node.engine.system.runner.store.k.dtype == torch.bfloat16
+    assert dict(h.statuses()['model'].values)['kv_dtype'] == 'bfloat16'
+    control = h.node.control_thread
+    native = control._thread.native_id
+    if control.priority_note == '' and not any('SCHED_FIFO' in m for _, m in
+                                               h.node.problem_history):
+        assert os.sched_getscheduler(native) == os.SCHED_FIFO
+        assert os.sched_getparam(native).sched_priority == 5
+    else:   # not permitted here: the node says why and keeps running
+        assert any('SCHED_FIFO 5' in m for _, m in h.node.problem_history)

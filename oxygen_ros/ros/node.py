@@ -495,7 +495,8 @@ class OxygenNode(LifecycleNode):
         self._stats.reset()
         self._inputs.started_s = self._now_s()
         self._outputs.open()
-        self._control = ControlThread(self._control_tick, nice=self._settings.control_nice)
+        self._control = ControlThread(self._control_tick, nice=self._settings.control_nice,
+                                      realtime_priority=self._settings.control_priority)
         self._control.start()
         self._start_wake_timer()
         self._lifecycle = 'active'

@@ -213,16 +213,19 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
         # reason; say which step failed.
         raise EngineSetupError(f'loading the model failed: {err}') from err
     policy = policy_for(settings, frontend.eos_id)
-    check_pool_fits(settings, model.config, policy, dtype)
+    kv_dtype = dtype if settings.kv_dtype == 'auto' else _dtype(settings.kv_dtype)
+    check_pool_fits(settings, model.config, policy, kv_dtype)
     if warmup:
         warm_up(model, frontend, settings)
     k = settings.decode_budget
     system = make_system('oxygen' if k is not None else 'oxygen-adaptive', model, frontend,
                          policy, k=k or 1, frame_period_s=settings.period_s,
-                         num_slots=settings.kv_capacity or None, seed=settings.seed)
+                         num_slots=settings.kv_capacity or None, seed=settings.seed,
+                         runner_options={'kv_dtype': kv_dtype})
     config = model.config
     description.update({
         'robot': settings.robot, 'device': settings.device, 'dtype': settings.dtype,
+        'kv_dtype': str(kv_dtype).removeprefix('torch.'),
         'torch_threads': torch.get_num_threads(),
         'prefix_len': config.prefix_len, 'horizon': config.action_horizon,
         'denoise_steps': config.num_steps, 'tokens_per_request': settings.tokens_per_request,

@@ -201,6 +201,13 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('torch_threads', 0, "Torch intra-op threads of the control thread's inference; "
               '0 = every core but one (the executor, DDS and camera drivers keep one).',
               int_range=(0, 256)),
+    ParamSpec('kv_dtype', 'auto', "KV cache dtype: 'auto' = dtype; 'bfloat16' under a float32 "
+              'model halves the pool (K/V rounded when written).',
+              check=_check_choice(('auto',) + DTYPES)),
+    ParamSpec('control_priority', 0, 'SCHED_FIFO priority of the control thread (1-99; 0 = '
+              'normal scheduling, control_nice applies): takes its core from every normal '
+              'thread; needs CAP_SYS_NICE or an rtprio limit (else a warning).',
+              int_range=(0, 99)),
     ParamSpec('control_nice', -10, 'Nice value of the control thread (and its torch workers): '
               'lower runs first; below 0 needs CAP_SYS_NICE (else a warning); 0 = unchanged.',
               int_range=(-20, 19)),
@@ -380,8 +387,10 @@ class Settings:
     preset: str
     device: str
     dtype: str
+    kv_dtype: str
     torch_threads: int
     control_nice: int
+    control_priority: int
     robot: str
     cameras: tuple[CameraConfig, ...]
     joint_names: tuple[str, ...]
@@ -460,7 +469,9 @@ class Settings:
         return cls(
             checkpoint=merged['checkpoint'], preset=merged['preset'], device=merged['device'],
             dtype=merged['dtype'], torch_threads=int(merged['torch_threads']),
-            control_nice=int(merged['control_nice']), robot=robot,
+            control_nice=int(merged['control_nice']),
+            control_priority=int(merged['control_priority']), kv_dtype=merged['kv_dtype'],
+            robot=robot,
             cameras=tuple(cameras),
             joint_names=tuple(merged['joint_names']), frame_id=merged['frame_id'],
             publish_trajectory=bool(merged['publish_trajectory']),
