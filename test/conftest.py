@@ -50,3 +50,14 @@ def rclpy_context():
     finally:
         if context.ok():
             rclpy.shutdown(context=context)
+
+
+@pytest.fixture(scope='module')
+def one_torch_thread():
+    """Run a module's tiny models on one torch thread (more only add contention here)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

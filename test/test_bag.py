@@ -16,7 +16,6 @@ import time
 import numpy as np
 import pytest
 from rosbags.highlevel import AnyReader
-import torch
 
 from oxygen_ros.bag import BagError, InputBag, load_params, OutputBag, Replay
 from oxygen_ros.bag.synthetic import (demo_image, demo_joint_positions, image_msg,
@@ -36,13 +35,8 @@ ENGINE = {'preset': 'tiny', 'tokens_per_request': 4, 'decode_budget': 2, 'seed':
 IMAGE_HW = (32, 32)
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_torch_thread():
-    """Tiny models on a shared CPU: more threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models on a shared CPU: more threads only add contention (conftest.py).
+pytestmark = pytest.mark.usefixtures('one_torch_thread')
 
 
 @pytest.fixture(scope='module')

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rosbags.highlevel import AnyReader
-import torch
 
 from lerobot_dataset import CAMERAS, episode_arrays, TASKS, write_v21, write_v30
 from oxygen_ros.cli import main as cli_main
@@ -22,12 +21,8 @@ ENGINE = ['--preset', 'tiny', '--k', '2', '--tokens', '4', '--seed', '3', '--rob
 LENGTHS = (6, 5)
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models on a shared CPU: more threads only add contention (conftest.py).
+pytestmark = pytest.mark.usefixtures('one_torch_thread')
 
 
 @pytest.fixture(scope='module', params=['v2.1', 'v3.0'])

@@ -34,12 +34,8 @@ def float32_stats(dim, seed):
                      std=rng.uniform(0.5, 1, dim).astype(np.float32), q01=q01, q99=q99)
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models on a shared CPU: more threads only add contention (conftest.py).
+pytestmark = pytest.mark.usefixtures('one_torch_thread')
 
 
 @pytest.fixture(scope='module')

@@ -17,7 +17,6 @@ import urllib.request
 
 import numpy as np
 import pytest
-import torch
 import websockets.sync.client
 
 from oxygen_ros.engine import random_observation
@@ -34,12 +33,8 @@ ENGINE = {'preset': 'tiny', 'tokens_per_request': 4, 'decode_budget': '2', 'seed
 ROBOT_DIMS = {'libero': 7, 'droid': 8, 'aloha': 14}
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models on a shared CPU: more threads only add contention (conftest.py).
+pytestmark = pytest.mark.usefixtures('one_torch_thread')
 
 
 def make_engine(robot):

@@ -24,7 +24,28 @@ class SlotError(RuntimeError):
     """A slot was retained or released by a party that may not (a caller's bug)."""
 
 
-class KVPool:
+class _SlotBytes:
+    """Byte accounting derived from slot counts (KVPool and its QuotaPool shares)."""
+
+    bytes_per_slot: int
+    num_slots: int
+    num_in_use: int
+    peak_slots_in_use: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_slot * self.num_slots
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.num_in_use * self.bytes_per_slot
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_slots_in_use * self.bytes_per_slot
+
+
+class KVPool(_SlotBytes):
     """`num_slots` slots with a free list and named holders.
 
     A slot is free when nobody holds it. Holders are names (e.g. 'frame 12', 'request 3');
@@ -47,24 +68,12 @@ class KVPool:
     # ---- sizes -----------------------------------------------------------------------------
 
     @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_slot * self.num_slots
-
-    @property
     def num_free(self) -> int:
         return len(self._free)
 
     @property
     def num_in_use(self) -> int:
         return self.num_slots - len(self._free)
-
-    @property
-    def bytes_in_use(self) -> int:
-        return self.num_in_use * self.bytes_per_slot
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak_slots_in_use * self.bytes_per_slot
 
     # ---- allocation --------------------------------------------------------------------
 
@@ -178,7 +187,7 @@ class KVPool:
         return '\n'.join(lines)
 
 
-class QuotaPool:
+class QuotaPool(_SlotBytes):
     """One owner's share of a partitioned KVPool: at most `quota` slots (KVPool's interface).
 
     Made by KVPool.partition. A robot's scheduler sees its share as a pool of `quota` slots;
@@ -208,24 +217,12 @@ class QuotaPool:
         return self.pool.bytes_per_slot
 
     @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_slot * self.quota
-
-    @property
     def num_in_use(self) -> int:
         return len(self._held)
 
     @property
     def num_free(self) -> int:
         return self.quota - len(self._held)
-
-    @property
-    def bytes_in_use(self) -> int:
-        return self.num_in_use * self.bytes_per_slot
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak_slots_in_use * self.bytes_per_slot
 
     # ---- allocation ----------------------------------------------------------------------
 
