@@ -65,8 +65,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from oxygen_ros.engine import AdaptiveBudget, FixedBudget
 from oxygen_ros.ros import qos
 from oxygen_ros.ros.diagnostics import to_diagnostic_array
-from oxygen_ros.ros.robot_io import (JOINT_STATES_KEY, ns_to_stamp,  # noqa: F401 - re-exported
-                                     RobotIO, RosOutputs)
+from oxygen_ros.ros.robot_io import RobotIO, RosOutputs
 from oxygen_ros.runtime.control import ControlThread, CpuSplit
 from oxygen_ros.runtime.fleet_loop import FleetLoop, RobotLoop, wake_period_s
 from oxygen_ros.runtime.frame_loop import FrameLoop
