@@ -3,9 +3,16 @@
     ros2 launch oxygen_ros oxygen.launch.py robot:=droid checkpoint:=~/ckpt/pi05_droid \\
         namespace:=arm1 camera_remaps:=camera/exterior_image_1_left/image_raw:=/zed/left/image
 
+    ros2 launch oxygen_ros oxygen.launch.py config:=two_arms          # two arms, one node
+    ros2 launch oxygen_ros oxygen.launch.py robots:=arm_left,arm_right robot:=droid
+
 Arguments:
-  config         libero | droid | aloha | a path to a parameter YAML; default: the robot's
-  robot          libero | droid | aloha; default: the config's (libero if neither is given)
+  config         libero | droid | aloha | two_arms | aloha_droid | a path to a parameter YAML;
+                 default: the robot's
+  robot          libero | droid | aloha; default: the config's (libero if neither is given);
+                 with several robots, the type of those whose section does not set one
+  robots         comma-separated robot names: one node serves them all, each in its own
+                 namespace (<robot>/actions, ...); default: the config's (one robot)
   checkpoint     openpi checkpoint directory; default: the config's ('' = random weights)
   namespace      namespace of the node and its relative topics
   camera_remaps  comma-separated FROM:=TO topic remappings (camera topics or any other)
@@ -37,8 +44,10 @@ from lifecycle_msgs.msg import Transition
 PACKAGE = 'oxygen_ros'
 NODE_NAME = 'oxygen_node'
 ARGUMENTS = (
-    ('config', '', 'libero, droid, aloha, or a path to a parameter YAML (default: the robot)'),
+    ('config', '', 'libero, droid, aloha, two_arms, aloha_droid, or a parameter YAML path '
+                   '(default: the robot)'),
     ('robot', '', "libero, droid or aloha (default: the config's robot)"),
+    ('robots', '', "comma-separated robot names served by one node (default: the config's)"),
     ('checkpoint', '', "openpi checkpoint directory (default: the config's)"),
     ('namespace', '', 'namespace of the node and its relative topics'),
     ('camera_remaps', '', 'comma-separated FROM:=TO topic remappings'),
@@ -65,6 +74,13 @@ def _remappings(text: str) -> list:
     return pairs
 
 
+def _robot_names(text: str) -> list:
+    names = [part.strip() for part in text.split(',') if part.strip()]
+    if len(set(names)) != len(names):
+        raise RuntimeError(f'robots: names must be unique, got {names}')
+    return names
+
+
 def _change_state(node, transition_id: int) -> EmitEvent:
     return EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
                                        transition_id=transition_id))
@@ -82,6 +98,8 @@ def _launch_node(context):
     overrides = {'autostart': False, 'use_sim_time': arg('use_sim_time').lower() == 'true'}
     if arg('robot'):
         overrides['robot'] = arg('robot')
+    if arg('robots'):
+        overrides['robots'] = _robot_names(arg('robots'))
     if arg('checkpoint'):
         overrides['checkpoint'] = os.path.expanduser(arg('checkpoint'))
     node = LifecycleNode(

@@ -1,6 +1,7 @@
 """The demo: oxygen_node on a random-weight CPU model, fed by simulated cameras, with a live view.
 
     python -m oxygen_ros.demo [--duration 60] [--rate auto] [--preset pi05-cpu]
+    python -m oxygen_ros.demo --robots arm_left,arm_right    # one node serving two arms
 
 Two processes, as on a robot: the node runs in its own process (its model work never starves
 the camera publishers or the view, and it is exactly the `oxygen_node` a robot runs), while
@@ -18,6 +19,11 @@ Measuring before the node starts, with nothing else running, is steadier than re
 node's first frames, which include start-up effects. The view shows the node's inference time
 over the engine's (the cost of running inside the node), deadline misses, tokens/s per 5 s
 window and k; the final line sums them up after a 10 s warm-up.
+
+`--robots a,b` runs one node serving several robots of the --robot type (parameter `robots`;
+each robot's topics in its own namespace), with a stand-in robot and a view per robot. With
+--rate auto the rate is picked from R times the engine's frame time (on the CPU each robot's
+frame is prefilled on its own).
 """
 
 from __future__ import annotations
@@ -77,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--duration', type=float, default=0.0,
                         help='seconds to run (0 = until Ctrl-C)')
     parser.add_argument('--robot', default='libero', choices=('libero', 'droid', 'aloha'))
+    parser.add_argument('--robots', default='',
+                        help='comma-separated robot names: one node serves them all (each a '
+                             '--robot, in its own namespace)')
     parser.add_argument('--preset', default='pi05-cpu', help='random-weight model preset')
     parser.add_argument('--checkpoint', default='', help='openpi checkpoint directory instead')
     parser.add_argument('--device', default='cpu')
@@ -99,12 +108,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # --- the node process ---------------------------------------------------------------------------
+def robot_names(args: argparse.Namespace) -> list[str]:
+    """Return the robots of --robots ([] = one robot in the root namespace)."""
+    return [name.strip() for name in args.robots.split(',') if name.strip()]
+
+
 def node_overrides(args: argparse.Namespace, rate_hz: float) -> dict:
-    """Parameters the demo sets on top of the robot's YAML."""
-    return {'preset': args.preset, 'checkpoint': args.checkpoint, 'device': args.device,
-            'control_rate_hz': float(rate_hz),
-            'decode_budget': decode_budget_value(args.decode_budget),
-            'tokens_per_request': args.tokens}
+    """Parameters the demo sets on top of the robot's YAML (with --robots: every robot's)."""
+    overrides = {'preset': args.preset, 'checkpoint': args.checkpoint, 'device': args.device,
+                 'control_rate_hz': float(rate_hz),
+                 'decode_budget': decode_budget_value(args.decode_budget),
+                 'tokens_per_request': args.tokens}
+    if robot_names(args):
+        overrides['robots'] = robot_names(args)   # their parameters default to these
+    return overrides
 
 
 def node_command(args: argparse.Namespace, rate_hz: float) -> list[str]:
@@ -188,8 +205,11 @@ class NodeProcess:
 
 
 # --- the monitor --------------------------------------------------------------------------------
-def make_monitor(context=None):
-    """Make a node recording what oxygen_node publishes (actions, tokens, narration, ...)."""
+def make_monitor(context=None, robot: str = ''):
+    """Make a node recording what oxygen_node publishes (actions, tokens, narration, ...).
+
+    robot: one robot of a node serving several (its namespace and diagnostics).
+    """
     from diagnostic_msgs.msg import DiagnosticArray
     from rclpy.node import Node
     from std_msgs.msg import String
@@ -201,7 +221,8 @@ def make_monitor(context=None):
         """Subscribes the node's outputs and keeps what the live view shows."""
 
         def __init__(self):
-            super().__init__('oxygen_demo_monitor', context=context)
+            super().__init__('oxygen_demo_monitor', namespace=robot, context=context)
+            self.diagnostic_name = f'oxygen_node/{robot}' if robot else 'oxygen_node'
             self.lock = threading.Lock()
             self.action_times: collections.deque[float] = collections.deque(maxlen=200)
             # (receive time, inference_time s) of recent chunks; (receive time, tokens)
@@ -253,7 +274,7 @@ def make_monitor(context=None):
         def on_diagnostics(self, msg):
             with self.lock:
                 for status in msg.status:
-                    if status.name.startswith('oxygen_node:'):
+                    if status.name.startswith(self.diagnostic_name + ':'):
                         part = status.name.split(':', 1)[1].strip()
                         self.diagnostics[part] = (status.level[0] if status.level else 0,
                                                   status.message,
@@ -357,7 +378,7 @@ class HoldTracker:
 
 
 def render(monitor, args, elapsed: float, instruction: str, alerts, colour: bool,
-           width: int, tracker: HoldTracker | None = None) -> list[str]:
+           width: int, tracker: HoldTracker | None = None, robot: str = '') -> list[str]:
     """Render the live view as lines of text."""
     def level(name):
         lvl, message, values = monitor.diagnostics.get(name, (3, 'waiting', {}))
@@ -385,7 +406,8 @@ def render(monitor, args, elapsed: float, instruction: str, alerts, colour: bool
     total = f' / {args.duration:.0f} s' if args.duration else ' (Ctrl-C to stop)'
     source = args.checkpoint or f'random {args.preset}'
     tag, message, loop = level('control loop')
-    lines = [f'oxygen_ros demo · {source} · robot {args.robot} · target '
+    label = f'{robot} ({args.robot})' if robot else args.robot
+    lines = [f'oxygen_ros demo · {source} · robot {label} · target '
              f"{number(loop, 'target_rate_hz', 'g')} Hz · {elapsed:.0f} s{total}"]
     tag_model, message, values = level('model')
     if 'control loop' not in monitor.diagnostics:
@@ -447,13 +469,16 @@ def main(argv=None) -> int:
           'the node starts...', flush=True)
     reference = engine_reference(args, instructions[0])
     gc.collect()   # the node builds its own copy
-    rate = (pick_rate(reference.frame_p50_s, args.camera_rate) if args.rate == 'auto'
-            else float(args.rate))
+    robots = robot_names(args) or ['']
+    # On the CPU a fleet prefills each robot's frame on its own: R frames per tick.
+    rate = (pick_rate(len(robots) * reference.frame_p50_s, args.camera_rate)
+            if args.rate == 'auto' else float(args.rate))
     print(f'engine: act() p50 {1e3 * reference.act_p50_s:.0f} ms, frame (act + language) p50 '
           f'{1e3 * reference.frame_p50_s:.0f} ms -> control rate {rate:g} Hz'
-          + (f' ({RATE_SHARE:g} / frame p50, at most the camera rate)' if args.rate == 'auto'
-             else ' (given)'), flush=True)
-    tracker = HoldTracker(reference.act_p50_s)
+          + (f' ({RATE_SHARE:g} / frame p50, at most the camera rate'
+             + (f', for {len(robots)} robots)' if robots != [''] else ')')
+             if args.rate == 'auto' else ' (given)'), flush=True)
+    trackers = {robot: HoldTracker(reference.act_p50_s) for robot in robots}
     node = NodeProcess(node_command(args, rate), log_dir / 'oxygen_node.log')
     print(f'oxygen_node started (pid {node.proc.pid}, ROS_DOMAIN_ID='
           f'{os.environ["ROS_DOMAIN_ID"]}); its log: {node.log_path}')
@@ -466,15 +491,20 @@ def main(argv=None) -> int:
         rclpy.init(context=context, signal_handler_options=SignalHandlerOptions.NO)
     except ImportError:   # pragma: no cover - rclpy without signal handler options
         rclpy.init(context=context)
-    nodes = [CameraPublisher(robot_cameras(args.robot), args.camera_rate, CAMERA_SIZE,
-                             context=context),
-             JointStatePublisher(list(ROBOT_IO[args.robot][1]), context=context),
-             InstructionPublisher(instructions, args.instruction_period, context=context)]
-    monitor = make_monitor(context)
+    # One stand-in robot per robot, in its namespace (the root one for a single robot).
+    nodes, tasks = [], []
+    for robot in robots:
+        tasks.append(InstructionPublisher(instructions, args.instruction_period,
+                                          namespace=robot, context=context))
+        nodes += [CameraPublisher(robot_cameras(args.robot), args.camera_rate, CAMERA_SIZE,
+                                  namespace=robot, context=context),
+                  JointStatePublisher(list(ROBOT_IO[args.robot][1]), namespace=robot,
+                                      context=context), tasks[-1]]
+    monitors = {robot: make_monitor(context, robot) for robot in robots}
     # Single-threaded: every callback here is short, and a MultiThreadedExecutor would spin
     # against the camera encoding for the GIL and the node's cores.
     executor = SingleThreadedExecutor(context=context)
-    for n in nodes + [monitor]:
+    for n in nodes + list(monitors.values()):
         executor.add_node(n)
     spinner = threading.Thread(target=executor.spin, daemon=True)
     spinner.start()
@@ -496,11 +526,13 @@ def main(argv=None) -> int:
                 print('\n'.join(node.log_path.read_text().splitlines()[-15:]), file=sys.stderr)
                 status = 1
                 break
-            tracker.update(monitor, time.monotonic())
-            current = instructions[(nodes[2].index - 1) % len(instructions)]
             width = shutil.get_terminal_size((120, 40)).columns
-            lines = render(monitor, args, elapsed, current, node.alerts, colour, width,
-                           tracker)
+            lines = []
+            for robot, task in zip(robots, tasks):
+                trackers[robot].update(monitors[robot], time.monotonic())
+                current = instructions[(task.index - 1) % len(instructions)]
+                lines += render(monitors[robot], args, elapsed, current, node.alerts, colour,
+                                width, trackers[robot], robot)
             if colour:
                 sys.stdout.write(f'\033[{drawn}F\033[J' if drawn else '')
                 sys.stdout.write('\n'.join(lines) + '\n')
@@ -517,14 +549,19 @@ def main(argv=None) -> int:
         ended = time.monotonic()
         code = node.stop(interrupted)
         executor.shutdown()
-        for n in nodes + [monitor]:
+        for n in nodes + list(monitors.values()):
             n.destroy_node()
         if context.ok():
             rclpy.shutdown(context=context)
         spinner.join(timeout=5.0)
-    print(f'done: {monitor.actions} action chunks, {monitor.tokens} tokens received; node exit '
+    actions = sum(m.actions for m in monitors.values())
+    tokens = sum(m.tokens for m in monitors.values())
+    print(f'done: {actions} action chunks, {tokens} tokens received; node exit '
           f'status {code}; node log {node.log_path}')
-    print(tracker.summary(monitor, rate, ended))
+    for robot, monitor in monitors.items():
+        counts = (f'{robot}: {monitor.actions} action chunks, {monitor.tokens} tokens; '
+                  if robot else '')
+        print(counts + trackers[robot].summary(monitor, rate, ended))
     return status or (0 if code in (0, -signal.SIGINT) else 1)
 
 

@@ -104,12 +104,16 @@ class Collector(Node):
         return callback
 
     def latest_status(self, part: str):
-        """Newest DiagnosticStatus named 'oxygen_node: <part>' (None if none yet)."""
+        """Newest DiagnosticStatus named '<diagnostic_name>: <part>' (None if none yet).
+
+        Without a diagnostic_name, any status whose name ends with ': <part>'.
+        """
         with self.lock:
             arrays = list(self.diagnostics)
         for array in reversed(arrays):
             for status in array.status:
-                if status.name.endswith(': ' + part):
+                if (status.name == f'{self.diagnostic_name}: {part}' if self.diagnostic_name
+                        else status.name.endswith(': ' + part)):
                     return status
         return None
 
@@ -141,6 +145,7 @@ class Feeder(Node):
         self._joint_pub = self.create_publisher(JointState, 'joint_states', qos.SENSOR)
         self._instruction_pub = self.create_publisher(String, 'instruction', qos.INSTRUCTION)
         self.sent = collections.Counter()
+        self.stamps: dict[int, int] = {}   # first camera's stamp (ns) -> frame (good_feeder)
         self.timer = self.create_timer(1.0 / rate_hz, self._publish)
 
     def instruct(self, text) -> None:
@@ -161,6 +166,48 @@ class Feeder(Node):
             self.sent['joint_states'] += 1
 
 
+def good_feeder(context, values: dict, rate_hz: float, namespace: str = '',
+                task: str | None = None, static_after_first: bool = False) -> Feeder:
+    """A Feeder of good inputs for a robot with parameter `values` (its own names, unprefixed):
+    moving photos (32 px) on every camera topic, constant joint states, the instruction `task`.
+
+    static_after_first: every camera but the first shows frame 0 forever, so an observation
+    is a function of its first camera's frame (`feeder.stamps` maps that camera's header stamp
+    in ns to the frame index it carried).
+    """
+    from oxygen_ros.runtime.params import default_camera_topic, transport_topic
+    from oxygen_ros.ros.sim_inputs import camera_frame, image_msg, PHOTOS
+
+    cameras = values['camera_names']
+    compressed = tuple(c for c in cameras if values.get(f'cameras.{c}.compressed'))
+    # The feeder publishes where image_transport would: the base topic or <base>/compressed.
+    topics = {c: transport_topic(values.get(f'cameras.{c}.topic') or default_camera_topic(c),
+                                 c in compressed) for c in cameras}
+    feeder = Feeder(topics, rate_hz, compressed, namespace, context=context)
+    clock = feeder.get_clock()
+
+    def first_camera(n, photo):
+        stamp = clock.now()
+        feeder.stamps[stamp.nanoseconds] = n
+        return image_msg(camera_frame(photo, 32, n), stamp.to_msg())
+
+    for i, cam in enumerate(cameras):
+        photo = PHOTOS[i % len(PHOTOS)]
+        if static_after_first and i == 0:
+            feeder.image_factory[cam] = lambda n, photo=photo: first_camera(n, photo)
+        else:
+            still = static_after_first
+            feeder.image_factory[cam] = (
+                lambda n, photo=photo, still=still: image_msg(
+                    camera_frame(photo, 32, 0 if still else n), clock.now().to_msg()))
+    joints = list(values['joint_names'])
+    feeder.joint_factory = lambda n: JointState(
+        name=joints, position=[0.1 * j for j in range(len(joints))])
+    if task is not None:
+        feeder.instruct(task)
+    return feeder
+
+
 class NodeHarness:
     """An OxygenNode (autostart off) in its own executor, as main() runs it, plus a Feeder of
     good inputs and a Collector in a second executor.
@@ -175,9 +222,7 @@ class NodeHarness:
         from rclpy.parameter import Parameter
 
         from oxygen_ros.ros.node import make_executor, OxygenNode
-        from oxygen_ros.runtime.params import (default_camera_topic, robot_defaults,
-                                               transport_topic)
-        from oxygen_ros.ros.sim_inputs import camera_frame, image_msg, PHOTOS
+        from oxygen_ros.runtime.params import robot_defaults
 
         values = dict(robot_defaults(params.get('robot', 'libero')), autostart=False)
         values.update(params)
@@ -187,27 +232,11 @@ class NodeHarness:
                                parameter_overrides=[Parameter(k, value=v)
                                                     for k, v in values.items()])
         self.collector = Collector(namespace, self.node.diagnostic_name, context=context)
-        cameras = values['camera_names']
-        compressed = tuple(c for c in cameras if values.get(f'cameras.{c}.compressed'))
-        # The feeder publishes where image_transport would: the base topic or <base>/compressed.
-        topics = {c: transport_topic(values.get(f'cameras.{c}.topic') or default_camera_topic(c),
-                                     c in compressed) for c in cameras}
-        self.feeder = Feeder(topics, rate_hz, compressed, namespace, context=context)
+        self.feeder = good_feeder(context, values, rate_hz, namespace, task)
         self.node_spinner = Spinner(context, [self.node], executor=make_executor(context))
         self.spinner = Spinner(context, [self.collector, self.feeder])
-        clock = self.feeder.get_clock()
-        for i, cam in enumerate(cameras):
-            photo = PHOTOS[i % len(PHOTOS)]
-            self.feeder.image_factory[cam] = (
-                lambda n, photo=photo: image_msg(camera_frame(photo, 32, n),
-                                                 clock.now().to_msg()))
-        joints = list(values['joint_names'])
-        self.good_joints = lambda n: JointState(
-            name=joints, position=[0.1 * j for j in range(len(joints))])
-        self.feeder.joint_factory = self.good_joints
+        self.good_joints = self.feeder.joint_factory
         self.good_images = dict(self.feeder.image_factory)
-        if task is not None:
-            self.feeder.instruct(task)
 
     def start(self) -> None:
         """Configure and activate the node (asserting both succeed)."""
@@ -246,6 +275,63 @@ class NodeHarness:
         self.node_spinner.stop()
         self.spinner.stop()
         for node in (self.node, self.collector, self.feeder):
+            node.destroy_node()
+
+
+class FleetHarness:
+    """An OxygenNode serving several robots (autostart off) in its own executor, as main() runs
+    it, plus one Feeder of good inputs and one Collector per robot, in the robot's namespace.
+
+    robots: robot name -> its own parameters (unprefixed: robot, control_rate_hz, ...; cameras
+    and joints default to its robot type's); params: the node's. Each robot's feeder shows
+    moving photos on its first camera and still ones on the others (`feeder.stamps`), and
+    publishes the instruction `tasks[robot]` (default: 'task of <robot>').
+    """
+
+    def __init__(self, context, params: dict, robots: dict[str, dict],
+                 tasks: dict[str, str] | None = None, rate_hz: float = 20.0):
+        from rclpy.parameter import Parameter
+
+        from oxygen_ros.ros.node import make_executor, OxygenNode
+        from oxygen_ros.runtime.params import robot_defaults
+
+        values = {'autostart': False, **params, 'robots': list(robots)}
+        self.robot_values = {}
+        for name, own in robots.items():
+            mine = {**robot_defaults(own.get('robot', 'libero')), **own}
+            self.robot_values[name] = mine
+            values.update({f'{name}.{key}': value for key, value in mine.items()})
+        self.values = values
+        self.node = OxygenNode(context=context, parameter_overrides=[
+            Parameter(k, value=v) for k, v in values.items()])
+        tasks = tasks or {}
+        self.collectors = {name: Collector(name, f'{self.node.diagnostic_name}/{name}',
+                                           context=context) for name in robots}
+        self.feeders = {name: good_feeder(context, self.robot_values[name], rate_hz, name,
+                                          tasks.get(name, f'task of {name}'),
+                                          static_after_first=True) for name in robots}
+        self.node_spinner = Spinner(context, [self.node], executor=make_executor(context))
+        self.spinner = Spinner(context, [*self.collectors.values(), *self.feeders.values()])
+        self.good_images = {name: dict(f.image_factory) for name, f in self.feeders.items()}
+
+    def start(self) -> None:
+        """Configure and activate the node (asserting both succeed)."""
+        from rclpy.lifecycle import TransitionCallbackReturn
+
+        assert self.node.trigger_configure() == TransitionCallbackReturn.SUCCESS, (
+            self.node.problem_history[-3:])
+        assert self.node.trigger_activate() == TransitionCallbackReturn.SUCCESS
+
+    def statuses(self, robot: str = '') -> dict:
+        """Map each part of the node's (or one robot's) diagnostics to its status."""
+        prefix = self.node.diagnostic_name + (f'/{robot}' if robot else '') + ': '
+        return {s.name[len(prefix):]: s for s in self.node.diagnostic_statuses()
+                if s.name.startswith(prefix)}
+
+    def close(self) -> None:
+        self.node_spinner.stop()
+        self.spinner.stop()
+        for node in (self.node, *self.collectors.values(), *self.feeders.values()):
             node.destroy_node()
 
 

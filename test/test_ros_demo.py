@@ -53,6 +53,25 @@ def test_demo_runs_for_its_duration(tmp_path):
     assert 'configured in' in log and 'Traceback' not in log, log[-3000:]
 
 
+def test_demo_drives_a_node_serving_two_robots(tmp_path):
+    proc = _demo(tmp_path, '--duration', '20', '--robots', 'arm_a,arm_b')
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-3000:]
+    _, _, node_status = _summary(output)
+    assert node_status == 0
+    for robot in ('arm_a', 'arm_b'):
+        assert f'robot {robot} (libero)' in output, output[-3000:]
+        match = re.search(rf'^{robot}: (\d+) action chunks, (\d+) tokens', output, re.M)
+        assert match and int(match.group(1)) > 0 and int(match.group(2)) > 0, output[-3000:]
+    log = (tmp_path / 'oxygen_node.log').read_text()
+    assert 'arm_a (libero' in log and 'arm_b (libero' in log, log[-3000:]
+    assert 'Traceback' not in log, log[-3000:]
+
+
 def test_demo_stops_cleanly_on_ctrl_c(tmp_path):
     proc = _demo(tmp_path, '--duration', '90')
     lines = []

@@ -209,7 +209,7 @@ def launch_module(monkeypatch):
 
 
 def _context(**values):
-    defaults = {'config': '', 'robot': '', 'checkpoint': '', 'namespace': '',
+    defaults = {'config': '', 'robot': '', 'robots': '', 'checkpoint': '', 'namespace': '',
                 'camera_remaps': '', 'use_sim_time': 'false', 'autostart': 'true',
                 'log_level': 'info'}
     defaults.update(values)
@@ -226,7 +226,7 @@ def _split(actions):
 def test_launch_file_declares_its_arguments(launch_module):
     entities = launch_module.generate_launch_description().entities
     declared = [e.name for e in entities if isinstance(e, DeclareLaunchArgument)]
-    assert declared == ['config', 'robot', 'checkpoint', 'namespace', 'camera_remaps',
+    assert declared == ['config', 'robot', 'robots', 'checkpoint', 'namespace', 'camera_remaps',
                         'use_sim_time', 'autostart', 'log_level']
     assert isinstance(entities[-1], OpaqueFunction)
 
@@ -306,6 +306,56 @@ def test_launched_node_in_a_namespace_gets_file_overrides_and_remaps(
         topics = {sub.topic_name for sub in node._subscriptions_made}
         assert {'/zed/wrist', '/arm1/camera/exterior_image_1_left/image_raw',
                 '/arm1/joint_states', '/arm1/instruction'} <= topics
+    finally:
+        node.destroy_node()
+        rclpy.shutdown(context=context)
+
+
+def test_robot_list_and_fleet_configs_reach_the_node(launch_module):
+    node, _, _ = _split(launch_module._launch_node(_context(config='two_arms')))
+    assert node.kwargs['parameters'][0] == str(REPO / 'config' / 'two_arms.yaml')
+    node, _, _ = _split(launch_module._launch_node(_context(robots=' arm_a, arm_b ,')))
+    assert node.kwargs['parameters'][1]['robots'] == ['arm_a', 'arm_b']
+    with pytest.raises(RuntimeError, match='names must be unique'):
+        launch_module._launch_node(_context(robots='arm,arm'))
+
+
+@pytest.mark.parametrize('config, robots', [
+    ('two_arms', {'arm_left': 'libero', 'arm_right': 'libero'}),
+    ('aloha_droid', {'aloha': 'aloha', 'droid': 'droid'})])
+def test_launched_fleet_serves_each_robot_in_its_namespace(launch_module, tmp_path, config,
+                                                           robots):
+    """The shipped fleet configs, launched in a namespace: one node, each robot's topics
+    under <namespace>/<robot>, its own type and cameras, configured and activated."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.lifecycle import TransitionCallbackReturn
+
+    from oxygen_ros.ros.node import OxygenNode
+
+    path = tmp_path / f'{config}_tiny.yaml'
+    path.write_text((REPO / 'config' / f'{config}.yaml').read_text().replace(
+        'preset: pi05-cpu', 'preset: tiny'))
+    first = next(iter(robots))
+    node_action, _, _ = _split(launch_module._launch_node(_context(
+        config=str(path), namespace='cell',
+        camera_remaps=f'{first}/joint_states:=/{first}_driver/joint_states')))
+    context = Context()
+    rclpy.init(context=context, args=['oxygen_node'] + node_action.ros_command_line(tmp_path))
+    node = OxygenNode(context=context)
+    try:
+        assert node.get_parameter('robots').value == list(robots)
+        assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS, (
+            node.problem_history[-3:])
+        assert node.trigger_activate() == TransitionCallbackReturn.SUCCESS
+        assert {name: io.settings.robot for name, io in node.robots.items()} == robots
+        topics = {sub.topic_name for sub in node._subscriptions_made}
+        for name, io in node.robots.items():
+            cameras = [c.name for c in io.settings.cameras]
+            assert {f'/cell/{name}/camera/{c}/image_raw' for c in cameras} <= topics
+            assert f'/cell/{name}/instruction' in topics
+        assert f'/{first}_driver/joint_states' in topics   # remapped
+        assert len(topics) == sum(len(io.settings.cameras) + 2 for io in node.robots.values())
     finally:
         node.destroy_node()
         rclpy.shutdown(context=context)

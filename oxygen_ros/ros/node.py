@@ -4,18 +4,28 @@ Cameras, joint states and an instruction in; an action chunk every tick, and lan
 on their own topic, out. The work of a tick is oxygen_ros.runtime.frame_loop.FrameLoop, the
 same code the bag replay runs; this module only wires it to rclpy.
 
+Several robots (parameter `robots`, e.g. [arm_left, arm_right]): one model in memory serves
+them all through a FleetEngine, ticked by oxygen_ros.runtime.fleet_loop.FleetLoop. Each robot
+has its own topics in its namespace (`arm_left/actions`, `arm_left/instruction`, ...), its own
+per-robot parameters (`arm_left.robot`, `arm_left.cameras.image.topic`, ...), control rate,
+decode budget, KV quota and diagnostics (`oxygen_node/arm_left: ...`). The wiring of one
+robot (subscriptions, inputs, outputs) is ros/robot_io.py, the same for one robot or many.
+
 Two threads:
   executor        a SingleThreadedExecutor serving I/O only (main()): the instruction
-                  subscription, lifecycle and parameter services, 1 Hz /diagnostics, and the
+                  subscriptions, lifecycle and parameter services, 1 Hz /diagnostics, and the
                   control timer, whose callback only wakes the control thread. Cameras and
                   joint states never reach it: the control thread takes their newest message
                   at the start of each tick (ros/polling.py). No callback runs for long, so
                   the executor sleeps in rcl_wait instead of spinning against the model for
                   the GIL (a MultiThreadedExecutor next to a long callback does: measured 2.2x
                   slower inference).
-  control thread  'oxy_control' (runtime.control.ControlThread): one FrameLoop.tick per
-                  wake-up: observation -> act -> publish ActionChunk -> language -> publish
-                  LanguageChunks / narration. The engine is touched by this thread only.
+  control thread  'oxy_control' (runtime.control.ControlThread): one FrameLoop.tick (or
+                  FleetLoop.tick) per wake-up: observation -> act -> publish ActionChunk ->
+                  language -> publish LanguageChunks / narration. The engine is touched by
+                  this thread only. A fleet's timer wakes it at the largest period dividing
+                  every robot's period (fleet_loop.wake_period_s); each tick serves the robots
+                  due then.
 
 Lifecycle: configure loads the model and wires publishers and subscriptions; activate starts
 the control thread and the timer; deactivate stops the timer, closes the outputs (no message
@@ -33,7 +43,6 @@ the node clock when a tick had no new frame.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import logging
@@ -48,51 +57,39 @@ from rclpy.clock import Clock, ClockType
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
-from rclpy.qos_overriding_options import QoSOverridingOptions
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
                                 SetParametersResult)
 
-from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray
-from sensor_msgs.msg import CameraInfo, CompressedImage, Image, JointState
-from std_msgs.msg import String
 
 from oxygen_ros.engine import AdaptiveBudget, FixedBudget
-from oxygen_ros.msg import ActionChunk, LanguageChunk
 from oxygen_ros.ros import qos
-from oxygen_ros.ros.conversions import (action_chunk_msg, joint_trajectory_msg,
-                                        language_chunk_msg)
 from oxygen_ros.ros.diagnostics import to_diagnostic_array
-from oxygen_ros.ros.polling import never_called, PolledGroup, take_all
-from oxygen_ros.runtime.actions import action_layout, ActionLayout
+from oxygen_ros.ros.robot_io import RobotIO, RosOutputs
 from oxygen_ros.runtime.control import ControlThread, CpuSplit
-from oxygen_ros.runtime.conversions import (check_frame_size, compressed_to_rgb, image_to_rgb,
-                                            InputError, joint_state_to_vector)
+from oxygen_ros.runtime.fleet_loop import FleetLoop, RobotLoop, wake_period_s
 from oxygen_ros.runtime.frame_loop import FrameLoop
-from oxygen_ros.runtime.inputs import InputSet, InputSource, sanitize_instruction
 from oxygen_ros.runtime.params import (camera_param_specs, check_value, deprecation_warning,
-                                       NODE_NAME, param_spec, PARAMS, PARAMS_BY_NAME,
-                                       parse_decode_budget, ROBOT_IO, robot_defaults,
-                                       RUNTIME_PARAMS, SAFETY_LIMITS, Settings)
+                                       FleetSettings, NODE_NAME, param_spec, PARAMS,
+                                       PARAMS_BY_NAME, parse_decode_budget, ROBOT_IO,
+                                       robot_defaults, robot_param_defaults, robot_param_name,
+                                       robot_param_specs, ROBOT_PARAMS, SAFETY_LIMITS, Settings,
+                                       split_param_name)
 from oxygen_ros.runtime.status import build_statuses, ERROR, LoopStats, OK, ProblemLog, WARN
 
-try:   # Jazzy+ names the event classes event_handler; Humble only has qos_event.
-    from rclpy.event_handler import SubscriptionEventCallbacks
-except ImportError:   # pragma: no cover - Humble
-    from rclpy.qos_event import SubscriptionEventCallbacks
 try:
     from rclpy.executors import ExternalShutdownException
 except ImportError:   # pragma: no cover - older rclpy raise KeyboardInterrupt only
     ExternalShutdownException = KeyboardInterrupt
 
-JOINT_STATES_KEY = 'joint_states'
 STOP_TIMEOUT_S = 5.0   # deactivate waits this long for a running tick before giving up on it
 
 
 def _descriptor(spec) -> ParameterDescriptor:
     # A parameter with a legacy form (decode_budget's old string) takes either type.
+    # An empty list default (`robots`) has no element type for rclpy to infer.
     desc = ParameterDescriptor(description=spec.description, read_only=spec.read_only,
-                               dynamic_typing=spec.legacy is not None)
+                               dynamic_typing=spec.legacy is not None or spec.default == [])
     if spec.int_range is not None:
         desc.integer_range = [IntegerRange(from_value=spec.int_range[0],
                                            to_value=spec.int_range[1], step=1)]
@@ -160,78 +157,8 @@ class _BridgeAttachment:
                     logger.propagate = cls.propagate
 
 
-def _overridable(profile):
-    """Copy a shared QoS profile: QoS overriding options write into the profile given."""
-    return copy.copy(profile)
-
-
-def ns_to_stamp(stamp_ns: int) -> Time:
-    """Integer nanoseconds -> builtin_interfaces/Time, exact."""
-    stamp_ns = max(int(stamp_ns), 0)
-    return Time(sec=stamp_ns // 1_000_000_000, nanosec=stamp_ns % 1_000_000_000)
-
-
-class RosOutputs:
-    """The frame loop's OutputSink over the node's publishers, behind an open/closed switch.
-
-    close() returns only after a publish in flight has finished, and nothing is published
-    after it: that is what makes "no ActionChunk after deactivate returned" hold even for a
-    tick that is still running.
-    """
-
-    def __init__(self, node: LifecycleNode, frame_id: str, layout: ActionLayout,
-                 trajectory: bool = False):
-        self.frame_id = frame_id
-        self.layout = layout
-        self._lock = threading.Lock()
-        self._open = False
-        self._node = node
-        self._actions = node.create_publisher(ActionChunk, 'actions', qos.ACTIONS)
-        self._tokens = node.create_publisher(LanguageChunk, 'language/tokens', qos.TOKENS)
-        self._narration = node.create_publisher(String, 'language/narration', qos.NARRATION)
-        self._trajectory = None
-        if trajectory:
-            from trajectory_msgs.msg import JointTrajectory
-
-            self._trajectory = node.create_publisher(JointTrajectory, 'joint_trajectory',
-                                                     qos.TRAJECTORY)
-
-    def open(self) -> None:
-        with self._lock:
-            self._open = True
-
-    def close(self) -> None:
-        with self._lock:
-            self._open = False
-
-    def destroy(self) -> None:
-        self.close()
-        for pub in (self._actions, self._tokens, self._narration, self._trajectory):
-            if pub is not None:
-                self._node.destroy_publisher(pub)
-
-    def _publish(self, publisher, msg) -> None:
-        with self._lock:
-            if self._open:
-                publisher.publish(msg)
-
-    def action(self, action, stamp_ns: int) -> None:
-        self._publish(self._actions, action_chunk_msg(action, ns_to_stamp(stamp_ns),
-                                                      self.frame_id, self.layout))
-        if self._trajectory is not None:
-            self._publish(self._trajectory,
-                          joint_trajectory_msg(action, self.frame_id, self.layout))
-
-    def tokens(self, delta, stamp_ns: int) -> None:
-        self._publish(self._tokens, language_chunk_msg(delta, ns_to_stamp(stamp_ns),
-                                                       self.frame_id))
-
-    def narration(self, request, stamp_ns: int) -> None:
-        self._publish(self._narration, String(data=request.text))
-
-
 class OxygenNode(LifecycleNode):
-    """Lifecycle node running the π0.5 engine at a fixed control rate."""
+    """Lifecycle node running the π0.5 engine at a fixed control rate, for one robot or many."""
 
     def __init__(self, node_name: str = NODE_NAME, **kwargs):
         super().__init__(node_name, **kwargs)
@@ -242,15 +169,17 @@ class OxygenNode(LifecycleNode):
         self._problems = ProblemLog(self._log)
         self._stats = LoopStats()
         self._engine = None
-        self._settings: Settings | None = None
-        self._inputs: InputSet | None = None
-        self._loop: FrameLoop | None = None
-        self._outputs: RosOutputs | None = None
+        self._settings: Settings | None = None    # one robot; a fleet's: the shared values
+        self._fleet_settings: FleetSettings | None = None
+        self._ios: dict[str, RobotIO] = {}        # robot name ('' for one robot) -> its topics
+        self._inputs = None                       # one robot: its InputSet
+        self._outputs: RosOutputs | None = None   # one robot: its output sink
+        self._loop: FrameLoop | None = None       # one robot
+        self._fleet_loop: FleetLoop | None = None   # several robots
         self._control: ControlThread | None = None
         self._wake_timer = None
         self._pending: dict = {}                    # engine changes for the next tick
         self._pending_lock = threading.Lock()
-        self._subscriptions_made: list = []
         self._cpu = CpuSplit()
         self._cpu_pct: tuple[float, float] | None = None   # (control, other) % of one core
 
@@ -284,14 +213,40 @@ class OxygenNode(LifecycleNode):
             if spec.name != 'robot':
                 self._declare(spec, defaults.get(spec.name, spec.default))
         self._declare_camera_params(self._value('camera_names'))
+        self._declare_robot_params(self._value('robots'))
         self._declaring = False
 
-    def _declare_camera_params(self, cameras) -> None:
-        """Declare cameras.<name>.* for every camera not declared yet (new names included)."""
+    def _declare_robot_params(self, robots) -> None:
+        """Declare <robot>.* (cameras included) for every robot not declared yet.
+
+        A robot's parameters default to the node's own values (set once for every robot at
+        the top level); its cameras and joints default to its robot type's.
+        """
+        declaring, self._declaring = self._declaring, True
+        try:
+            for robot in robots if check_value('robots', list(robots)) is None else ():
+                if not self.has_parameter(robot_param_name(robot, 'robot')):
+                    node_values = {name: self._value(name) for name in ROBOT_PARAMS}
+                    (kind_spec,) = [s for s in robot_param_specs(robot, node_values)
+                                    if s.name.endswith('.robot')]
+                    kind = self._declare(kind_spec)
+                    defaults = robot_param_defaults(node_values, kind)
+                    for spec in robot_param_specs(robot, defaults):
+                        if not self.has_parameter(spec.name):
+                            self._declare(spec)
+                self._declare_camera_params(
+                    self._value(robot_param_name(robot, 'camera_names')), robot)
+        finally:
+            self._declaring = declaring
+
+    def _declare_camera_params(self, cameras, robot: str = '') -> None:
+        """Declare [<robot>.]cameras.<name>.* for every camera not declared yet."""
         declaring, self._declaring = self._declaring, True
         try:
             for camera in cameras:
                 for spec in camera_param_specs(camera):
+                    if robot:
+                        spec = dataclasses.replace(spec, name=robot_param_name(robot, spec.name))
                     if not self.has_parameter(spec.name):
                         self._declare(spec)
         finally:
@@ -322,6 +277,7 @@ class OxygenNode(LifecycleNode):
     def _on_set_parameters(self, params: list[Parameter]) -> SetParametersResult:
         reasons = []
         active = self._lifecycle == 'active'
+        fleet = self._fleet_loop is not None
         for param in params:
             spec = param_spec(param.name)
             if param.name == 'use_sim_time' and active and not self._declaring:
@@ -331,6 +287,7 @@ class OxygenNode(LifecycleNode):
                 continue
             if spec is None:
                 continue
+            robot, base = split_param_name(param.name)
             try:
                 why = check_value(param.name, param.value)
             except TypeError:
@@ -343,13 +300,19 @@ class OxygenNode(LifecycleNode):
                   and self._lifecycle not in ('unconfigured', 'finalized')):
                 reasons.append(f'{param.name}: can only change while unconfigured (node is '
                                f'{self._lifecycle}): deactivate, cleanup, set it, configure')
-            elif (active and param.name in SAFETY_LIMITS and not self._declaring
+            elif (fleet and not robot and base in ROBOT_PARAMS and not self._declaring):
+                robots = self._fleet_settings.robots
+                reasons.append(f'{param.name}: this node serves robots {list(robots)}, each '
+                               f'with its own {base}: set e.g. '
+                               f'{robot_param_name(next(iter(robots)), base)}')
+            elif (active and base in SAFETY_LIMITS and not self._declaring
                   and not self._value('allow_unsafe_changes')
                   and param.value > self._value(param.name)):
                 reasons.append(f'{param.name}: raising it while active loosens a safety limit '
                                f'({self._value(param.name):g} -> {param.value:g}); deactivate '
                                'first, or start the node with allow_unsafe_changes:=true')
-        changes = {p.name: p.value for p in params if p.name in RUNTIME_PARAMS}
+        changes = {p.name: p.value for p in params
+                   if (spec := param_spec(p.name)) is not None and not spec.configure_time}
         if not reasons and self._engine is not None:
             why = self._check_fits(changes)
             if why:
@@ -370,47 +333,85 @@ class OxygenNode(LifecycleNode):
             self._apply_runtime(changes)
         return SetParametersResult(successful=True)
 
+    def _robot_settings(self) -> dict[str, Settings]:
+        """Return each served robot's settings by name ('' for a plain node's one robot)."""
+        if self._fleet_settings is not None:
+            return self._fleet_settings.robots
+        return {'': self._settings} if self._settings is not None else {}
+
+    def _scheduler(self, robot: str):
+        """Return one robot's engine scheduler (its budget, policy and KV share)."""
+        system = self._engine.system
+        return system.scheduler(robot) if robot else system
+
     def _check_fits(self, changes: dict) -> str:
         """Reject a budget / request-rate change the KV pool cannot hold (reason or '')."""
-        if not {'decode_budget', 'request_every_n_frames'} & changes.keys():
-            return ''
         from oxygen_ros.runtime.engine_setup import slots_needed
 
-        s = self._settings
-        every = changes.get('request_every_n_frames', self._value('request_every_n_frames'))
-        k = parse_decode_budget(changes.get('decode_budget', self._value('decode_budget')))
-        old_k = parse_decode_budget(self._value('decode_budget'))
-        need = slots_needed(every, s.tokens_per_request, k)
-        before = slots_needed(self._value('request_every_n_frames'), s.tokens_per_request, old_k)
-        slots = self._engine.system.pool.num_slots
-        if need > slots and need > before:
-            return (f'decode_budget={k or "adaptive"} with request_every_n_frames={every} needs '
-                    f'{need} KV slots (ceil(N/k) + 1) but the pool has {slots}: raise '
-                    'kv_capacity and reconfigure, or choose a larger k')
+        for robot, s in self._robot_settings().items():
+            names = {base: full for full in changes
+                     for owner, base in [split_param_name(full)] if owner == robot}
+            if not {'decode_budget', 'request_every_n_frames'} & names.keys():
+                continue
+            every = changes.get(names.get('request_every_n_frames'), s.request_every_n_frames)
+            k = parse_decode_budget(changes.get(names.get('decode_budget'),
+                                                s.decode_budget or 0))
+            need = slots_needed(every, s.tokens_per_request, k)
+            before = slots_needed(s.request_every_n_frames, s.tokens_per_request,
+                                  s.decode_budget)
+            slots = self._scheduler(robot).pool.num_slots
+            if need > slots and need > before:
+                quota = f'{robot}.kv_capacity' if robot else 'kv_capacity'
+                return (f'{robot + ": " if robot else ""}decode_budget={k or "adaptive"} with '
+                        f'request_every_n_frames={every} needs {need} KV slots (ceil(N/k) + 1) '
+                        f'but the pool has {slots}: raise {quota} and reconfigure, or choose '
+                        'a larger k')
         return ''
 
     def _apply_runtime(self, changes: dict) -> None:
-        if 'control_rate_hz' in changes:
-            self._period_s = 1.0 / changes['control_rate_hz']
+        """Apply accepted runtime changes: here what the executor owns, the rest next tick."""
+        robots = self._robot_settings()
+        for name, value in changes.items():
+            robot, base = split_param_name(name)
+            if base == 'max_instruction_chars':
+                self._max_instruction_chars = value
+            elif base == 'diagnostics_period_s':
+                self._start_diagnostics_timer(value)
+            elif base == 'stale_frame_timeout_s' and robot in robots:
+                if not robot:
+                    self._stale_timeout_s = value
+                if robot in self._ios:
+                    self._ios[robot].inputs.stale_timeout_s = value
+            elif base == 'control_rate_hz' and not robot and self._settings is None:
+                self._period_s = 1.0 / value   # not configured: the period configure starts
+            # A fleet's node-level settings hold its shared values; a robot's, its own.
+            if robot in robots or (not robot and self._settings is not None):
+                self._replace_settings(robot, base, value)
+        if self._settings is not None and any(
+                split_param_name(n)[1] == 'control_rate_hz' for n in changes):
+            self._period_s = self._wake_period_s()
             if self._wake_timer is not None:   # active: the new period starts now
                 self._start_wake_timer()
-        if 'stale_frame_timeout_s' in changes:
-            self._stale_timeout_s = changes['stale_frame_timeout_s']
-            if self._inputs is not None:
-                self._inputs.stale_timeout_s = self._stale_timeout_s
-        if 'max_instruction_chars' in changes:
-            self._max_instruction_chars = changes['max_instruction_chars']
-        if 'diagnostics_period_s' in changes:
-            self._start_diagnostics_timer(changes['diagnostics_period_s'])
-        if self._settings is not None:
-            fields = {k: v for k, v in changes.items() if k != 'decode_budget'}
-            if 'decode_budget' in changes:
-                fields['decode_budget'] = parse_decode_budget(changes['decode_budget'])
-            self._settings = dataclasses.replace(self._settings, **fields)
         with self._pending_lock:   # the engine is touched only by the control thread
             self._pending.update(changes)
         self.get_logger().info('parameters changed: ' + ', '.join(
             f'{k}={v}' for k, v in changes.items()))
+
+    def _replace_settings(self, robot: str, base: str, value) -> None:
+        value = parse_decode_budget(value) if base == 'decode_budget' else value
+        if robot and self._fleet_settings is not None:
+            fleet = self._fleet_settings
+            robots = dict(fleet.robots)
+            robots[robot] = dataclasses.replace(robots[robot], **{base: value})
+            self._fleet_settings = dataclasses.replace(fleet, robots=robots)
+        else:
+            self._settings = dataclasses.replace(self._settings, **{base: value})
+
+    def _wake_period_s(self) -> float:
+        """Return the control timer's period: the robot's, or one meeting every robot's ticks."""
+        if self._fleet_settings is None:
+            return self._settings.period_s
+        return wake_period_s([s.period_s for s in self._fleet_settings.robots.values()])
 
     def _apply_pending(self) -> None:
         """Apply runtime parameter changes to the engine (control thread, between ticks)."""
@@ -418,16 +419,25 @@ class OxygenNode(LifecycleNode):
             changes, self._pending = self._pending, {}
         if not changes or self._engine is None:
             return
-        system = self._engine.system
-        if 'request_every_n_frames' in changes:
-            system.set_policy(dataclasses.replace(
-                system.policy, every_n_frames=changes['request_every_n_frames']))
-        if 'decode_budget' in changes:
-            k = parse_decode_budget(changes['decode_budget'])
-            system.set_budget(FixedBudget(k) if k else AdaptiveBudget(
-                self._period_s, k_max=system.policy.max_request_len))
-        elif 'control_rate_hz' in changes and isinstance(system.budget, AdaptiveBudget):
-            system.budget.frame_period_s = self._period_s
+        for robot, settings in self._robot_settings().items():
+            bases = {split_param_name(n)[1] for n in changes if split_param_name(n)[0] == robot}
+            if not bases:
+                continue
+            system, scheduler = self._engine.system, self._scheduler(robot)
+            args = (robot,) if robot else ()   # a FleetEngine's controls name the robot
+            if 'request_every_n_frames' in bases:
+                system.set_policy(*args, dataclasses.replace(
+                    scheduler.policy, every_n_frames=settings.request_every_n_frames))
+            if 'decode_budget' in bases:
+                k = settings.decode_budget
+                system.set_budget(*args, FixedBudget(k) if k else AdaptiveBudget(
+                    settings.period_s, k_max=scheduler.policy.max_request_len))
+            elif 'control_rate_hz' in bases and isinstance(scheduler.budget, AdaptiveBudget):
+                scheduler.budget.frame_period_s = settings.period_s
+            if robot and 'control_rate_hz' in bases:
+                self._fleet_loop.robots[robot].period_s = settings.period_s
+        if self._fleet_loop is not None:
+            self._fleet_loop.gather_s = 0.5 * self._period_s
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -436,6 +446,17 @@ class OxygenNode(LifecycleNode):
         self._autostart_timer = None
         if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
             self.trigger_activate()
+
+    def _values(self, cameras, robot: str = '') -> dict:
+        """Return the values of one robot's parameters and cameras (robot '': the node's cameras).
+
+        Camera names set since startup are declared first.
+        """
+        self._declare_camera_params(cameras, robot)   # names set since startup
+        names = [spec.name for camera in cameras for spec in camera_param_specs(camera)]
+        if robot:
+            names = [robot_param_name(robot, n) for n in names + list(ROBOT_PARAMS)]
+        return {name: self._value(name) for name in names}
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._lifecycle = 'configuring'
@@ -446,21 +467,12 @@ class OxygenNode(LifecycleNode):
             if self._param_errors:
                 raise ValueError('parameters rejected at startup: ' + '; '.join(
                     f'{k}: {v}' for k, v in self._param_errors.items()))
-            self._declare_camera_params(self._value('camera_names'))   # names set since
             values = {spec.name: self._value(spec.name) for spec in PARAMS}
-            for camera in values['camera_names']:
-                values.update({spec.name: self._value(spec.name)
-                               for spec in camera_param_specs(camera)})
-            settings = Settings.from_values(values)
-            from oxygen_ros.runtime.engine_setup import build_engine   # torch: load lazily
-
-            engine = build_engine(settings)
-            self._period_s = settings.period_s
-            self._stale_timeout_s = settings.stale_frame_timeout_s
-            self._max_instruction_chars = settings.max_instruction_chars
-            self._outputs = RosOutputs(self, settings.frame_id, action_layout(settings.robot),
-                                       settings.publish_trajectory)
-            self._inputs = self._make_subscriptions(settings)
+            values.update(self._values(values['camera_names']))
+            if values['robots']:
+                engine = self._configure_fleet(values)
+            else:
+                engine = self._configure_robot(values)
         except Exception as err:   # noqa: BLE001 - any failure is a FAILURE transition
             self._config_error = f'configure failed: {err}'
             self._problems.note(ERROR, self._config_error)
@@ -468,24 +480,70 @@ class OxygenNode(LifecycleNode):
             self._release()
             self._lifecycle = 'unconfigured'
             return TransitionCallbackReturn.FAILURE
-        self._settings, self._engine, self._config_error = settings, engine, ''
-        self._stats = LoopStats()
-        self._loop = FrameLoop(engine.system, self._inputs, problems=self._problems,
-                               stats=self._stats)
+        self._engine, self._config_error = engine, ''
+        self._period_s = self._wake_period_s()
+        self._stale_timeout_s = self._settings.stale_frame_timeout_s
+        self._max_instruction_chars = self._settings.max_instruction_chars
         with self._pending_lock:
             self._pending = {}   # the engine was just built from the current values
         for warning in engine.warnings:
             self.get_logger().warning(warning)
         pool = engine.system.pool
+        if self._fleet_settings is not None:
+            served = ', '.join(f'{name} ({s.robot}, {s.control_rate_hz:g} Hz, '
+                               f'{self._scheduler(name).pool.num_slots} KV slots)'
+                               for name, s in self._fleet_settings.robots.items())
+        else:
+            s = self._settings
+            served = (f'robot {s.robot}, {len(s.cameras)} cameras, {s.control_rate_hz:g} Hz, '
+                      f'decode budget {s.decode_budget or "adaptive"}')
         self.get_logger().info(
             f'configured in {time.monotonic() - started:.1f} s: '
-            f'{engine.description["source"]}, robot {settings.robot}, '
-            f'{len(settings.cameras)} cameras, KV pool {pool.num_slots} slots '
-            f'({pool.total_bytes / (1 << 20):.1f} MiB), {settings.control_rate_hz:g} Hz, '
-            f'decode budget {settings.decode_budget or "adaptive"}, '
+            f'{engine.description["source"]}, {served}, KV pool {pool.num_slots} slots '
+            f'({pool.total_bytes / (1 << 20):.1f} MiB), '
             f'{engine.description.get("torch_threads", "?")} torch threads')
         self._lifecycle = 'inactive'
         return TransitionCallbackReturn.SUCCESS
+
+    def _configure_robot(self, values: dict):
+        """One robot: its engine, its topics in the node's namespace, a FrameLoop."""
+        settings = Settings.from_values(values)
+        from oxygen_ros.runtime.engine_setup import build_engine   # torch: load lazily
+
+        engine = build_engine(settings)
+        self._settings = settings
+        io = self._ios[''] = RobotIO(self, settings, self._problems,
+                                     lambda: self._max_instruction_chars)
+        self._inputs, self._outputs = io.inputs, io.outputs
+        self._stats = LoopStats()
+        self._loop = FrameLoop(engine.system, io.inputs, problems=self._problems,
+                               stats=self._stats)
+        return engine
+
+    def _configure_fleet(self, values: dict):
+        """Several robots: one FleetEngine, each robot's topics in its namespace, a FleetLoop."""
+        robots = list(values['robots'])
+        self._declare_robot_params(robots)   # robots named since startup
+        for robot in robots:
+            values.update(self._values(self._value(robot_param_name(robot, 'camera_names')),
+                                       robot))
+        fleet_settings = FleetSettings.from_values(values)
+        from oxygen_ros.runtime.engine_setup import build_fleet   # torch: load lazily
+
+        engine = build_fleet(fleet_settings)
+        self._settings, self._fleet_settings = fleet_settings.node, fleet_settings
+        loops = []
+        for name, settings in fleet_settings.robots.items():
+            problems = ProblemLog(
+                lambda level, message, name=name: self._problems.note(level, f'{name}: {message}'))
+            io = self._ios[name] = RobotIO(self, settings, problems,
+                                           lambda: self._max_instruction_chars, namespace=name)
+            loops.append(RobotLoop(name, io.inputs, io.outputs, settings.period_s, problems))
+        period = wake_period_s([s.period_s for s in fleet_settings.robots.values()])
+        # Half a wake-up of slack: a robot due at a wake-up the timer fires a little early or
+        # late for is served at that wake-up, not one later.
+        self._fleet_loop = FleetLoop(engine.system, loops, gather_s=0.5 * period)
+        return engine
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         # The model's objects live as long as the engine: move them out of the collector's
@@ -493,8 +551,15 @@ class OxygenNode(LifecycleNode):
         gc.collect()
         gc.freeze()
         self._stats.reset()
-        self._inputs.started_s = self._now_s()
-        self._outputs.open()
+        now_s = self._now_s()
+        for io in self._ios.values():
+            io.inputs.started_s = now_s
+            io.outputs.open()
+        if self._fleet_loop is not None:
+            for robot in self._fleet_loop.robots.values():
+                robot.stats.reset()
+                robot.next_due_s = None   # a fresh grid from the first tick on
+                robot.skipped_ticks = 0
         self._control = ControlThread(self._control_tick, nice=self._settings.control_nice,
                                       realtime_priority=self._settings.control_priority)
         self._control.start()
@@ -544,8 +609,8 @@ class OxygenNode(LifecycleNode):
         if self._wake_timer is not None:
             self.destroy_timer(self._wake_timer)
             self._wake_timer = None
-        if self._outputs is not None:
-            self._outputs.close()   # from here on nothing is published, whatever still runs
+        for io in self._ios.values():
+            io.outputs.close()   # from here on nothing is published, whatever still runs
         if self._control is not None:
             if not self._control.stop(STOP_TIMEOUT_S):
                 self._problems.note(ERROR, f'a control tick did not finish within '
@@ -555,13 +620,11 @@ class OxygenNode(LifecycleNode):
     def _release(self) -> None:
         """Drop timer, thread, subscriptions, publishers and the engine (frees model and KV)."""
         self._stop_control()
-        for sub in self._subscriptions_made:
-            self.destroy_subscription(sub)
-        self._subscriptions_made = []
-        if self._outputs is not None:
-            self._outputs.destroy()
-        self._outputs = self._inputs = self._loop = None
-        self._engine = self._settings = None
+        for io in self._ios.values():
+            io.destroy()
+        self._ios = {}
+        self._outputs = self._inputs = self._loop = self._fleet_loop = None
+        self._engine = self._settings = self._fleet_settings = None
 
     def destroy_node(self):
         """Detach the engine log bridge and release everything, then destroy the node."""
@@ -569,119 +632,12 @@ class OxygenNode(LifecycleNode):
         self._release()
         return super().destroy_node()
 
-    # ---- wiring -------------------------------------------------------------------------------
-
-    def _make_subscriptions(self, settings: Settings) -> InputSet:
-        # Cameras and joint states are polled: the control thread takes their messages at the
-        # start of a tick (ros/polling.py says why); only the instruction is a callback.
-        # Each subscription's QoS can be overridden with parameters (qos_overrides.<topic>.
-        # subscription[_<id>].<policy>, read-only, given at startup), as rclcpp nodes allow.
-        polled_group = PolledGroup()
-        polled = []   # (buffer key, subscription)
-        cameras = []
-        infos = {}    # camera name -> buffer key of its camera_info
-        for cam in settings.cameras:
-            key = f'camera:{cam.name}'
-            sub = self.create_subscription(
-                CompressedImage if cam.compressed else Image, cam.image_topic, never_called,
-                _overridable(qos.SENSOR), callback_group=polled_group,
-                qos_overriding_options=QoSOverridingOptions.with_default_policies())
-            polled.append((key, sub))
-            if cam.check_camera_info:
-                infos[cam.name] = f'camera_info:{cam.name}'
-                info_sub = self.create_subscription(
-                    CameraInfo, cam.info_topic, never_called, qos.SENSOR,
-                    callback_group=polled_group)
-                polled.append((infos[cam.name], info_sub))
-            cameras.append((cam.name, InputSource(
-                key, f'camera {cam.name!r} ({sub.topic_name})',
-                self._image_converter(cam.compressed, infos.get(cam.name)))))
-        joints = settings.joint_names
-        # Deeper than the cameras': every JointState since the last tick is merged per joint
-        # name (arm and gripper often publish separately), so none may be overwritten.
-        sub = self.create_subscription(
-            JointState, 'joint_states', never_called, _overridable(qos.JOINT_STATES),
-            callback_group=polled_group,
-            qos_overriding_options=QoSOverridingOptions.with_default_policies())
-        polled.append((JOINT_STATES_KEY, sub))
-        joint_source = InputSource(JOINT_STATES_KEY, f'joint_states ({sub.topic_name})',
-                                   lambda m: joint_state_to_vector(m.name, m.position, joints))
-        self._subscriptions_made.extend(sub for _, sub in polled)
-        inputs = InputSet(cameras, joint_source, settings.stale_frame_timeout_s,
-                          joint_names=joints)
-        # The instruction, twice: a latched publisher (transient local, the task as state) and
-        # a plain one (`ros2 topic pub`: reliable + volatile) each match one of these; the
-        # newest message of either wins. A transient-local publisher reaches both, so the same
-        # text may arrive twice: it changes nothing the second time.
-        # A volatile publisher is incompatible with the latched subscription by design: that
-        # event is ignored (rclpy would log it); the volatile one reports real mismatches.
-        ignore = SubscriptionEventCallbacks(incompatible_qos=lambda event: None)
-        events = SubscriptionEventCallbacks(incompatible_qos=self._on_instruction_qos)
-        for entity_id, profile, event_callbacks in (
-                ('latched', qos.INSTRUCTION, ignore),
-                ('volatile', qos.INSTRUCTION_VOLATILE, events)):
-            # Bound to `inputs`: a latched message can arrive before configure returns.
-            sub = self.create_subscription(
-                String, 'instruction', lambda msg: self._on_instruction(msg, inputs),
-                _overridable(profile),
-                event_callbacks=event_callbacks,
-                qos_overriding_options=QoSOverridingOptions.with_default_policies(
-                    entity_id=entity_id))
-            self._subscriptions_made.append(sub)
-            inputs.instruction_topic = sub.topic_name   # as remapped
-
-        def take_polled(now_s: float) -> None:
-            for key, polled_sub in polled:
-                for msg, age_s in take_all(polled_sub):
-                    inputs.put(key, msg, now_s - age_s)
-
-        inputs.pull = take_polled
-        return inputs
-
-    def _image_converter(self, compressed: bool, info_key: str | None):
-        """Message -> RGB for one camera; with info_key, also check the size from camera_info."""
-        def convert(msg):
-            if compressed:
-                rgb = compressed_to_rgb(msg.format, msg.data)
-            else:
-                rgb = image_to_rgb(msg.encoding, msg.height, msg.width, msg.step, msg.data,
-                                   msg.is_bigendian)
-            if info_key is not None:
-                entry = self._inputs.buffer.get(info_key) if self._inputs is not None else None
-                if entry is None:
-                    raise InputError('no camera_info received yet (check_camera_info is on)')
-                check_frame_size(rgb, entry.msg.width, entry.msg.height)
-            return rgb
-        return convert
-
-    def _on_instruction(self, msg: String, inputs: InputSet) -> None:
-        instruction = sanitize_instruction(msg.data, self._max_instruction_chars)
-        if inputs.instruction == instruction:
-            return   # the same task again (both subscriptions get a latched publisher's)
-        inputs.set_instruction(instruction)
-        if not instruction.text:
-            self._problems.note(WARN, 'instruction is empty: no task, so no actions until a '
-                                      'non-empty instruction arrives (running language '
-                                      'requests continue)')
-        else:
-            shown = instruction.text if len(instruction.text) <= 120 else (
-                instruction.text[:117] + '...')
-            self._problems.note(OK, f'instruction: "{shown}"')
-        if instruction.notes:
-            self._problems.note(WARN, 'instruction ' + ', '.join(instruction.notes))
-
-    def _on_instruction_qos(self, event) -> None:
-        self._problems.event('instruction_qos', WARN, (
-            'an instruction publisher has incompatible QoS: the node takes reliable '
-            'publishers, volatile or transient local; publish reliable (the `ros2 topic pub` '
-            'default)'))
-
     # ---- the control tick (control thread) ----------------------------------------------------
 
     def _control_tick(self) -> None:
         """One control period. Never raises: problems are logged, counted and diagnosed."""
-        loop, outputs, control = self._loop, self._outputs, self._control
-        if loop is None or outputs is None:
+        loop, fleet_loop, control = self._loop, self._fleet_loop, self._control
+        if loop is None and fleet_loop is None:
             return   # released while this wake-up was pending
         if control is not None and control.priority_note:
             self._problems.note(WARN, control.priority_note)   # once per activation
@@ -689,11 +645,17 @@ class OxygenNode(LifecycleNode):
 
         try:
             self._apply_pending()
-            loop.tick(self._now_s(), self._period_s, outputs)
+            if fleet_loop is not None:
+                fleet_loop.tick(self._now_s())
+            else:
+                loop.tick(self._now_s(), self._period_s, self._outputs)
         except Exception as err:   # noqa: BLE001 - the control loop must keep its rate
             if not self.context.ok():
                 return   # shutting down (Ctrl-C)
-            self._stats.record_error(repr(err))
+            stats = ([r.stats for r in fleet_loop.robots.values()] if fleet_loop is not None
+                     else [self._stats])
+            for robot_stats in stats:
+                robot_stats.record_error(repr(err))
             self._problems.event('tick', ERROR, f'control tick failed: {err!r}')
             self.get_logger().debug(traceback.format_exc())
 
@@ -709,30 +671,55 @@ class OxygenNode(LifecycleNode):
         except Exception as err:   # noqa: BLE001 - diagnostics must not take the node down
             self._problems.event('diagnostics', ERROR, f'diagnostics failed: {err!r}')
 
+    def _loop_snapshot(self, stats: LoopStats) -> dict | None:
+        """Return a robot's loop statistics with the control thread's (None unless active)."""
+        if self._lifecycle != 'active':
+            return None
+        snapshot = stats.snapshot()
+        control = self._control
+        snapshot['wakeups_late'] = control.late if control is not None else 0
+        snapshot['wakeups_dropped'] = control.dropped if control is not None else 0
+        if self._cpu_pct is not None:
+            snapshot['cpu_control_thread_pct'], snapshot['cpu_other_threads_pct'] = (
+                self._cpu_pct)
+        return snapshot
+
     def diagnostic_statuses(self):
-        """Build the current diagnostic statuses (also what tests inspect)."""
+        """Build the current diagnostic statuses (also what tests inspect).
+
+        One robot: '<node>: model', 'control loop', 'language', 'kv cache', 'inputs'. A fleet:
+        '<node>: model' (the shared model and pool), then those five per robot, named
+        '<node>/<robot>: <part>'.
+        """
         model = dict(self._engine.description) if self._engine is not None else {}
         for key, why in self._param_errors.items():
             model[f'rejected {key}'] = why
-        active = self._lifecycle == 'active'
-        loop = self._loop
-        inputs = loop.last_inputs if loop is not None else None
-        instruction = self._inputs.instruction if self._inputs is not None else None
-        snapshot = None
-        if active:
-            snapshot = self._stats.snapshot()
-            control = self._control
-            snapshot['wakeups_late'] = control.late if control is not None else 0
-            snapshot['wakeups_dropped'] = control.dropped if control is not None else 0
-        if self._cpu_pct is not None and snapshot is not None:
-            snapshot['cpu_control_thread_pct'], snapshot['cpu_other_threads_pct'] = (
-                self._cpu_pct)
-        return build_statuses(
-            self.diagnostic_name, self._lifecycle, model, snapshot, 1.0 / self._period_s,
-            loop.engine_summary() if loop is not None else None,
-            inputs.inputs if inputs is not None else [],
-            dict(inputs.problems) if inputs is not None else {}, instruction,
-            self._config_error)
+        fleet_loop = self._fleet_loop
+        if fleet_loop is None:
+            loop = self._loop
+            inputs = loop.last_inputs if loop is not None else None
+            return build_statuses(
+                self.diagnostic_name, self._lifecycle, model, self._loop_snapshot(self._stats),
+                1.0 / self._period_s, loop.engine_summary() if loop is not None else None,
+                inputs.inputs if inputs is not None else [],
+                dict(inputs.problems) if inputs is not None else {},
+                self._inputs.instruction if self._inputs is not None else None,
+                self._config_error)
+        statuses = build_statuses(self.diagnostic_name, self._lifecycle, model, None, 0.0,
+                                  None, [], {}, None, self._config_error)
+        for name, robot in list(fleet_loop.robots.items()):
+            io = self._ios.get(name)
+            inputs = robot.last_inputs
+            about = {'robot': io.settings.robot if io else '',
+                     'namespace': io.resolved_namespace if io else '',
+                     'kv_quota': self._scheduler(name).pool.num_slots}
+            statuses += build_statuses(
+                f'{self.diagnostic_name}/{name}', self._lifecycle, about,
+                self._loop_snapshot(robot.stats), 1.0 / robot.period_s,
+                fleet_loop.engine_summary(name), inputs.inputs if inputs is not None else [],
+                dict(inputs.problems) if inputs is not None else {},
+                io.inputs.instruction if io is not None else None)
+        return statuses
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -755,6 +742,21 @@ class OxygenNode(LifecycleNode):
     def engine(self):
         """Engine instance, None unless configured; used only from the control thread."""
         return self._engine
+
+    @property
+    def robots(self) -> dict[str, RobotIO]:
+        """The configured robots' topics by name ('' for the one robot of a plain node)."""
+        return dict(self._ios)
+
+    @property
+    def fleet_loop(self) -> FleetLoop | None:
+        """The loop over several robots (None for one robot or unless configured)."""
+        return self._fleet_loop
+
+    @property
+    def _subscriptions_made(self) -> list:
+        """Every subscription of every robot (tests read their topic names)."""
+        return [sub for io in self._ios.values() for sub in io.subscriptions]
 
     @property
     def control_thread(self) -> ControlThread | None:

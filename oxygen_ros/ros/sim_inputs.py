@@ -5,6 +5,10 @@ Used by the demo and the tests; runnable on its own:
     python -m oxygen_ros.ros.sim_inputs --robot libero --rate 10 \
         --instruction "pick up the black bowl"
     python -m oxygen_ros.ros.sim_inputs --width 640 --height 480 --rate 15   # VGA cameras
+    python -m oxygen_ros.ros.sim_inputs --namespace arm_right --robot droid  # one of a fleet
+
+--namespace puts every topic under it: one such process per robot of a node serving several
+(`robots: [arm_left, arm_right]`) stands in for a robot team.
 
 The photos are scikit-image's sample images (shipped with the package, no download). Each
 camera pans a crop window slowly over its photo, so consecutive frames differ a little, as a
@@ -198,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the simulated cameras, joint states and instruction until Ctrl-C."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--robot', default='libero', choices=sorted(ROBOT_IO))
+    parser.add_argument('--namespace', default='',
+                        help="namespace of every topic (a fleet robot's name, e.g. arm_left)")
     parser.add_argument('--rate', type=float, default=10.0, help='camera frames per second')
     parser.add_argument('--size', type=int, default=224, help='image side in pixels (square)')
     parser.add_argument('--width', type=int, default=0,
@@ -215,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     rclpy.init(args=ros_args)
     height = args.height or args.size
     width = args.width or height
+    ns = {'namespace': args.namespace}
     nodes = [CameraPublisher(robot_cameras(args.robot, args.compressed), args.rate, height,
-                             width=width),
-             JointStatePublisher(list(ROBOT_IO[args.robot][1]), args.joint_rate),
+                             width=width, **ns),
+             JointStatePublisher(list(ROBOT_IO[args.robot][1]), args.joint_rate, **ns),
              InstructionPublisher(args.instruction or ['pick up the black bowl'],
-                                  args.instruction_period)]
+                                  args.instruction_period, **ns)]
     # Single-threaded: a MultiThreadedExecutor spins while a callback group is busy (here the
     # JPEG encoding of a camera frame), taking CPU from the node the robot feeds.
     executor = SingleThreadedExecutor()

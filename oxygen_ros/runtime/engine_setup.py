@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from oxygen_ros.engine import (Frontend, identity_norm_stats, LanguagePolicy, make_system,
+from oxygen_ros.engine import (AdaptiveBudget, Budget, FixedBudget, FleetRobot, Frontend,
+                               identity_norm_stats, LanguagePolicy, make_fleet, make_system,
                                random_observation, random_setup)
 from oxygen_ros.engine.engine import pool_slot_bytes
 from oxygen_ros.engine.workload import default_num_slots
@@ -22,7 +23,7 @@ from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CON
 from oxygen_ros.model.config import get_preset
 from oxygen_ros.model.robots import get_robot
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer
-from oxygen_ros.runtime.params import Settings
+from oxygen_ros.runtime.params import FleetSettings, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,8 @@ SETUP_ERRORS = (EngineSetupError, CheckpointError, FileNotFoundError, ValueError
 class Engine:
     """One engine instance and what the node reports about it."""
 
-    system: object                 # engine Scheduler: act / advance_language / last_result
-    frontend: Frontend
+    system: object                 # engine Scheduler (one robot) or FleetEngine (several)
+    frontend: Frontend | None      # the robot's (None for a fleet: each robot has its own)
     description: dict              # for diagnostics: source, preset, device, dtype, ...
     warnings: list[str]            # things that work but deserve a look (e.g. tiny tokenizer)
 
@@ -92,14 +93,17 @@ def _random_weights(settings: Settings, device: str, dtype: torch.dtype):
     model, frontend = random_setup(config, settings.robot, seed=settings.seed, device=device,
                                    dtype=dtype)
     warnings = []
+    tokenizer = frontend.tokenizer
     if settings.tokenizer:
         tokenizer = PaligemmaTokenizer(settings.tokenizer, max_len=config.max_token_len)
-        frontend = Frontend.from_config(config, settings.robot, tokenizer,
-                                        identity_norm_stats(settings.robot), device)
     else:
         warnings.append('random weights with the tiny offline tokenizer: narration is noise')
-    return model, frontend, {'source': f'random weights (preset {settings.preset}, '
-                                       f'seed {settings.seed})'}, warnings
+
+    def make_frontend(robot: str) -> Frontend:
+        return Frontend.from_config(config, robot, tokenizer, identity_norm_stats(robot),
+                                    device)
+    return model, make_frontend, {'source': f'random weights (preset {settings.preset}, '
+                                            f'seed {settings.seed})'}, warnings
 
 
 def _checkpoint(settings: Settings, device: str, dtype: torch.dtype):
@@ -113,16 +117,18 @@ def _checkpoint(settings: Settings, device: str, dtype: torch.dtype):
                 f'checkpoint {path}: cannot read {CONFIG_FILE}: {err}') from None
         config = config.replace(num_steps=settings.denoise_steps)
     loaded = load_pi05(path, config=config, device=device, dtype=dtype)
-    spec = get_robot(settings.robot)
     stats = loaded.norm_stats
-    if spec.asset_id in stats:
-        norm_stats, asset = stats[spec.asset_id], spec.asset_id
-    elif len(stats) == 1:
-        asset, norm_stats = next(iter(stats.items()))
-    else:
+
+    def norm_stats_of(robot: str):
+        spec = get_robot(robot)
+        if spec.asset_id in stats:
+            return spec.asset_id, stats[spec.asset_id]
+        if len(stats) == 1:
+            return next(iter(stats.items()))
         raise EngineSetupError(
-            f'checkpoint {path}: no norm stats for robot {settings.robot!r} (looked for '
+            f'checkpoint {path}: no norm stats for robot {robot!r} (looked for '
             f'assets/{spec.asset_id}/norm_stats.json; found {sorted(stats) or "none"})')
+    asset, _ = norm_stats_of(settings.robot)   # the node's robot must have them: fail now
     warnings = []
     if settings.tokenizer:
         tokenizer_path = Path(settings.tokenizer).expanduser()
@@ -133,10 +139,13 @@ def _checkpoint(settings: Settings, device: str, dtype: torch.dtype):
                                "'tokenizer' is empty: give the PaliGemma SentencePiece model "
                                '(tokenizer.model)')
     tokenizer = PaligemmaTokenizer(tokenizer_path, max_len=loaded.config.max_token_len)
-    frontend = Frontend.from_config(loaded.config, settings.robot, tokenizer, norm_stats, device)
-    return loaded.model, frontend, {'source': f'{loaded.layout} checkpoint {path}',
-                                    'norm_stats': asset,
-                                    'tokenizer': str(tokenizer_path)}, warnings
+
+    def make_frontend(robot: str) -> Frontend:
+        return Frontend.from_config(loaded.config, robot, tokenizer, norm_stats_of(robot)[1],
+                                    device)
+    return loaded.model, make_frontend, {'source': f'{loaded.layout} checkpoint {path}',
+                                         'norm_stats': asset,
+                                         'tokenizer': str(tokenizer_path)}, warnings
 
 
 def available_memory_bytes(device: str) -> int | None:
@@ -189,11 +198,13 @@ def warm_up(model, frontend: Frontend, settings: Settings) -> None:
                                    image_size=model.config.vision.image_size))
 
 
-def build_engine(settings: Settings, warmup: bool = True) -> Engine:
-    """Load weights (checkpoint or random preset) and build the scheduler the node drives.
+def load_model(settings: Settings):
+    """Load weights (checkpoint or random preset) once.
 
-    Raises EngineSetupError (or CheckpointError / FileNotFoundError / ValueError from the
-    loaders) with a message that names the file or parameter at fault.
+    Returns (model, make_frontend(robot), description, warnings); make_frontend builds a robot
+    type's frontend over that model.
+
+    Raises EngineSetupError (or CheckpointError / FileNotFoundError) naming the culprit.
     """
     _check_device(settings.device)
     # Process-wide: threads that start torch work later (the control thread) use it too.
@@ -201,19 +212,47 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
     dtype = _dtype(settings.dtype)
     try:
         if settings.checkpoint:
-            model, frontend, description, warnings = _checkpoint(settings, settings.device,
-                                                                 dtype)
-        else:
-            model, frontend, description, warnings = _random_weights(settings, settings.device,
-                                                                     dtype)
+            return _checkpoint(settings, settings.device, dtype)
+        return _random_weights(settings, settings.device, dtype)
     except (CheckpointError, FileNotFoundError, EngineSetupError):
         raise
     except (ValueError, OSError, RuntimeError) as err:
         # Loader errors (bad safetensors header, tokenizer/vocab mismatch, ...) carry their own
         # reason; say which step failed.
         raise EngineSetupError(f'loading the model failed: {err}') from err
+
+
+def _kv_dtype(settings: Settings) -> torch.dtype:
+    return _dtype(settings.dtype if settings.kv_dtype == 'auto' else settings.kv_dtype)
+
+
+def _describe(description: dict, settings: Settings, model, kv_slots: int,
+              first: dict, last: dict) -> dict:
+    config = model.config
+    description.update(first)
+    description.update({
+        'device': settings.device, 'dtype': settings.dtype,
+        'kv_dtype': str(_kv_dtype(settings)).removeprefix('torch.'),
+        'torch_threads': torch.get_num_threads(),
+        'prefix_len': config.prefix_len, 'horizon': config.action_horizon,
+        'denoise_steps': config.num_steps, **last, 'kv_slots': kv_slots,
+    })
+    return description
+
+
+def build_engine(settings: Settings, warmup: bool = True) -> Engine:
+    """Load weights (checkpoint or random preset) and build the scheduler the node drives.
+
+    Raises EngineSetupError (or CheckpointError / FileNotFoundError / ValueError from the
+    loaders) with a message that names the file or parameter at fault.
+    """
+    model, make_frontend, description, warnings = load_model(settings)
+    try:
+        frontend = make_frontend(settings.robot)
+    except ValueError as err:
+        raise EngineSetupError(f'loading the model failed: {err}') from err
     policy = policy_for(settings, frontend.eos_id)
-    kv_dtype = dtype if settings.kv_dtype == 'auto' else _dtype(settings.kv_dtype)
+    kv_dtype = _kv_dtype(settings)
     check_pool_fits(settings, model.config, policy, kv_dtype)
     if warmup:
         warm_up(model, frontend, settings)
@@ -222,13 +261,51 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
                          policy, k=k or 1, frame_period_s=settings.period_s,
                          num_slots=settings.kv_capacity or None, seed=settings.seed,
                          runner_options={'kv_dtype': kv_dtype})
-    config = model.config
-    description.update({
-        'robot': settings.robot, 'device': settings.device, 'dtype': settings.dtype,
-        'kv_dtype': str(kv_dtype).removeprefix('torch.'),
-        'torch_threads': torch.get_num_threads(),
-        'prefix_len': config.prefix_len, 'horizon': config.action_horizon,
-        'denoise_steps': config.num_steps, 'tokens_per_request': settings.tokens_per_request,
-        'kv_slots': system.pool.num_slots,
-    })
+    _describe(description, settings, model, system.pool.num_slots, {'robot': settings.robot},
+              {'tokens_per_request': settings.tokens_per_request})
     return Engine(system, frontend, description, warnings)
+
+
+def budget_for(settings: Settings) -> Budget:
+    """Return the decode budget a robot's settings ask for: fixed k, or adaptive to its period."""
+    k = settings.decode_budget
+    if k is not None:
+        return FixedBudget(k)
+    return AdaptiveBudget(settings.period_s, k_max=settings.tokens_per_request)
+
+
+def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
+    """Load the model once and build the FleetEngine serving every robot of `fleet`.
+
+    Each robot gets its own frontend (its robot type), language policy, decode budget, noise
+    seed and KV quota (its kv_capacity; 0 = sized from its N, k and request rate). Prefill
+    runs one row per call on the CPU (a compute-bound CPU gains nothing from rows of one
+    prefill, and each row costs activations), all rows in one call on an accelerator.
+    Raises as build_engine does; a robot's problem names the robot.
+    """
+    node = fleet.node
+    model, make_frontend, description, warnings = load_model(node)
+    frontends, robots = {}, []
+    kv_dtype = _kv_dtype(node)
+    for name, settings in fleet.robots.items():
+        try:
+            if settings.robot not in frontends:
+                frontends[settings.robot] = make_frontend(settings.robot)
+        except (ValueError, EngineSetupError) as err:
+            raise EngineSetupError(f'robot {name}: {err}') from err
+        frontend = frontends[settings.robot]
+        policy = policy_for(settings, frontend.eos_id)
+        try:
+            check_pool_fits(settings, model.config, policy, kv_dtype)
+        except EngineSetupError as err:
+            raise EngineSetupError(f'{name}.{err}') from None
+        robots.append(FleetRobot(name, frontend, policy, budget_for(settings),
+                                 kv_quota=settings.kv_capacity or None, seed=settings.seed))
+    if warmup:
+        first = next(iter(fleet.robots.values()))
+        warm_up(model, frontends[first.robot], first)
+    system = make_fleet(model, robots, kv_dtype=kv_dtype,
+                        max_prefill_rows=1 if node.device == 'cpu' else None)
+    _describe(description, node, model, system.pool.num_slots, {'robots': ', '.join(
+        f'{name} ({s.robot})' for name, s in fleet.robots.items())}, {})
+    return Engine(system, None, description, warnings)

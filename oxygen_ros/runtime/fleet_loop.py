@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fractions
 import logging
+import math
 import time
 from typing import Callable
 
 from oxygen_ros.engine import FinishReason, FleetEngine
 from oxygen_ros.engine.types import FrameResult
 from oxygen_ros.runtime.frame_loop import OutputSink, TickOutcome
-from oxygen_ros.runtime.inputs import InputSet
+from oxygen_ros.runtime.inputs import InputSet, ObservationResult
 from oxygen_ros.runtime.status import LoopStats, ProblemLog, WARN
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class RobotLoop:
     next_due_s: float | None = None    # its next tick time (None: due at the first tick)
     skipped_ticks: int = 0             # grid ticks that passed while the fleet was busy
     finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    last_inputs: ObservationResult | None = None   # its inputs at its last tick (diagnostics)
 
     def __post_init__(self):
         if not self.period_s > 0:
@@ -69,6 +72,22 @@ class RobotLoop:
             due += self.period_s
             self.skipped_ticks += 1
         self.next_due_s = due
+
+
+def wake_period_s(periods: list[float], finest_s: float = 1e-3) -> float:
+    """Return the period to wake a fleet's loop at, so every robot's tick falls on a wake-up.
+
+    The largest period that divides every robot's period (10 Hz and 15 Hz: 30 Hz; equal
+    rates: that rate), read from rates rounded to 1/1000 Hz; when that is finer than finest_s
+    (rates with no useful common divisor), the shortest robot period: a robot is then served
+    up to half of it early or late (the loop's gather window).
+    """
+    rates = [fractions.Fraction(1 / p).limit_denominator(1000) for p in periods]
+    # gcd of periods 1/r_i = 1 / lcm(r_i); lcm of fractions a/b: lcm(a)/gcd(b).
+    numerators, denominators = [r.numerator for r in rates], [r.denominator for r in rates]
+    lcm = fractions.Fraction(math.lcm(*numerators), math.gcd(*denominators))
+    period = float(1 / lcm)
+    return period if period >= finest_s else min(periods)
 
 
 class FleetLoop:
@@ -103,7 +122,7 @@ class FleetLoop:
         due = [r for r in self.robots.values() if r.due(now_s, self.gather_s)]
         outcomes, observations = {}, {}
         for robot in due:   # 1. build
-            built = robot.inputs.build(now_s)
+            built = robot.last_inputs = robot.inputs.build(now_s)
             outcomes[robot.name] = TickOutcome(built, dict(built.problems),
                                                built.stamp_ns if built.observation else now_ns)
             if built.observation is not None:
@@ -137,6 +156,15 @@ class FleetLoop:
                                outcome.tokens)
             robot.advance(now_s)
         return outcomes
+
+    def engine_summary(self, name: str) -> dict | None:
+        """Return the engine part of a robot's diagnostics (None before its first language)."""
+        result = self.last_result.robots.get(name) if self.last_result is not None else None
+        if result is None:
+            return None
+        return {'k': result.k, 'active_requests': result.active_requests,
+                'kv_usage': result.kv_usage, 'finished': dict(self.robots[name].finished),
+                'budget': str(self.fleet.scheduler(name).budget)}
 
     def _emit_language(self, robot: RobotLoop, result: FrameResult,
                        outcome: TickOutcome) -> None:

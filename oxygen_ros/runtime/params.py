@@ -9,6 +9,12 @@ Cameras are a list of names, `camera_names`, each with its own sub-parameters
 `cameras.<name>.topic` (image_transport base topic), `cameras.<name>.compressed` and
 `cameras.<name>.check_camera_info` (CAMERA_PARAMS; `camera_param_specs` names them).
 
+Several robots: `robots` (a list of names, empty = one robot, the parameters above) makes
+the node serve a fleet. Each robot has its own copy of the ROBOT_PARAMS under its name
+(`arm_left.robot`, `arm_left.cameras.image.topic`, `arm_left.decode_budget`, ...;
+`robot_param_specs` names them), and the rest (model, device, threads, ...) is shared.
+`FleetSettings.from_values` checks them all and names the robot of every problem.
+
 Two kinds of parameters:
   configure-time  shape the model, the KV pool or the subscriptions; changeable only while
                   the node is unconfigured (cleanup, set, configure again).
@@ -186,6 +192,23 @@ def _check_template(value) -> str | None:
     return None
 
 
+_ROBOT_NAME_RE = re.compile(r'^[A-Za-z][A-Za-z0-9_]*$')
+
+
+def _check_robot_names(value) -> str | None:
+    names = list(value)
+    if any(not isinstance(n, str) for n in names):
+        return 'expected a list of robot names (strings)'
+    bad = [n for n in names if not _ROBOT_NAME_RE.match(n)]
+    if bad:
+        return (f'robot names {bad} are not ROS name tokens (a letter, then letters, digits '
+                'or _): each becomes a namespace')
+    taken = [n for n in names if n in PARAMS_BY_NAME or n in ('cameras', 'qos_overrides')]
+    if taken:
+        return f'robot names {taken} are parameter names of the node; choose others'
+    return _check_names(names)
+
+
 PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('autostart', True, 'Configure and activate on startup (false: wait for '
               'lifecycle transitions).', read_only=True),
@@ -211,6 +234,10 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('control_nice', -10, 'Nice value of the control thread (and its torch workers): '
               'lower runs first; below 0 needs CAP_SYS_NICE (else a warning); 0 = unchanged.',
               int_range=(-20, 19)),
+    ParamSpec('robots', [], "Names of the robots one node serves ([] = one robot, configured "
+              "by the parameters here); each robot has the per-robot parameters under its "
+              "name (<robot>.robot, <robot>.cameras.<camera>.topic, ...) and its topics in the "
+              "namespace <robot>.", check=_check_robot_names),
     ParamSpec('robot', 'libero', 'Robot adapter (cameras, state and action layout).',
               check=_check_choice(ROBOTS)),
     ParamSpec('camera_names', list(ROBOT_IO['libero'][0]),
@@ -256,6 +283,11 @@ PARAMS: tuple[ParamSpec, ...] = (
               check=_check_tokenizer),
 )
 PARAMS_BY_NAME = {spec.name: spec for spec in PARAMS}
+# What each robot of a fleet sets for itself (as <robot>.<name>, cameras too); the others are
+# the node's and shared by every robot (one model, one device, one control thread).
+ROBOT_PARAMS = ('robot', 'camera_names', 'joint_names', 'frame_id', 'publish_trajectory',
+                'control_rate_hz', 'language_prompt', 'tokens_per_request', 'decode_budget',
+                'request_every_n_frames', 'kv_capacity', 'stale_frame_timeout_s', 'seed')
 
 # Per-camera sub-parameters: cameras.<name>.<field>.
 CAMERA_PARAMS: tuple[ParamSpec, ...] = (
@@ -283,14 +315,45 @@ def camera_param_specs(camera: str) -> list[ParamSpec]:
             for spec in CAMERA_PARAMS]
 
 
+def robot_param_name(robot: str, name: str) -> str:
+    """Full name of a robot's parameter, e.g. arm_left.decode_budget."""
+    return f'{robot}.{name}'
+
+
+def robot_param_specs(robot: str, defaults: dict[str, Any] | None = None) -> list[ParamSpec]:
+    """Return the specs of one robot's parameters (cameras not included), named.
+
+    defaults: base name -> default value, where the table's default is not wanted.
+    """
+    defaults = defaults or {}
+    return [dataclasses.replace(PARAMS_BY_NAME[name], name=robot_param_name(robot, name),
+                                default=defaults.get(name, PARAMS_BY_NAME[name].default))
+            for name in ROBOT_PARAMS]
+
+
+def split_param_name(name: str) -> tuple[str, str]:
+    """Split a robot's parameter name: 'arm_left.cameras.image.topic' -> ('arm_left', ...).
+
+    A node-level name (or one that is not a robot's parameter) gives ('', name).
+    """
+    robot, _, rest = name.partition('.')
+    if rest and _ROBOT_NAME_RE.match(robot) and robot not in ('cameras', 'qos_overrides') and (
+            rest in ROBOT_PARAMS or _CAMERA_PARAM_RE.match(rest)):
+        return robot, rest
+    return '', name
+
+
 def param_spec(name: str) -> ParamSpec | None:
-    """Return the spec of parameter `name`, camera sub-parameters included (None: not ours)."""
-    spec = PARAMS_BY_NAME.get(name)
-    if spec is None and (match := _CAMERA_PARAM_RE.match(name)):
+    """Return the spec of parameter `name`, camera and robot ones included (None: not ours)."""
+    robot, base = split_param_name(name)
+    spec = PARAMS_BY_NAME.get(base)
+    if spec is None and (match := _CAMERA_PARAM_RE.match(base)):
         field = _CAMERA_PARAMS_BY_FIELD.get(match.group(2))
         if field is not None:
-            spec = dataclasses.replace(field, name=name)
-    return spec
+            spec = field
+    if spec is None:
+        return None
+    return spec if spec.name == name else dataclasses.replace(spec, name=name)
 
 
 def deprecation_warning(name: str, value: Any) -> str:
@@ -416,11 +479,22 @@ class Settings:
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> Settings:
         """Check every value and their combinations; raise ValueError naming what is wrong."""
+        settings, problems = cls.check(values)
+        if problems:
+            raise ValueError('invalid parameters:\n  ' + '\n  '.join(problems))
+        return settings
+
+    @classmethod
+    def check(cls, values: dict[str, Any], prefix: str = '') -> tuple[Settings | None, list[str]]:
+        """Check every value and their combinations: (settings, []) or (None, problems).
+
+        prefix is put before every parameter name in the problems (a robot's 'arm_left.').
+        """
         merged = {spec.name: spec.default for spec in PARAMS}
         merged.update(values)
-        problems = [f'{name}: {why}' for name in PARAMS_BY_NAME
+        problems = [f'{prefix}{name}: {why}' for name in PARAMS_BY_NAME
                     if (why := check_value(name, merged[name]))]
-        unknown = sorted(n for n in values if param_spec(n) is None
+        unknown = sorted(f'{prefix}{n}' for n in values if param_spec(n) is None
                          and n.startswith('cameras.'))
         if unknown:
             problems.append(f'unknown camera parameters {unknown}; each camera has '
@@ -434,38 +508,39 @@ class Settings:
                 value = merged.get(spec.name, spec.default)
                 why = check_value(spec.name, value)
                 if why:
-                    problems.append(f'{spec.name}: {why}')
+                    problems.append(f'{prefix}{spec.name}: {why}')
                 fields[spec.name.rsplit('.', 1)[1]] = value
             cameras.append(CameraConfig(name, fields['topic'] or default_camera_topic(name),
                                         bool(fields['compressed']),
                                         bool(fields['check_camera_info'])))
         topics = [c.image_topic for c in cameras]
         if len(set(topics)) != len(topics):
-            problems.append(f'two cameras subscribe the same topic: {topics}')
+            problems.append(f'{prefix}cameras: two cameras subscribe the same topic: {topics}')
         if robot in ROBOT_IO:
             required = ROBOT_IO[robot][0]
             missing = [c for c in required if c not in names]
             unknown = [c for c in names if c not in required]
             if missing:
-                problems.append(f'camera_names lacks {missing}: robot {robot!r} needs '
+                problems.append(f'{prefix}camera_names lacks {missing}: robot {robot!r} needs '
                                 f'{list(required)}')
             if unknown:
-                problems.append(f'camera_names has {unknown}, which robot {robot!r} does not '
-                                f'use (its cameras: {list(required)})')
+                problems.append(f'{prefix}camera_names has {unknown}, which robot {robot!r} '
+                                f'does not use (its cameras: {list(required)})')
             from oxygen_ros.model.robots import get_robot
             state_dim = get_robot(robot).state_dim
             if len(merged['joint_names']) != state_dim:
-                problems.append(f'joint_names has {len(merged["joint_names"])} names but robot '
-                                f'{robot!r} has a {state_dim}-value state')
+                problems.append(f'{prefix}joint_names has {len(merged["joint_names"])} names '
+                                f'but robot {robot!r} has a {state_dim}-value state')
             if merged['publish_trajectory']:
                 from oxygen_ros.model.robots import JOINT_POSITION
                 space = get_robot(robot).action_space
                 if space != JOINT_POSITION:
-                    problems.append(f'publish_trajectory: robot {robot!r} acts in {space}, not '
-                                    'joint positions; a JointTrajectory of its rows would be '
-                                    'wrong (use the actions topic or chunk_player)')
+                    problems.append(f'{prefix}publish_trajectory: robot {robot!r} acts in '
+                                    f'{space}, not joint positions; a JointTrajectory of its '
+                                    'rows would be wrong (use the actions topic or '
+                                    'chunk_player)')
         if problems:
-            raise ValueError('invalid parameters:\n  ' + '\n  '.join(problems))
+            return None, problems
         return cls(
             checkpoint=merged['checkpoint'], preset=merged['preset'], device=merged['device'],
             dtype=merged['dtype'], torch_threads=int(merged['torch_threads']),
@@ -485,7 +560,58 @@ class Settings:
             stale_frame_timeout_s=float(merged['stale_frame_timeout_s']),
             max_instruction_chars=int(merged['max_instruction_chars']),
             diagnostics_period_s=float(merged['diagnostics_period_s']),
-            seed=int(merged['seed']), tokenizer=merged['tokenizer'])
+            seed=int(merged['seed']), tokenizer=merged['tokenizer']), []
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetSettings:
+    """The settings of a node serving several robots: the node's own, and each robot's.
+
+    Every robot's Settings holds the node's shared values (model, device, ...) and its own
+    ROBOT_PARAMS and cameras; `node` is what the model is loaded with.
+    """
+
+    node: Settings
+    robots: dict[str, Settings]        # robot name -> its settings, in `robots` order
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> FleetSettings:
+        """Check the node's values and every robot's (as <robot>.<name>).
+
+        Raises ValueError listing each problem under its full parameter name.
+        """
+        names = list(values.get('robots') or [])
+        why = check_value('robots', names)
+        if why:
+            raise ValueError(f'invalid parameters:\n  robots: {why}')
+        if not names:
+            raise ValueError('invalid parameters:\n  robots: empty; a fleet needs at least '
+                             'one robot name')
+        node_values = {n: v for n, v in values.items() if not split_param_name(n)[0]}
+        node, problems = Settings.check(node_values)
+        robots = {}
+        for robot in names:
+            own = {base: value for name, value in values.items()
+                   for owner, base in [split_param_name(name)] if owner == robot}
+            settings, found = Settings.check(
+                {**robot_param_defaults(node_values, own.get('robot')), **own}, robot + '.')
+            problems += found
+            robots[robot] = settings
+        if problems:
+            raise ValueError('invalid parameters:\n  ' + '\n  '.join(problems))
+        return cls(node, robots)
+
+
+def robot_param_defaults(node_values: dict[str, Any], robot: str | None) -> dict[str, Any]:
+    """Return a fleet robot's defaults: the node's values, cameras' excepted.
+
+    Where its robot type differs from the node's, its camera and joint names are its type's.
+    """
+    defaults = {n: v for n, v in node_values.items() if not n.startswith('cameras.')}
+    node_robot = defaults.get('robot', PARAMS_BY_NAME['robot'].default)
+    if robot is not None and robot != node_robot and robot in ROBOT_IO:
+        defaults.update(robot_defaults(robot))
+    return defaults
 
 
 def robot_defaults(robot: str) -> dict[str, Any]:
