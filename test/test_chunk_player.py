@@ -152,9 +152,10 @@ def test_chunk_player_drives_a_simulated_robot_to_the_goal(rclpy_context):
         with lock:
             times = np.array(commands)
         assert 0 < len(times) <= player.commands_sent
-        # Commands come one per step period (a loaded machine may only make them sparser).
+        # Commands come one per step period, never in a burst; a loaded machine may only make
+        # them sparser, so only the lower bound is asserted (no timing upper bound to flake).
         gaps = np.diff(times)
-        assert np.median(gaps) == pytest.approx(STEP_S, abs=0.01), np.median(gaps)
+        assert np.median(gaps) >= 0.5 * STEP_S, np.median(gaps)
     finally:
         executor.shutdown(timeout_sec=5.0)
         spinner.join(timeout=5.0)
