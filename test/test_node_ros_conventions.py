@@ -131,3 +131,26 @@ def test_bf16_kv_store_and_real_time_control_thread_from_parameters(harness):
         assert os.sched_getparam(native).sched_priority == 5
     else:   # not permitted here: the node says why and keeps running
         assert any('SCHED_FIFO 5' in m for _, m in h.node.problem_history)
+
+
+def test_removed_camera_arrays_are_read_into_the_per_camera_parameters(harness):
+    """An old YAML's camera_topics / camera_compressed are not silently ignored."""
+    from oxygen_ros.runtime.status import WARN
+
+    h = harness(camera_topics=['cam/front/image_raw/compressed', 'cam/wrist/image_raw'],
+                camera_compressed=[True, False])
+    node = h.node
+    assert node.get_parameter('cameras.image.topic').value == 'cam/front/image_raw'
+    assert node.get_parameter('cameras.image.compressed').value is True
+    assert node.get_parameter('cameras.wrist_image.topic').value == 'cam/wrist/image_raw'
+    assert node.get_parameter('cameras.wrist_image.compressed').value is False
+    warnings = [m for level, m in node.problem_history if level == WARN]
+    assert any('camera_topics and camera_compressed are no longer parameters' in m
+               and "cameras.image.topic: 'cam/front/image_raw'" in m for m in warnings), warnings
+
+
+def test_new_camera_parameters_win_over_the_removed_arrays(harness):
+    h = harness(camera_topics=['old/image', 'old/wrist'],
+                **{'cameras.image.topic': 'new/image'})
+    assert h.node.get_parameter('cameras.image.topic').value == 'new/image'
+    assert h.node.get_parameter('cameras.wrist_image.topic').value == 'old/wrist'

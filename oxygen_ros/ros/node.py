@@ -69,8 +69,9 @@ from oxygen_ros.ros.robot_io import RobotIO, RosOutputs
 from oxygen_ros.runtime.control import ControlThread, CpuSplit
 from oxygen_ros.runtime.fleet_loop import FleetLoop, RobotLoop, wake_period_s
 from oxygen_ros.runtime.frame_loop import FrameLoop
-from oxygen_ros.runtime.params import (camera_param_specs, check_value, deprecation_warning,
-                                       FleetSettings, NODE_NAME, param_spec, PARAMS,
+from oxygen_ros.runtime.params import (camera_param_name, camera_param_specs, check_value,
+                                       deprecation_warning, FleetSettings, NODE_NAME,
+                                       param_spec, PARAMS,
                                        PARAMS_BY_NAME, parse_decode_budget, ROBOT_IO,
                                        robot_defaults, robot_param_defaults, robot_param_name,
                                        robot_param_specs, ROBOT_PARAMS, SAFETY_LIMITS, Settings,
@@ -212,9 +213,40 @@ class OxygenNode(LifecycleNode):
         for spec in PARAMS:
             if spec.name != 'robot':
                 self._declare(spec, defaults.get(spec.name, spec.default))
-        self._declare_camera_params(self._value('camera_names'))
+        cameras = self._value('camera_names')
+        self._declare_camera_params(cameras, legacy=self._legacy_camera_topics(cameras))
         self._declare_robot_params(self._value('robots'))
         self._declaring = False
+
+    def _legacy_camera_topics(self, cameras) -> dict:
+        """Read the removed camera_topics / camera_compressed arrays into cameras.<name>.*.
+
+        An old YAML or launch file would otherwise run with the default topics and show the
+        cameras as never received; its values become the per-camera defaults, with a warning
+        that names the parameters to set instead. Returns {parameter name: value}.
+        """
+        overrides = getattr(self, '_parameter_overrides', {})   # rclpy keeps them by name
+        old = {name: list(overrides[name].value) for name in ('camera_topics',
+                                                              'camera_compressed')
+               if name in overrides and isinstance(overrides[name].value, (list, tuple))}
+        if not old:
+            return {}
+        topics, flags = old.get('camera_topics', []), old.get('camera_compressed', [])
+        values = {}
+        for i, camera in enumerate(cameras):
+            compressed = bool(flags[i]) if i < len(flags) else False
+            if i < len(flags):
+                values[camera_param_name(camera, 'compressed')] = compressed
+            if i < len(topics):
+                topic = str(topics[i])
+                if compressed and topic.endswith('/compressed'):   # now the base topic
+                    topic = topic[:-len('/compressed')]
+                values[camera_param_name(camera, 'topic')] = topic
+        self._problems.note(WARN, (
+            f'{" and ".join(old)} are no longer parameters (parallel arrays): read as '
+            + ', '.join(f'{name}: {value!r}' for name, value in values.items())
+            + '; set those instead (cameras.<name>.topic is an image_transport base topic)'))
+        return values
 
     def _declare_robot_params(self, robots) -> None:
         """Declare <robot>.* (cameras included) for every robot not declared yet.
@@ -239,8 +271,12 @@ class OxygenNode(LifecycleNode):
         finally:
             self._declaring = declaring
 
-    def _declare_camera_params(self, cameras, robot: str = '') -> None:
-        """Declare [<robot>.]cameras.<name>.* for every camera not declared yet."""
+    def _declare_camera_params(self, cameras, robot: str = '', legacy: dict | None = None
+                               ) -> None:
+        """Declare [<robot>.]cameras.<name>.* for every camera not declared yet.
+
+        legacy: defaults read from the removed camera arrays (_legacy_camera_topics).
+        """
         declaring, self._declaring = self._declaring, True
         try:
             for camera in cameras:
@@ -248,7 +284,7 @@ class OxygenNode(LifecycleNode):
                     if robot:
                         spec = dataclasses.replace(spec, name=robot_param_name(robot, spec.name))
                     if not self.has_parameter(spec.name):
-                        self._declare(spec)
+                        self._declare(spec, (legacy or {}).get(spec.name))
         finally:
             self._declaring = declaring
 
