@@ -168,8 +168,9 @@ def test_language_chunk_roundtrip_every_field():
 
 
 float32s = st.floats(width=32, allow_nan=False)
-# ROS strings are NUL-terminated char sequences on the C side: NUL would end them early
-ros_text = st.text(st.characters(exclude_characters='\x00'), max_size=60)
+# ROS strings are NUL-terminated UTF-8 on the C side: no NUL (it would end them early) and
+# no lone surrogates (they cannot be encoded at all)
+ros_text = st.text(st.characters(exclude_characters='\x00', codec='utf-8'), max_size=60)
 header_parts = st.tuples(st.integers(INT32_MIN, INT32_MAX), st.integers(0, UINT32_MAX),
                          ros_text)
 
