@@ -51,6 +51,7 @@ class RobotLoop:
     sink: OutputSink
     period_s: float                    # its control period
     problems: ProblemLog | None = None  # where its input problems and failed requests go
+    #                                     (messages do not name the robot: this log does)
     stats: LoopStats = dataclasses.field(default_factory=LoopStats)
     next_due_s: float | None = None    # its next tick time (None: due at the first tick)
     skipped_ticks: int = 0             # grid ticks that passed while the fleet was busy
@@ -178,6 +179,6 @@ class FleetLoop:
                 robot.sink.narration(done, outcome.stamp_ns)
             elif robot.problems is not None:
                 robot.problems.event(f'request_{done.finish_reason}', WARN, (
-                    f'{robot.name}: language request {done.request_id} (frame '
+                    f'language request {done.request_id} (frame '
                     f'{done.origin_frame}) ended {done.finish_reason} after '
                     f'{len(done.token_ids)} tokens' + (f': {done.error}' if done.error else '')))
