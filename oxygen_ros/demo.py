@@ -506,7 +506,18 @@ def main(argv=None) -> int:
     executor = SingleThreadedExecutor(context=context)
     for n in nodes + list(monitors.values()):
         executor.add_node(n)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
+    stopping = threading.Event()
+
+    def spin() -> None:
+        try:
+            executor.spin()
+        except Exception:   # noqa: BLE001 - shutdown races are expected, nothing else
+            # Ctrl-C: rclpy's signal handler shuts the context down under a running spin
+            # (ExternalShutdownException), or shutdown() meets a callback in flight.
+            if not stopping.is_set() and context.ok():
+                raise
+
+    spinner = threading.Thread(target=spin, name='demo_spin', daemon=True)
     spinner.start()
 
     colour = sys.stdout.isatty() and not args.plain
@@ -547,6 +558,7 @@ def main(argv=None) -> int:
         print('\nstopping...')
     finally:
         ended = time.monotonic()
+        stopping.set()
         code = node.stop(interrupted)
         executor.shutdown()
         for n in nodes + list(monitors.values()):

@@ -165,6 +165,9 @@ def test_executor_sleeps_while_a_long_pure_python_tick_runs(stub_node):
     assert executor_cpu < 0.15 * wall and executor_cpu < 0.25 * control_cpu
 
 
+WARMUP_PAIRS = 3   # pairs run before the measured ones
+
+
 def test_pure_python_act_is_not_slowed_by_the_node(stub_node):
     # Pairs of runs of the same Python work, one alone in the test thread and one as the node's
     # act() right after it, so a load elsewhere on the machine hits both alike.
@@ -182,7 +185,7 @@ def test_pure_python_act_is_not_slowed_by_the_node(stub_node):
     h = stub_node(act_body, control_rate_hz=20.0)
     h.start()
     alone = []
-    for _ in range(7):
+    for _ in range(WARMUP_PAIRS + 7):
         start = time.perf_counter()
         python_work(work)
         alone.append(time.perf_counter() - start)
@@ -190,6 +193,9 @@ def test_pure_python_act_is_not_slowed_by_the_node(stub_node):
         assert wait_for(lambda: len(in_node) == len(alone), 60, interval=0.05)
     finished.set()
     go.set()
+    # The first pairs overlap the test's own publishers and DDS discovery starting up in this
+    # process (seen in CI: 1.5x for the first four pairs, 0.9-1.0 after): not the node.
+    alone, in_node = alone[WARMUP_PAIRS:], in_node[WARMUP_PAIRS:]
     ratio = statistics.median(b / a for a, b in zip(alone, in_node))
     print(f'\nact() in the node / alone: {ratio:.2f} (pairs: '
           + ', '.join(f'{b / a:.2f}' for a, b in zip(alone, in_node)) + ')')
