@@ -29,11 +29,11 @@ import math
 import time
 from typing import Callable
 
-from oxygen_ros.engine import FinishReason, FleetEngine
-from oxygen_ros.engine.types import FrameResult
-from oxygen_ros.runtime.frame_loop import OutputSink, TickOutcome
+from oxygen_ros.engine import FleetEngine
+from oxygen_ros.runtime.frame_loop import (emit_language, engine_summary, OutputSink,
+                                           TickOutcome)
 from oxygen_ros.runtime.inputs import InputSet, ObservationResult
-from oxygen_ros.runtime.status import LoopStats, ProblemLog, WARN
+from oxygen_ros.runtime.status import LoopStats, ProblemLog
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,8 @@ class FleetLoop:
             self.last_result = self.fleet.advance_language()
             for name, result in self.last_result.robots.items():   # 5. emit
                 outcome = outcomes.get(name) or TickOutcome(None, {}, now_ns)
-                self._emit_language(self.robots[name], result, outcome)
+                robot = self.robots[name]
+                emit_language(result, robot.sink, outcome, robot.finished, robot.problems)
                 if name in outcomes or outcome.tokens:
                     outcomes[name] = outcome
         duration = self.clock() - start
@@ -161,24 +162,5 @@ class FleetLoop:
     def engine_summary(self, name: str) -> dict | None:
         """Return the engine part of a robot's diagnostics (None before its first language)."""
         result = self.last_result.robots.get(name) if self.last_result is not None else None
-        if result is None:
-            return None
-        return {'k': result.k, 'active_requests': result.active_requests,
-                'kv_usage': result.kv_usage, 'finished': dict(self.robots[name].finished),
-                'budget': str(self.fleet.scheduler(name).budget)}
-
-    def _emit_language(self, robot: RobotLoop, result: FrameResult,
-                       outcome: TickOutcome) -> None:
-        outcome.result = result
-        for delta in result.deltas:
-            robot.sink.tokens(delta, outcome.stamp_ns)
-            outcome.tokens += len(delta.token_ids)
-        for done in result.finished:
-            robot.finished[done.finish_reason] += 1
-            if FinishReason(done.finish_reason).completed:
-                robot.sink.narration(done, outcome.stamp_ns)
-            elif robot.problems is not None:
-                robot.problems.event(f'request_{done.finish_reason}', WARN, (
-                    f'language request {done.request_id} (frame '
-                    f'{done.origin_frame}) ended {done.finish_reason} after '
-                    f'{len(done.token_ids)} tokens' + (f': {done.error}' if done.error else '')))
+        return engine_summary(result, self.robots[name].finished,
+                              self.fleet.scheduler(name).budget)

@@ -144,18 +144,7 @@ class FrameLoop:
             return outcome
         result = system.advance_language()
         self.last_result = outcome.result = result
-        for delta in result.deltas:
-            sink.tokens(delta, outcome.stamp_ns)
-            outcome.tokens += len(delta.token_ids)
-        for done in result.finished:
-            self.finished[done.finish_reason] += 1
-            if FinishReason(done.finish_reason).completed:   # narration: whole texts only
-                sink.narration(done, outcome.stamp_ns)
-            elif self.problems is not None:
-                self.problems.event(f'request_{done.finish_reason}', WARN, (
-                    f'language request {done.request_id} (frame {done.origin_frame}) ended '
-                    f'{done.finish_reason} after {len(done.token_ids)} tokens'
-                    + (f': {done.error}' if done.error else '')))
+        emit_language(result, sink, outcome, self.finished, self.problems)
         if outcome.action is not None:
             logger.debug('frame %d: act %.1f ms, k=%d, %d tokens, %d active',
                          result.frame_index, result.timings.act_s * 1e3, result.k,
@@ -164,9 +153,36 @@ class FrameLoop:
 
     def engine_summary(self) -> dict | None:
         """Return the engine part of the diagnostics (None before the first language step)."""
-        last = self.last_result
-        if last is None:
-            return None
-        return {'k': last.k, 'active_requests': last.active_requests,
-                'kv_usage': last.kv_usage, 'finished': dict(self.finished),
-                'budget': str(self.system.budget)}
+        return engine_summary(self.last_result, self.finished, self.system.budget)
+
+
+def emit_language(result: FrameResult, sink: OutputSink, outcome: TickOutcome,
+                  finished: collections.Counter, problems: ProblemLog | None) -> None:
+    """Emit one robot's language output of a tick (steps 4-5): token deltas, narrations.
+
+    Counts finish reasons into `finished`; a request that ended without completing (evicted,
+    refused, error) is reported to `problems` instead of narrated. Shared by FrameLoop and
+    the fleet loop.
+    """
+    outcome.result = result
+    for delta in result.deltas:
+        sink.tokens(delta, outcome.stamp_ns)
+        outcome.tokens += len(delta.token_ids)
+    for done in result.finished:
+        finished[done.finish_reason] += 1
+        if FinishReason(done.finish_reason).completed:   # narration: whole texts only
+            sink.narration(done, outcome.stamp_ns)
+        elif problems is not None:
+            problems.event(f'request_{done.finish_reason}', WARN, (
+                f'language request {done.request_id} (frame {done.origin_frame}) ended '
+                f'{done.finish_reason} after {len(done.token_ids)} tokens'
+                + (f': {done.error}' if done.error else '')))
+
+
+def engine_summary(result: FrameResult | None, finished: collections.Counter,
+                   budget) -> dict | None:
+    """Return a robot's engine diagnostics from its last frame result (None before one)."""
+    if result is None:
+        return None
+    return {'k': result.k, 'active_requests': result.active_requests,
+            'kv_usage': result.kv_usage, 'finished': dict(finished), 'budget': str(budget)}
