@@ -51,7 +51,26 @@ class _Frame:
     action: ActionOutput | None = None  # what act() returned
 
 
-class Engine:
+class FrontendClock:
+    """Counts frontend work (conversion, not scheduling) apart from the manager's overhead.
+
+    For Engine and FleetEngine: needs `clock` and a `_frontend_s` the frame resets.
+    """
+
+    clock: Callable[[], float]
+    _frontend_s: float
+
+    @contextlib.contextmanager
+    def _frontend_clock(self):
+        """Count the enclosed time as frontend work."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self._frontend_s += self.clock() - start
+
+
+class Engine(FrontendClock):
     """A System over one model: oxygen, oxygen-adaptive, shared or isolated (see make_engine)."""
 
     def __init__(self, name: str, scheduler: Scheduler, runner: Runner, frontend: Frontend,
@@ -212,15 +231,6 @@ class Engine:
         return self.advance_language()
 
     # ---- 3. results -----------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _frontend_clock(self):
-        """Count the enclosed time as frontend work (conversion, not scheduling)."""
-        start = self.clock()
-        try:
-            yield
-        finally:
-            self._frontend_s += self.clock() - start
 
     def _record(self, frame, k, deltas, finished, total_s) -> None:
         seconds = self.runner.seconds

@@ -33,7 +33,6 @@ Shapes: B rows of a batched call (one per robot with a frame), H action rows, A 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -42,7 +41,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from oxygen_ros.engine.budget import Budget, FixedBudget, UnlimitedBudget
-from oxygen_ros.engine.engine import DEFAULT_MAX_FORCED_TOKENS
+from oxygen_ros.engine.engine import DEFAULT_MAX_FORCED_TOKENS, FrontendClock
 from oxygen_ros.engine.frontend import Frontend, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
@@ -136,7 +135,7 @@ class FleetResult:
         return max(self.batch_sizes, default=0)
 
 
-class FleetEngine:
+class FleetEngine(FrontendClock):
     """One model, one KV store, R robots: batched prefill, denoise and decode (see module doc)."""
 
     system = 'fleet'
@@ -392,14 +391,6 @@ class FleetEngine:
         """act() then advance_language(): one whole tick."""
         self.act(observations)
         return self.advance_language()
-
-    @contextlib.contextmanager
-    def _frontend_clock(self):
-        start = self.clock()
-        try:
-            yield
-        finally:
-            self._frontend_s += self.clock() - start
 
     def _timings(self, act_s: float, total_s: float) -> Timings:
         seconds = self.runner.seconds
