@@ -264,6 +264,42 @@ def test_prefill_rejects_wrong_shapes(model):
                       slots=torch.tensor([0, 1, 0]))
 
 
+@torch.no_grad()
+def test_prefill_computes_valid_positions_only(model):
+    """Masked cameras skip the vision tower; the layers see packed valid tokens; the slot's
+    other positions hold zeros; equal-length rows batched equal each row alone."""
+    cfg = model.config
+    images, image_masks, tokens, token_masks = make_inputs(cfg, B=3, seed=6)
+    image_masks[:] = torch.tensor([True, True, False])
+    token_masks[:] = torch.arange(cfg.max_token_len)[None] < 9      # equal rows: no mask
+    seen = {}
+
+    def record(name, value):   # a forward hook must return None (or it replaces the output)
+        seen[name] = value
+
+    hooks = [model.vision.vision_model.register_forward_hook(
+                 lambda m, args, out: record('vision', args[0].shape[0])),
+             model.backbone.layers[0].register_forward_hook(
+                 lambda m, args, out: record('layer', tuple(args[0].shape)))]
+    try:
+        batched = model.prefill(images, image_masks, tokens, token_masks, extra_len=2)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    n = 2 * cfg.tokens_per_image + 9
+    assert seen == {'vision': 6, 'layer': (3, n, cfg.backbone.width)}
+    assert batched.n_valid.tolist() == [n] * 3
+    invalid = ~batched.valid                                             # [B, P]
+    assert not batched.kv.k[:, :, :cfg.prefix_len][:, invalid].any()
+    assert batched.kv.k[:, :, :cfg.prefix_len][:, batched.valid].abs().sum() > 0
+    for b in range(3):
+        alone = model.prefill(images[b:b + 1], image_masks[b:b + 1], tokens[b:b + 1],
+                              token_masks[b:b + 1], extra_len=2)
+        torch.testing.assert_close(alone.kv.k[:, 0], batched.kv.k[:, b], atol=ATOL, rtol=0)
+        torch.testing.assert_close(alone.last_hidden[0], batched.last_hidden[b], atol=ATOL,
+                                   rtol=1e-4)
+
+
 # ---- static-shape decode, in-place action path, one layer body ------------------------------
 
 def test_attend_bucket():

@@ -174,20 +174,21 @@ def unfold_heads(out: torch.Tensor, Q: int) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              key_mask: torch.Tensor) -> torch.Tensor:
+              key_mask: torch.Tensor | None) -> torch.Tensor:
     """Softmax attention with grouped KV heads.
 
     q [B, Q, N, D]; k, v [B, K, G, D]; key_mask bool [B, Q, K] or [B, 1, K]
-    (True = may attend). Returns [B, Q, N*D]. Scale is D^-0.5 as in Gemma.
+    (True = may attend), or None when every query sees every key (no mask is materialized).
+    Returns [B, Q, N*D]. Scale is D^-0.5 as in Gemma.
     With one mask row for all queries (prefill, decode) the heads of a group are folded into
     rows of one K/V head (fold_heads) instead of repeating K/V per head.
     """
     B, Q, N, D = q.shape
     G = k.shape[2]
-    if key_mask.shape[1] == 1:
+    if key_mask is None or key_mask.shape[1] == 1:
         out = F.scaled_dot_product_attention(
             fold_heads(q, G), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=key_mask[:, None])                                        # [B, G, rQ, D]
+            attn_mask=None if key_mask is None else key_mask[:, None])          # [B, G, rQ, D]
         return unfold_heads(out, Q)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

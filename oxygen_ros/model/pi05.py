@@ -240,14 +240,22 @@ class Pi05Model(nn.Module):
 
     # ------------------------------------------------------------------ prefix
     def embed_prefix(self, images, image_masks, tokens, token_masks):
-        """Embed cameras and prompt -> (x [B, P, W], valid bool [B, P])."""
+        """Embed cameras and prompt -> (x [B, P, W], valid bool [B, P]).
+
+        Only unmasked cameras go through the vision tower; a masked camera's Ti rows are zeros
+        (no query ever attends them, so their content is irrelevant).
+        """
         B, C = images.shape[:2]
         dtype = self.compute_dtype
-        feats = self.projector(self.vision.vision_model(images.flatten(0, 1)))  # [B*C, Ti, W]
-        Ti = feats.shape[1]
-        img = feats.view(B, C * Ti, -1).to(dtype)                               # [B, C*Ti, W]
-        img_valid = image_masks[:, :, None].expand(B, C, Ti).reshape(B, C * Ti)
         width = self.config.backbone.width
+        Ti = self.config.tokens_per_image
+        cams = image_masks.reshape(B * C)                                       # [B*C]
+        img = torch.zeros(B * C, Ti, width, dtype=dtype, device=images.device)
+        if bool(cams.any()):
+            shown = images.flatten(0, 1)[cams]                                  # [n, 3, R, R]
+            img[cams] = self.projector(self.vision.vision_model(shown)).to(dtype)
+        img = img.view(B, C * Ti, width)                                        # [B, C*Ti, W]
+        img_valid = image_masks[:, :, None].expand(B, C, Ti).reshape(B, C * Ti)
         # Text embeddings are scaled by sqrt(width); image features are not.
         txt = self.backbone.embed_tokens(tokens).to(dtype) * math.sqrt(width)  # [B, Lt, W]
         return torch.cat([img, txt], dim=1), torch.cat([img_valid, token_masks.bool()], dim=1)
@@ -260,45 +268,65 @@ class Pi05Model(nn.Module):
 
         images [B, C, 3, R, R] in [-1, 1]; image_masks bool [B, C]; tokens long [B, Lt];
         token_masks bool [B, Lt]. Without `kv`, private storage of P + extra_len is allocated.
+
+        The layers run on the valid positions only (a masked camera and prompt padding are
+        40% of a LIBERO prefix and are never attended): each row's valid tokens are packed to
+        the front, [B, n, W] with n = the most valid tokens of a row, and their K/V are
+        scattered back to their places in the slot's P positions; the other positions hold
+        zeros (so a slot's content does not depend on what it was batched with). Positions
+        (cumsum(valid) - 1) of a packed row are simply 0..n-1.
         """
         cfg = self.config
         B, C = images.shape[:2]
         if C != cfg.num_cameras or tokens.shape[1] != cfg.max_token_len:
             raise ValueError(f'prefill expects {cfg.num_cameras} cameras and '
                              f'{cfg.max_token_len} tokens, got {C} and {tokens.shape[1]}')
-        x, valid = self.embed_prefix(images, image_masks, tokens, token_masks)   # [B, P, W]
-        P = x.shape[1]
+        x_full, valid = self.embed_prefix(images, image_masks, tokens, token_masks)  # [B, P, W]
+        P, W = x_full.shape[1], x_full.shape[2]
         if kv is None:
-            kv = KVTensors.allocate(cfg, B, P + extra_len, self.compute_dtype, x.device)
+            kv = KVTensors.allocate(cfg, B, P + extra_len, self.compute_dtype, x_full.device)
             slots = torch.arange(B)
         slot_list = [int(s) for s in slots]
         if len(slot_list) != B or kv.max_len < P:
             raise ValueError(f'need {B} slots of length >= {P}, got {len(slot_list)} of '
                              f'{kv.max_len}')
-        # Positions skip masked cameras and padding (which get a dummy position 0 and are
-        # never attended); the prefix is fully bidirectional.
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)                  # [B, P]
-        cos, sin = self.rope_tables(P, x.device)
-        cos, sin = cos[positions], sin[positions]                               # [B, P, D]
-        key_mask = valid[:, None, :]                                            # [B, 1, P]
-        # Why one row at a time on the CPU: its SDPA with a mask materializes the scores,
-        # N·P·P floats per row (30 MB on pi05-cpu), so a prefill of several robots' frames
-        # would peak at B times that. Attention has no weights to share; the projections and
-        # MLPs, where batching pays, still run on all B rows.
-        rows = [slice(b, b + 1) for b in range(B)] if x.device.type == 'cpu' else [slice(None)]
+        counts = valid.sum(-1)                                                  # [B]
+        n = max(int(counts.max()), 1)
+        # Valid positions first, in order (a stable sort of ~valid), then padding ones.
+        order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices[:, :n]
+        x = x_full.gather(1, order[..., None].expand(B, n, W))                  # [B, n, W]
+        packed_valid = torch.arange(n, device=x.device)[None] < counts[:, None]  # [B, n]
+        cos, sin = self.rope_tables(n, x.device)
+        cos, sin = cos[:n].expand(B, n, -1), sin[:n].expand(B, n, -1)           # [B, n, D]
+        # Rows of equal length (one robot's frames) need no mask; then SDPA materializes no
+        # scores and all rows go in one call. Ragged rows (robots with different cameras or
+        # prompts) attend under a mask, one row at a time on the CPU: with a mask its SDPA
+        # materializes N·n·n floats per row.
+        ragged = bool((counts != n).any())
+        key_mask = packed_valid[:, None, :] if ragged else None                 # [B, 1, n]
+        rows = ([slice(b, b + 1) for b in range(B)] if ragged and x.device.type == 'cpu'
+                else [slice(None)])
+        scatter = order[..., None, None]                                        # [B, n, 1, 1]
+        keep = packed_valid[..., None, None] if ragged else None                # [B, n, 1, 1]
+
+        def place(packed: torch.Tensor) -> torch.Tensor:   # [B, n, G, D] -> [B, P, G, D]
+            if keep is not None:   # a ragged row's tail is padding: store zeros, as alone
+                packed = packed * keep
+            full = packed.new_zeros(B, P, *packed.shape[2:])
+            return full.scatter_(1, scatter.expand_as(packed), packed)
+
         for i, layer in enumerate(self.backbone.layers):
             def attend(q, k, v, i=i):   # write the prefix K/V, attend among the prefix
-                write_rows(kv.k[i], slot_list, k)
-                write_rows(kv.v[i], slot_list, v)
+                write_rows(kv.k[i], slot_list, place(k))
+                write_rows(kv.v[i], slot_list, place(v))
                 if len(rows) == 1:
                     return attention(q, k, v, key_mask)
                 return torch.cat([attention(q[r], k[r], v[r], key_mask[r]) for r in rows])
             x = layer(x, cos, sin, attend)
         # The first generated token reads the hidden state at the last valid position.
-        last = P - 1 - valid.flip(-1).long().argmax(-1)                         # [B]
+        last = (counts - 1).clamp(min=0)                                        # [B]
         last_hidden, _ = self.backbone.norm(x[torch.arange(B, device=x.device), last][:, None])
-        return PrefixCache(kv, torch.tensor(slot_list), valid, valid.sum(-1), last_hidden[:, 0],
-                           P)
+        return PrefixCache(kv, torch.tensor(slot_list), valid, counts, last_hidden[:, 0], P)
 
     # ----------------------------------------------------------------- actions
     @torch.no_grad()
