@@ -99,6 +99,7 @@ def test_a_robot_whose_cameras_stop_never_delays_the_others():
         # a's actions wait for b's row only while b has a frame (0.05 s per prefill row);
         # b's last inputs (tick 2) are fresh at tick 3 and stale (> 0.15 s) from tick 4.
         assert a.latency_s == pytest.approx(0.05 * (2 if tick < 4 else 1))
+        assert a.act_cpu_share is not None and a.act_cpu_share >= 0   # measured, as alone
         if tick >= 4:   # b stale: no action, the reason reported; nobody waited for it
             assert outcomes['b'].action is None
             assert 'stale' in outcomes['b'].problems['camera:image']

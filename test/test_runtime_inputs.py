@@ -4,6 +4,7 @@ problem log, loop statistics, diagnostic statuses, parameter checks and the robo
 
 import math
 from pathlib import Path
+import time
 import types
 
 import numpy as np
@@ -440,3 +441,61 @@ def test_robot_io_table_matches_the_robot_spec(robot):
     cameras, joints = ROBOT_IO[robot]
     assert tuple(cameras) == tuple(spec.camera_names)
     assert tuple(joints) == tuple(spec.joint_names)
+
+
+# --- why a tick was late: act()'s CPU share -----------------------------------------------------
+class _OneObservation:
+    """Inputs that always have an observation (what FrameLoop.tick needs of an InputSet)."""
+
+    def build(self, now_s):
+        from oxygen_ros.engine.types import Observation
+        from oxygen_ros.runtime.inputs import ObservationResult
+        obs = Observation(images={}, state=np.zeros(8, np.float32), instruction=TASK.text,
+                          stamp=now_s)
+        return ObservationResult(obs, {}, [], round(now_s * 1e9))
+
+
+class _TimedAct:
+    """A System whose act() sleeps (waits, off the CPU) or spins (on the CPU) for `seconds`."""
+
+    num_live_requests = 0
+
+    def __init__(self, how: str, seconds: float = 0.06):
+        self.how, self.seconds = how, seconds
+
+    def act(self, obs):
+        from oxygen_ros.engine.types import ActionOutput
+        start = time.perf_counter()
+        if self.how == 'sleep':
+            time.sleep(self.seconds)
+        else:
+            while time.perf_counter() - start < self.seconds:
+                pass
+        return ActionOutput(0, np.zeros((2, 7), np.float32), np.zeros((2, 32), np.float32),
+                            time.perf_counter() - start, obs.stamp)
+
+
+class _Sink:
+    def action(self, action, stamp_ns):
+        pass
+
+
+def test_a_late_tick_says_whether_act_waited_or_ran():
+    from oxygen_ros.runtime.frame_loop import FrameLoop
+    shares = {}
+    for how in ('sleep', 'spin'):
+        loop = FrameLoop(_TimedAct(how), _OneObservation())
+        outcomes = [loop.tick(0.1 * i, 0.01, _Sink(), language=lambda: False)
+                    for i in range(3)]
+        shares[how] = max(o.act_cpu_share for o in outcomes)
+        snap = loop.stats.snapshot()
+        assert snap['deadline_misses_total'] == 3      # 60 ms acts in a 10 ms period
+        loop_status = _statuses(loop={**snap, 'action_rate_hz': 1.0, 'ticks_window': 3,
+                                      'since_last_action_s': 0.05})['control loop']
+        assert loop_status.level == WARN
+        hint = loop_status.message.split('; ', 1)[1]
+        assert ('waited for a core' in hint) == (how == 'sleep'), loop_status.message
+        assert ('too slow for this rate' in hint) == (how == 'spin'), loop_status.message
+    # A sleeping act() is off the CPU; a spinning one is on it (loosely: a loaded machine
+    # may take the spinning thread's core part of the time).
+    assert shares['sleep'] < 0.2 < shares['spin'], shares

@@ -30,8 +30,8 @@ import time
 from typing import Callable
 
 from oxygen_ros.engine import FleetEngine
-from oxygen_ros.runtime.frame_loop import (emit_language, engine_summary, OutputSink,
-                                           TickOutcome)
+from oxygen_ros.runtime.frame_loop import (act_with_cpu_share, emit_language, engine_summary,
+                                           OutputSink, TickOutcome)
 from oxygen_ros.runtime.inputs import InputSet, ObservationResult
 from oxygen_ros.runtime.status import LoopStats, ProblemLog
 
@@ -128,12 +128,14 @@ class FleetLoop:
                                                built.stamp_ns if built.observation else now_ns)
             if built.observation is not None:
                 observations[robot.name] = built.observation
-        act = self.fleet.act(observations) if observations else None   # 2. act
+        act, cpu_share = (act_with_cpu_share(self.fleet.act, observations) if observations
+                          else (None, None))                                  # 2. act
         for name, action in (act.actions.items() if act else ()):   # 3. emit at once
             outcome = outcomes[name]
             self.robots[name].sink.action(action, outcome.stamp_ns)
             outcome.action = action
             outcome.latency_s = self.clock() - start
+            outcome.act_cpu_share = cpu_share
         for name, why in (act.rejected.items() if act else ()):
             outcomes[name].problems['observation'] = f'observation rejected: {why}'
             outcomes[name].stamp_ns = now_ns
@@ -155,7 +157,7 @@ class FleetLoop:
             action = outcome.action
             robot.stats.record(start, duration, robot.period_s, outcome.latency_s,
                                action.inference_time_s if action is not None else None,
-                               outcome.tokens)
+                               outcome.tokens, outcome.act_cpu_share)
             robot.advance(now_s)
         return outcomes
 

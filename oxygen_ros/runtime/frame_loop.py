@@ -57,6 +57,7 @@ class TickOutcome:
     tokens: int = 0                     # tokens emitted
     duration_s: float = 0.0             # wall time of the whole tick
     latency_s: float | None = None      # tick start -> action emitted
+    act_cpu_share: float | None = None  # act()'s CPU time on this thread / its wall time
 
     @property
     def rejected(self) -> str:
@@ -108,7 +109,8 @@ class FrameLoop:
             missed = self.stats.record(
                 stats_start, duration, period_s, outcome.latency_s if outcome else None,
                 action.inference_time_s if action is not None else None,
-                outcome.tokens if outcome else 0)
+                outcome.tokens if outcome else 0,
+                outcome.act_cpu_share if outcome else None)
             if missed:
                 logger.debug('tick over deadline: %.1f ms > %.1f ms', duration * 1e3,
                              period_s * 1e3)
@@ -126,7 +128,7 @@ class FrameLoop:
         # 2-3. the action path, emitted before any language work
         if obs is not None:
             try:
-                action = system.act(obs)
+                action, outcome.act_cpu_share = act_with_cpu_share(system.act, obs)
             except ValueError as err:   # the robot adapter rejected the observation
                 problems['observation'] = f'observation rejected: {err}'
                 obs = None
@@ -154,6 +156,18 @@ class FrameLoop:
     def engine_summary(self) -> dict | None:
         """Return the engine part of the diagnostics (None before the first language step)."""
         return engine_summary(self.last_result, self.finished, self.system.budget)
+
+
+def act_with_cpu_share(act: Callable, observation) -> tuple:
+    """Return (act(observation), the share of its wall time this thread spent on a CPU).
+
+    Thread CPU time next to wall time tells a late tick that waited for a core (or the GIL)
+    from one whose model was simply slow (status.late_tick_hint words the difference).
+    """
+    cpu_start, wall_start = time.thread_time(), time.perf_counter()
+    result = act(observation)
+    wall = time.perf_counter() - wall_start
+    return result, ((time.thread_time() - cpu_start) / wall if wall > 0 else None)
 
 
 def emit_language(result: FrameResult, sink: OutputSink, outcome: TickOutcome,

@@ -30,6 +30,7 @@ class _Tick:
     inference: float | None  # engine's observation -> actions time
     tokens: int             # tokens published this tick
     missed: bool            # tick overran its period
+    cpu_share: float | None = None   # act()'s CPU time on the calling thread / its wall time
 
 
 class LoopStats:
@@ -50,11 +51,17 @@ class LoopStats:
         self.last_action_s: float | None = None   # monotonic time of the last action chunk
 
     def record(self, start: float, duration: float, period_s: float, latency: float | None,
-               inference: float | None, tokens: int) -> bool:
-        """Record one tick; return whether it missed its deadline (ran longer than period)."""
+               inference: float | None, tokens: int, cpu_share: float | None = None) -> bool:
+        """Record one tick; return whether it missed its deadline (ran longer than period).
+
+        cpu_share: the share of act()'s wall time its thread spent on a CPU (None: not
+        measured). Near 1 the model ran the whole time; well below 1 it waited for a core
+        (or the GIL), which is what a late tick's remedy depends on.
+        """
         missed = duration > period_s
         with self._lock:
-            self._ticks.append(_Tick(start, duration, latency, inference, tokens, missed))
+            self._ticks.append(_Tick(start, duration, latency, inference, tokens, missed,
+                                     cpu_share))
             self.ticks_total += 1
             self.tokens_total += tokens
             self.deadline_misses_total += missed
@@ -92,6 +99,8 @@ class LoopStats:
         span = min(self.window_s, max(now - ticks[0].start, 1e-9)) if ticks else self.window_s
         latencies = [t.latency for t in ticks if t.latency is not None]
         inference = [t.inference for t in ticks if t.inference is not None]
+        shares = [t.cpu_share for t in ticks if t.cpu_share is not None]
+        late_shares = [t.cpu_share for t in ticks if t.missed and t.cpu_share is not None]
 
         def pct(values, q):
             return float(np.percentile(values, q)) * 1e3 if values else float('nan')
@@ -105,6 +114,9 @@ class LoopStats:
             'latency_p99_ms': pct(latencies, 99),
             'inference_p50_ms': pct(inference, 50),
             'tick_p99_ms': pct([t.duration for t in ticks], 99),
+            'act_cpu_share_p50': float(np.median(shares)) if shares else float('nan'),
+            'late_act_cpu_share_p50': (float(np.median(late_shares)) if late_shares
+                                       else float('nan')),
             'ticks_total': self.ticks_total,
             'actions_total': self.actions_total,
             'skipped_total': self.skipped_total,
@@ -227,6 +239,21 @@ def _mib(n: int) -> str:
     return f'{n / (1 << 20):.2f} MiB'
 
 
+WAITED_SHARE = 0.8   # act() on a CPU for less of its wall time than this: it waited for one
+
+
+def late_tick_hint(share: float | None) -> str:
+    """Say why late ticks were late, from act()'s CPU share on them ('' when not measured)."""
+    if share is None or share != share:   # None or NaN
+        return ''
+    if share < WAITED_SHARE:
+        return (f'; on late ticks act() ran on a CPU only {share:.0%} of its time: the '
+                'control thread waited for a core (raise control_nice / control_priority, '
+                'or lower torch_threads)')
+    return (f'; on late ticks act() ran on a CPU {share:.0%} of its time: the model itself '
+            'is too slow for this rate here (lower control_rate_hz, or a faster device)')
+
+
 def build_statuses(node: str, lifecycle: str, model: dict, loop: dict | None,
                    target_rate_hz: float, engine: dict | None, inputs: list,
                    input_problems: dict[str, str], instruction, config_error: str = ''
@@ -261,7 +288,7 @@ def build_statuses(node: str, lifecycle: str, model: dict, loop: dict | None,
     elif ticks and (misses > 0.1 * ticks or rate < 0.8 * target_rate_hz):
         level = WARN
         message = (f'{rate:.1f} Hz of {target_rate_hz:g} Hz, {misses}/{ticks} ticks over '
-                   'deadline')
+                   'deadline' + late_tick_hint(loop.get('late_act_cpu_share_p50')))
     else:
         level, message = OK, f'{rate:.1f} Hz, latency p50 {loop["latency_p50_ms"]:.1f} ms'
     statuses.append(Status(level, f'{node}: control loop', message, values))
