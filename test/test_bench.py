@@ -176,6 +176,34 @@ def test_phase_probe_samples_every_pass_and_reduces_them():
     assert costs_.prefill_s == min(probe.samples['prefill'])
 
 
+def test_phase_probe_prefills_the_frames_it_is_given():
+    """Prefill costs what a frame holds (packed valid positions): the probe must time the
+    benchmark's own frames, a masked camera skipped, P(R) cycling through the workloads."""
+    from oxygen_ros.bench.phases import PhaseProbe
+    from oxygen_ros.engine import random_observation
+
+    opts = bench_run.BenchOptions.quick_defaults()
+    models = bench_run.ModelCache(opts)
+    model = models.model(2)
+    size = model.config.vision.image_size
+    frames = [models.frontend(2, robot).prepare(random_observation(robot, 0, image_size=size))
+              .tensors for robot in ('libero', 'aloha')]   # 2 cameras shown, then 3
+    probe = PhaseProbe(model, batches=(1,), warmup=0, rows=(2,), frames=frames)
+    shown = []
+    hook = model.vision.vision_model.register_forward_hook(
+        lambda module, args, out: shown.append(args[0].shape[0]) and None)
+    try:
+        passes = probe._passes()
+        for name in ('vision', 'prefill', 'prefill x2'):
+            shown.clear()
+            passes[name]()
+            assert shown == {'vision': [2], 'prefill': [2, 3], 'prefill x2': [5]}[name], name
+    finally:
+        hook.remove()
+    probe.sample()
+    assert len(probe.samples['prefill']) == 1 and probe.samples['prefill'][0] > 0
+
+
 def frame_result(index, total_s, act_s, overhead_s, tokens, finished=()):
     timings = Timings(prefill_s=0.01, action_s=0.01, decode_s=0.0, overhead_s=overhead_s,
                       total_s=total_s, act_s=act_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from typing import Sequence
 
 import torch
 
@@ -95,11 +96,17 @@ class PhaseProbe:
     sampled as often as wanted: back to back by `measure_phases`, or interleaved with other
     work by the benchmark, so the component model sees the same machine state as the frames
     it is compared with.
+
+    frames: prefill inputs of real frames (`Frontend.prepare(obs).tensors`, one row each).
+    Prefill computes only the valid positions (unmasked cameras, prompt tokens), so its cost
+    depends on the frame: a component model must see frames like the ones it is compared
+    with. One 'prefill' sample is the mean over `frames`; P(R) cycles through them. None:
+    random inputs with every camera and a quarter-length prompt (`oxygen-ros phases`).
     """
 
     @torch.no_grad()
     def __init__(self, model: Pi05Model, batches=(1, 4, 8), warmup: int = 2, seed: int = 0,
-                 rows=(1,)):
+                 rows=(1,), frames: Sequence[dict] | None = None):
         cfg = model.config
         device = next(model.parameters()).device
         self.model = model
@@ -107,17 +114,26 @@ class PhaseProbe:
         self.rows = tuple(sorted(r for r in set(rows) if r > 1))   # R of P(R), D(R)
         self._sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
         g = torch.Generator().manual_seed(seed)
-        S = cfg.vision.image_size
-        images = (torch.rand(1, cfg.num_cameras, 3, S, S, generator=g) * 2 - 1).to(device)
-        image_masks = torch.ones(1, cfg.num_cameras, dtype=torch.bool, device=device)
-        tokens = torch.randint(3, cfg.backbone.vocab_size, (1, cfg.max_token_len), generator=g)
-        token_masks = torch.zeros(1, cfg.max_token_len, dtype=torch.bool, device=device)
-        token_masks[:, : cfg.max_token_len // 4] = True
-        self._prefill_inputs = (images, image_masks, tokens.to(device), token_masks)
+        if frames:
+            self._frames = [tuple(f[key].to(device) for key in
+                                  ('images', 'image_masks', 'tokens', 'token_masks'))
+                            for f in frames]
+        else:
+            S = cfg.vision.image_size
+            images = (torch.rand(1, cfg.num_cameras, 3, S, S, generator=g) * 2 - 1).to(device)
+            image_masks = torch.ones(1, cfg.num_cameras, dtype=torch.bool, device=device)
+            tokens = torch.randint(3, cfg.backbone.vocab_size, (1, cfg.max_token_len),
+                                   generator=g)
+            token_masks = torch.zeros(1, cfg.max_token_len, dtype=torch.bool, device=device)
+            token_masks[:, : cfg.max_token_len // 4] = True
+            self._frames = [(images, image_masks, tokens.to(device), token_masks)]
+        self._prefill_inputs = self._frames[0]
         max_batch = max(self.batches + self.rows)
         self._kv = KVTensors.allocate(cfg, max_batch, cfg.prefix_len + 64, model.compute_dtype,
                                       device)
-        self._flat_images = images.flatten(0, 1).to(model.compute_dtype)
+        images, image_masks = self._prefill_inputs[:2]
+        # The vision pass sees what prefill feeds it: the first frame's unmasked cameras.
+        self._shown_images = images.flatten(0, 1)[image_masks.flatten()].to(model.compute_dtype)
         for slot in range(max_batch):
             self._prefix = self._run_prefill(slot)
         self._noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, generator=g).to(device)
@@ -136,9 +152,16 @@ class PhaseProbe:
         return self.model.prefill(*self._prefill_inputs, kv=self._kv,
                                   slots=torch.tensor([slot]))
 
+    def _run_prefills(self) -> None:
+        """Prefill every frame once (one row each); `sample` divides the time by their count."""
+        slots = self._kv.k.shape[1]
+        for index, frame in enumerate(self._frames):
+            self.model.prefill(*frame, kv=self._kv, slots=torch.tensor([index % slots]))
+
     def _run_prefill_rows(self, rows: int):
-        """One prefill of `rows` observations (the same inputs repeated) into slots 0..R-1."""
-        inputs = [t.expand(rows, *t.shape[1:]) for t in self._prefill_inputs]
+        """One prefill of `rows` observations (the frames in turn) into slots 0..R-1."""
+        chosen = [self._frames[i % len(self._frames)] for i in range(rows)]
+        inputs = [torch.cat(parts) for parts in zip(*chosen)]
         return self.model.prefill(*inputs, kv=self._kv, slots=torch.arange(rows))
 
     def _decode(self, batch: int):
@@ -147,8 +170,8 @@ class PhaseProbe:
                                torch.full((batch,), 5))
 
     def _passes(self) -> dict:
-        passes = {'vision': lambda: self.model.vision.vision_model(self._flat_images),
-                  'prefill': self._run_prefill,
+        passes = {'vision': lambda: self.model.vision.vision_model(self._shown_images),
+                  'prefill': self._run_prefills,
                   'denoise': lambda: self.model.sample_actions(self._prefix, self._noise)}
         passes.update({f'decode {b}': (lambda b=b: self._decode(b)) for b in self.batches})
         for r in self.rows:
@@ -166,7 +189,8 @@ class PhaseProbe:
             start = time.perf_counter()
             fn()
             self._sync()
-            self.samples[name].append(time.perf_counter() - start)
+            runs = len(self._frames) if name == 'prefill' else 1   # mean over the frames
+            self.samples[name].append((time.perf_counter() - start) / runs)
 
     def costs(self, statistic=statistics.median) -> PhaseCosts:
         """Per pass `statistic` of the samples so far, plus the analytic FLOPs and bytes."""

@@ -358,8 +358,15 @@ def run_robots_part(opts, models, bar=None) -> list[dict]:
     chunk = prefill_rows(opts)
     decode_batches = sorted({1, batch} | {count * batch for count in counts})
     row_sizes = set(counts) | ({chunk} | {count % chunk for count in counts} if chunk else set())
-    probe = PhaseProbe(models.model(steps), batches=decode_batches, rows=row_sizes - {0},
-                       seed=opts.seed)
+    model = models.model(steps)
+    # The probe's prefills run on the robots' own frames, one per workload in the plan's order
+    # (P(R) cycles through them as the robots do): prefill costs what a frame's cameras and
+    # prompt hold.
+    frames = [models.frontend(steps, get_workload(w).robot).prepare(
+        robot_observation(w, i, 0, opts.seed, model.config.vision.image_size)).tensors
+        for i, w in enumerate(plan.workloads)]
+    probe = PhaseProbe(model, batches=decode_batches, rows=row_sizes - {0}, seed=opts.seed,
+                       frames=frames)
     rows = []
     for turn, count in enumerate(counts):
         reports, loads = {}, {}

@@ -266,7 +266,11 @@ def run_group(group: Group, models: ModelCache, period_s: float, opts: BenchOpti
     frontend = models.frontend(group.steps, get_workload(group.workload).robot)
     horizon = get_workload(group.workload).horizon
     policy = group.policy(opts.seed)
-    probe = PhaseProbe(model, group_batches(group), seed=opts.seed)
+    # The probe's prefill runs on a frame of this workload (its cameras and prompt length).
+    sample = random_observation(group.workload, 0, seed=opts.seed,
+                                image_size=model.config.vision.image_size)
+    probe = PhaseProbe(model, group_batches(group), seed=opts.seed,
+                       frames=[frontend.prepare(sample).tensors])
     systems = {spec: make_bench_system(spec, model, frontend, policy, period_s, opts.seed)
                for spec in group.systems}
     logs = {spec: SystemLog() for spec in group.systems}
