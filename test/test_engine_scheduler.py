@@ -113,6 +113,10 @@ class FakeFrontend:
     def decode_delta(self, ids, n_old, final):
         return self.decode(ids[n_old:])
 
+    def next_delta(self, ids, shown, final):
+        text = self.decode(ids)
+        return text[len(shown):], text
+
 
 def make(policy, budget, num_slots=None, sizing_k=None, share_prefix=True,
          pressure='evict_oldest', step_s=lambda rows: 0.0):

@@ -117,6 +117,14 @@ def test_decode_delta_concatenates_to_full_decode(tok):
             pieces.append(tok.decode_delta(ids[:end], shown, final=end == len(ids)))
             shown = end
         assert ''.join(pieces) == tok.decode(ids) == text
+        # next_delta, fed the text it returned last time, gives the same deltas: what the
+        # engine's output processor keeps per request instead of decoding the old ids again.
+        text_so_far, deltas = '', []
+        for end in range(step, len(ids) + step, step):
+            end = min(end, len(ids))
+            delta, text_so_far = tok.next_delta(ids[:end], text_so_far, final=end == len(ids))
+            deltas.append(delta)
+        assert deltas == pieces and text_so_far == text
 
 
 def test_decode_delta_holds_back_partial_characters(tok):

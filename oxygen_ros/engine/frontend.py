@@ -81,6 +81,10 @@ class Frontend:
         """Text added by ids[n_old:]; deltas of one stream concatenate to decode(ids)."""
         return self.tokenizer.decode_delta(ids, n_old, final=final)
 
+    def next_delta(self, ids: list[int], shown: str, final: bool) -> tuple[str, str]:
+        """(delta, text) after `shown`, the text of the stream's previous ids (see tokenizer)."""
+        return self.tokenizer.next_delta(ids, shown, final=final)
+
 
 def identity_norm_stats(robot: str) -> dict[str, NormStats]:
     """Norm stats that leave values in [-1, 1] unchanged (random-weight demos and tests)."""

@@ -12,6 +12,9 @@ class OutputProcessor:
 
     def __init__(self, frontend: Frontend):
         self.frontend = frontend
+        # request id -> the text shown so far (stable: no half characters), so each step
+        # decodes a request's ids once, not once for the old text and once for the new
+        self._shown: dict[int, str] = {}
 
     def report(self, touched: list[RequestState], ended: list[RequestState],
                last_frame_index: int) -> tuple[list[TokenDelta], list[FinishedRequest]]:
@@ -21,16 +24,26 @@ class OutputProcessor:
         last_frame_index: the newest frame, for the number of frames a request was alive.
         """
         deltas = []
+        final_text = {}
         for req in touched:
-            n_old = req.num_reported
             new = req.take_new_tokens()
             if not new and not req.finished:
                 continue
-            text = self.frontend.decode_delta(req.token_ids, n_old, final=req.finished)
+            shown = self._shown.get(req.request_id, '')
+            text, now_shown = self.frontend.next_delta(req.token_ids, shown, final=req.finished)
+            if req.finished:
+                self._shown.pop(req.request_id, None)
+                final_text[req.request_id] = now_shown     # == decode(token_ids)
+            else:
+                self._shown[req.request_id] = now_shown
             deltas.append(TokenDelta(req.request_id, req.origin_frame, new, text,
                                      len(req.token_ids), req.finished, req.finish_reason))
-        finished = [FinishedRequest(req.request_id, req.origin_frame, list(req.token_ids),
-                                    self.frontend.decode(req.token_ids), req.finish_reason,
-                                    last_frame_index - req.origin_frame + 1, req.error)
-                    for req in ended]
+        finished = []
+        for req in ended:
+            self._shown.pop(req.request_id, None)
+            text = final_text.get(req.request_id)
+            finished.append(FinishedRequest(
+                req.request_id, req.origin_frame, list(req.token_ids),
+                text if text is not None else self.frontend.decode(req.token_ids),
+                req.finish_reason, last_frame_index - req.origin_frame + 1, req.error))
         return deltas, finished

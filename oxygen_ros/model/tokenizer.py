@@ -161,16 +161,26 @@ class PaligemmaTokenizer:
         all_ids = _as_id_list(all_ids)
         if not 0 <= n_old <= len(all_ids):
             raise ValueError(f'n_old={n_old} outside [0, {len(all_ids)}]')
-        old = _stable_text(self.decode(all_ids[:n_old]))
+        return self.next_delta(all_ids, _stable_text(self.decode(all_ids[:n_old])), final)[0]
+
+    def next_delta(self, all_ids: Sequence[int], shown: str, final: bool = False
+                   ) -> tuple[str, str]:
+        """Return (delta, text) for a stream whose shown text so far is `shown`.
+
+        `shown` is the `text` this returned for the stream's previous ids ('' for none), so a
+        caller that keeps it decodes each request's ids once per step instead of twice;
+        decode_delta(ids, n_old) == next_delta(ids, <text of ids[:n_old]>)[0]. With final, text
+        is decode(all_ids).
+        """
         new = self.decode(all_ids)
         if not final:
             new = _stable_text(new)
-        if new.startswith(old):
-            return new[len(old):]
+        if new.startswith(shown):
+            return new[len(shown):], new
         # Should not happen with SentencePiece; fall back to the text after the common prefix.
-        common = len(os.path.commonprefix([old, new]))
-        logger.debug('decode_delta: old text is not a prefix of new text (%r, %r)', old, new)
-        return new[common:]
+        common = len(os.path.commonprefix([shown, new]))
+        logger.debug('decode_delta: old text is not a prefix of new text (%r, %r)', shown, new)
+        return new[common:], new
 
     def piece(self, token_id: int) -> str:
         """Return the SentencePiece piece string of one id (for debugging)."""
