@@ -14,14 +14,29 @@ def _phases(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads) if args.threads else None
     cfg = get_preset(args.preset)
-    with torch.device(args.device):
-        model = Pi05Model(cfg)
-    model.init_random(args.seed) if args.device != 'meta' else None
-    model.to_precision(getattr(torch, args.dtype)).eval()
-    costs = measure_phases(model, batches=tuple(args.batches), repeats=args.repeats)
-    print(f'preset {args.preset} on {args.device} ({args.dtype}), prefix {cfg.prefix_len} '
-          f'positions, {cfg.num_steps} denoise steps, horizon {cfg.action_horizon}')
+    frames = None
+    if args.robot:   # prefill costs what a frame holds: time a frame of this robot
+        from .engine import random_observation, random_setup
+        model, frontend = random_setup(cfg, args.robot, seed=args.seed, device=args.device,
+                                       dtype=getattr(torch, args.dtype))
+        frames = [frontend.prepare(random_observation(
+            args.robot, 0, seed=args.seed, image_size=cfg.vision.image_size)).tensors]
+        shown = int(frames[0]['image_masks'].sum()) * cfg.tokens_per_image
+        what = (f'one {args.robot} frame: {shown + int(frames[0]["token_masks"].sum())} of '
+                f'{cfg.prefix_len} prefix positions valid')
+    else:
+        with torch.device(args.device):
+            model = Pi05Model(cfg)
+        model.init_random(args.seed) if args.device != 'meta' else None
+        model.to_precision(getattr(torch, args.dtype)).eval()
+        what = (f'every camera and a {cfg.max_token_len // 4}-token prompt of '
+                f'{cfg.prefix_len} prefix positions')
+    costs = measure_phases(model, batches=tuple(args.batches), repeats=args.repeats,
+                           frames=frames)
+    print(f'preset {args.preset} on {args.device} ({args.dtype}), prefill on {what}, '
+          f'{cfg.num_steps} denoise steps, horizon {cfg.action_horizon}')
     print(format_phases(costs))
+    print(f'(GFLOP and weights read: analytic counts for all {cfg.prefix_len} prefix positions)')
     for n, k in ((30, 5), (30, 1), (10, 5)):
         print(f'ideal oxygen/isolated speedup N={n} k={k}: {costs.ideal_speedup(n, k):.2f}x')
     return 0
@@ -46,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     phases.add_argument('--repeats', type=int, default=5)
     phases.add_argument('--threads', type=int, default=0, help='torch threads (0 = default)')
     phases.add_argument('--seed', type=int, default=0)
+    phases.add_argument('--robot', choices=['libero', 'droid', 'aloha'], default=None,
+                        help="time prefill on a synthetic frame of this robot (its cameras and "
+                             "prompt); default: every camera slot and a quarter-length prompt")
     phases.set_defaults(func=_phases)
 
     from .bench.cli import add_bench_parser

@@ -254,3 +254,20 @@ def test_serve_part_reports_the_servers_overhead(tmp_path):
     assert 0 < act < rtt and 0 < overhead < rtt
     assert float(row['overhead_fraction_p50']) == pytest.approx(overhead / act)
     assert 'server per-request overhead' in (out / 'summary.md').read_text()
+
+
+def test_phases_command_times_prefill_on_a_robots_frame(capsys):
+    """`oxygen-ros phases --robot libero`: prefill on a frame with a masked camera and padding."""
+    from oxygen_ros.cli import main
+    from oxygen_ros.model import get_preset
+
+    assert main(['phases', '--preset', 'tiny', '--robot', 'libero', '--repeats', '1',
+                 '--batches', '1']) == 0
+    out = capsys.readouterr().out
+    cfg = get_preset('tiny')
+    head = out.splitlines()[0]
+    valid = int(head.split('one libero frame: ')[1].split(' of ')[0])
+    # LIBERO shows 2 of 3 cameras: at most two images' tokens plus the prompt are valid.
+    assert 2 * cfg.tokens_per_image < valid <= 2 * cfg.tokens_per_image + cfg.max_token_len
+    assert f'of {cfg.prefix_len} prefix positions valid' in head
+    assert '| prefill (vision + backbone) |' in out

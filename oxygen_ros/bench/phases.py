@@ -204,13 +204,15 @@ class PhaseProbe:
 
 
 def measure_phases(model: Pi05Model, batches=(1, 4, 8), repeats: int = 5,
-                   warmup: int = 2, seed: int = 0, statistic=statistics.median) -> PhaseCosts:
-    """Time each pass of `model` on random inputs (warm-up excluded, synced clocks).
+                   warmup: int = 2, seed: int = 0, statistic=statistics.median,
+                   frames: Sequence[dict] | None = None) -> PhaseCosts:
+    """Time each pass of `model` (warm-up excluded, synced clocks).
 
     `statistic` reduces the repeats of each pass (median by default; `min` gives the least
-    disturbed run on a busy machine).
+    disturbed run on a busy machine). frames: the prefill inputs to time (see PhaseProbe;
+    None: random inputs with every camera).
     """
-    probe = PhaseProbe(model, batches, warmup, seed)
+    probe = PhaseProbe(model, batches, warmup, seed, frames=frames)
     for _ in range(repeats):
         probe.sample()
     return probe.costs(statistic)
@@ -220,7 +222,7 @@ def format_phases(costs: PhaseCosts) -> str:
     """Format the measured phases as a markdown table."""
     gf = costs.flops
     lines = ['| phase | time (ms) | GFLOP | weights read (MB) |', '|---|---:|---:|---:|',
-             f'| vision (all cameras) | {costs.vision_s * 1e3:.1f} | {gf["vision"] / 1e9:.2f} '
+             f'| vision (cameras shown) | {costs.vision_s * 1e3:.1f} | {gf["vision"] / 1e9:.2f} '
              f'| {costs.weight_bytes["vision"] / 1e6:.1f} |',
              f'| prefill (vision + backbone) | {costs.prefill_s * 1e3:.1f} '
              f'| {gf["prefill"] / 1e9:.2f} | {costs.weight_bytes["prefill"] / 1e6:.1f} |',
