@@ -110,9 +110,6 @@ class FakeFrontend:
     def decode(self, ids):
         return ''.join(f'<{i}>' for i in ids)
 
-    def decode_delta(self, ids, n_old, final):
-        return self.decode(ids[n_old:])
-
     def next_delta(self, ids, shown, final):
         text = self.decode(ids)
         return text[len(shown):], text

@@ -77,10 +77,6 @@ class Frontend:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def decode_delta(self, ids: list[int], n_old: int, final: bool) -> str:
-        """Text added by ids[n_old:]; deltas of one stream concatenate to decode(ids)."""
-        return self.tokenizer.decode_delta(ids, n_old, final=final)
-
     def next_delta(self, ids: list[int], shown: str, final: bool) -> tuple[str, str]:
         """(delta, text) after `shown`, the text of the stream's previous ids (see tokenizer)."""
         return self.tokenizer.next_delta(ids, shown, final=final)
