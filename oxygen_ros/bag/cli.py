@@ -16,6 +16,7 @@ import threading
 from typing import Callable
 
 from oxygen_ros.bag.errors import BagError
+from oxygen_ros.runtime.cli_options import add_engine_options
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -83,24 +84,9 @@ def add_replay_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument('--rate', default='recorded',
                         help="'recorded' (real time, default), 'max' (as fast as possible) or "
                              'a speed factor such as 2')
-    parser.add_argument('--checkpoint', help='openpi checkpoint dir (default: random weights)')
-    parser.add_argument('--preset', help='model preset for random weights (e.g. pi05-cpu)')
-    parser.add_argument('--device')
-    parser.add_argument('--dtype', choices=['float32', 'bfloat16'])
-    parser.add_argument('--tokenizer', help='SentencePiece model (default: the checkpoint\'s)')
-    parser.add_argument('--seed', type=int)
-    parser.add_argument('--k', dest='decode_budget', type=int,
-                        help='tokens per request per frame; 0 = adaptive')
-    parser.add_argument('--tokens', type=int, dest='tokens_per_request', metavar='N',
-                        help='tokens per language request')
-    parser.add_argument('--request-every', type=int, dest='request_every_n_frames',
-                        metavar='FRAMES', help='start a language request every n frames')
-    parser.add_argument('--prompt-template', dest='language_prompt',
-                        help='language prompt template ({instruction} is replaced)')
+    add_engine_options(parser)
     parser.add_argument('--instruction', dest='instruction_override', metavar='TEXT',
                         help="replace the bag's instructions with this text")
-    parser.add_argument('--kv-capacity', type=int)
-    parser.add_argument('--denoise-steps', type=int)
     parser.add_argument('--stale-timeout', type=float, dest='stale_frame_timeout_s',
                         metavar='S')
     parser.add_argument('--on-bad-input', choices=['error', 'skip'],

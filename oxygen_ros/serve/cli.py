@@ -10,6 +10,8 @@ import argparse
 import logging
 import sys
 
+from oxygen_ros.runtime.cli_options import add_engine_options
+from oxygen_ros.runtime.params import ROBOTS
 from oxygen_ros.serve.server import DEFAULT_PORT
 
 EXIT_ERROR = 2
@@ -24,24 +26,8 @@ _ENGINE_PARAMS = ('checkpoint', 'preset', 'device', 'dtype', 'tokenizer', 'seed'
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the engine's node parameters as options (serve and check-checkpoint)."""
     group = parser.add_argument_group('engine (node parameters; defaults as the node)')
-    group.add_argument('--robot', default='libero', choices=['libero', 'droid', 'aloha'])
-    group.add_argument('--checkpoint', help='openpi or LeRobot π0.5 checkpoint folder '
-                                            '(default: random weights of --preset)')
-    group.add_argument('--preset', help='model preset for random weights (e.g. pi05-cpu)')
-    group.add_argument('--device')
-    group.add_argument('--dtype', choices=['float32', 'bfloat16'])
-    group.add_argument('--tokenizer', help="SentencePiece model (default: the checkpoint's)")
-    group.add_argument('--seed', type=int)
-    group.add_argument('--k', dest='decode_budget',
-                       help="tokens per request per frame, or 'adaptive'")
-    group.add_argument('--tokens', type=int, dest='tokens_per_request', metavar='N',
-                       help='tokens per language request')
-    group.add_argument('--request-every', type=int, dest='request_every_n_frames',
-                       metavar='FRAMES', help='start a language request every n frames')
-    group.add_argument('--prompt-template', dest='language_prompt',
-                       help='language prompt template ({instruction} is replaced)')
-    group.add_argument('--kv-capacity', type=int)
-    group.add_argument('--denoise-steps', type=int)
+    group.add_argument('--robot', default='libero', choices=list(ROBOTS))
+    add_engine_options(group)
     group.add_argument('--threads', type=int, dest='torch_threads',
                        help='torch threads (default: every core but one)')
 
