@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import pytest
-from rosbags.highlevel import AnyReader
 
 from oxygen_ros.bag import BagError, InputBag, load_params, OutputBag, Replay
 from oxygen_ros.bag.synthetic import (demo_image, demo_joint_positions, image_msg,
@@ -24,6 +23,7 @@ from oxygen_ros.bag.replay import build_engine
 from oxygen_ros.bag.typestore import (ACTION_CHUNK, IMAGE, JOINT_STATE, LANGUAGE_CHUNK,
                                       make_typestore, STRING)
 from oxygen_ros.bag.writer import qos_profile
+from bag_helpers import read_bag
 from oxygen_ros.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,17 +56,6 @@ def replay(bag, out, params, **kwargs):
     kwargs.setdefault('on_frame', lambda obs, result: frames.append((obs, result)))
     summary = Replay(bag, out, params, rate='max', **kwargs).run()
     return summary, frames
-
-
-def read_bag(path):
-    """topic -> [(log time, message)], decoded with the definitions stored in the bag only."""
-    messages = {}
-    with AnyReader([Path(path)]) as reader:
-        for conn, stamp, raw in reader.messages():
-            messages.setdefault(conn.topic, []).append(
-                (stamp, reader.deserialize(raw, conn.msgtype)))
-        connections = {c.topic: c for c in reader.connections}
-    return messages, connections
 
 
 def custom_data(path):

@@ -7,13 +7,12 @@ the recorded actions.
 """
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-from rosbags.highlevel import AnyReader
 
 from lerobot_dataset import CAMERAS, episode_arrays, TASKS, write_v21, write_v30
+from bag_helpers import read_bag
 from oxygen_ros.cli import main as cli_main
 from oxygen_ros.dataset import chunk_error, LeRobotDataset
 
@@ -29,16 +28,6 @@ pytestmark = pytest.mark.usefixtures('one_torch_thread')
 def dataset(request, tmp_path_factory):
     write = write_v21 if request.param == 'v2.1' else write_v30
     return write(tmp_path_factory.mktemp('datasets') / request.param, LENGTHS)
-
-
-def read_bag(path):
-    """topic -> [(log time, message)] decoded with the definitions stored in the bag."""
-    messages = {}
-    with AnyReader([Path(path)]) as reader:
-        for conn, stamp, raw in reader.messages():
-            messages.setdefault(conn.topic, []).append(
-                (stamp, reader.deserialize(raw, conn.msgtype)))
-    return messages
 
 
 def replay(dataset, out, *extra):
@@ -65,7 +54,7 @@ def test_replay_writes_actions_language_and_action_error(tmp_path, dataset, caps
     out = tmp_path / 'out'
     assert replay(dataset, out) == 0
     printed = capsys.readouterr().out
-    messages = read_bag(out)
+    messages, _ = read_bag(out)
     chunks = [m for _, m in messages['/actions']]
     assert len(chunks) == sum(LENGTHS)
     assert messages['/language/tokens']
@@ -96,7 +85,7 @@ def test_replay_is_deterministic_for_a_fixed_k(tmp_path, dataset):
     outputs = []
     for name in ('a', 'b'):
         assert replay(dataset, tmp_path / name) == 0
-        messages = read_bag(tmp_path / name)
+        messages, _ = read_bag(tmp_path / name)
         outputs.append((
             [m.actions.tolist() for _, m in messages['/actions']],
             [(m.request_id, m.token_ids.tolist()) for _, m in messages['/language/tokens']],
@@ -109,7 +98,7 @@ def test_episode_choice_and_camera_mapping(tmp_path, dataset):
     out = tmp_path / 'one'
     assert replay(dataset, out, '--episodes', '1', '--camera',
                   'image=observation.images.wrist_image') == 0
-    assert len(read_bag(out)['/actions']) == LENGTHS[1]
+    assert len(read_bag(out)[0]['/actions']) == LENGTHS[1]
 
 
 @pytest.mark.parametrize('extra, reason', [

@@ -25,6 +25,17 @@ def _demo(tmp_path, *extra):
         env=dict(os.environ, PYTHONUNBUFFERED='1'), start_new_session=True)
 
 
+def _run_demo(tmp_path, *extra, timeout=120):
+    """Run the demo to its end; return (exit code, output). Killed (group) if it overruns."""
+    proc = _demo(tmp_path, *extra)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, output
+
+
 def _summary(output):
     match = re.search(r'done: (\d+) action chunks, (\d+) tokens received; node exit status '
                       r'(-?\d+)', output)
@@ -33,14 +44,9 @@ def _summary(output):
 
 
 def test_demo_runs_for_its_duration(tmp_path):
-    proc = _demo(tmp_path, '--duration', '20')   # the node process alone may take 10 s to
-    #                                                 start on a loaded machine
-    try:
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-3000:]
+    # 20 s: the node process alone may take 10 s to start on a loaded machine
+    returncode, output = _run_demo(tmp_path, '--duration', '20')
+    assert returncode == 0, output[-3000:]
     actions, tokens, node_status = _summary(output)
     assert actions > 0 and tokens > 0 and node_status == 0, output[-3000:]
     assert 'narration (finished requests):' in output
@@ -54,13 +60,8 @@ def test_demo_runs_for_its_duration(tmp_path):
 
 
 def test_demo_drives_a_node_serving_two_robots(tmp_path):
-    proc = _demo(tmp_path, '--duration', '20', '--robots', 'arm_a,arm_b')
-    try:
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-3000:]
+    returncode, output = _run_demo(tmp_path, '--duration', '20', '--robots', 'arm_a,arm_b')
+    assert returncode == 0, output[-3000:]
     _, _, node_status = _summary(output)
     assert node_status == 0
     for robot in ('arm_a', 'arm_b'):
