@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-import time
 
 import numpy as np
 
 from oxygen_ros.bag.config import ReplayParams
 from oxygen_ros.bag.errors import BagError
-from oxygen_ros.bag.replay import _BagOutputs, _progress_bar, build_engine, ReplaySummary
+from oxygen_ros.bag.replay import (_BagOutputs, _progress_bar, build_engine, recorded_run,
+                                   ReplaySummary)
 from oxygen_ros.bag.typestore import make_typestore
 from oxygen_ros.bag.writer import OutputBag
 from oxygen_ros.dataset import ActionErrors, chunk_error, DatasetError, LeRobotDataset
@@ -139,33 +139,19 @@ class DatasetReplay:
         if self.system is None:
             self.system, _ = build_engine(self.params.settings)
         out = OutputBag(self.out_path, self.store, self.storage, self.overwrite)
-        out.open()
-        summary = self.summary
-        wall_start = time.perf_counter()
         total = sum(dataset.episode(i).length for i in episodes)
         progress = _progress_bar(total, self.progress)
         try:
-            out.set_custom_data('oxygen_ros.replay.source', str(self.dataset_path))
-            out.set_custom_data('oxygen_ros.replay.settings', repr(self.params.settings))
-            self._replay(dataset, mapping, episodes, out, progress)
-            summary.status = 'complete'
-        except KeyboardInterrupt:
-            summary.status = 'interrupted'
-            raise
-        except DatasetError as err:
-            summary.status, summary.error = 'error', str(err)
-            raise BagError(str(err)) from None
-        except BaseException as err:
-            summary.status, summary.error = 'error', str(err) or type(err).__name__
-            raise
+            with recorded_run(out, self.summary, str(self.dataset_path), self.params.settings):
+                try:
+                    self._replay(dataset, mapping, episodes, out, progress)
+                except DatasetError as err:
+                    raise BagError(str(err)) from None
         finally:
-            summary.wall_s = time.perf_counter() - wall_start
-            summary.episodes = self.errors.summary()
-            out.set_custom_data('oxygen_ros.replay.status', summary.status)
-            out.close()
+            self.summary.episodes = self.errors.summary()
             progress.close()
             self._write_errors()
-        return summary
+        return self.summary
 
     def _replay(self, dataset, mapping, episodes, out, progress) -> None:
         settings, summary = self.params.settings, self.summary

@@ -16,6 +16,7 @@ actions stay identical, the tokens' split over frames may not).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -311,32 +312,16 @@ class Replay:
             n_ticks = int((bag.end_ns - start_ns) // p.period_ns) + 1
             builder = ObservationBuilder(p, bag.deserialize, start_ns)
             out = OutputBag(self.out_path, self.store, self.storage, self.overwrite)
-            out.open()
-            progress = None
-            wall_start = time.perf_counter()
-            try:    # from here on the output is closed properly, whatever happens
-                out.set_custom_data('oxygen_ros.replay.source', str(self.bag_path))
-                out.set_custom_data('oxygen_ros.replay.settings', repr(p.settings))
-                progress = _progress_bar(n_ticks, self.progress)
-                self._loop(bag, out, builder, input_conns, read, start_ns, n_ticks, progress,
-                           wall_start)
-                summary.status = 'complete'
-            except KeyboardInterrupt:
-                summary.status = 'interrupted'
-                raise
-            except BaseException as err:
-                summary.status = 'error'
-                summary.error = str(err) or type(err).__name__
-                raise
+            progress = _progress_bar(n_ticks, self.progress)
+            try:
+                with recorded_run(out, summary, str(self.bag_path), p.settings):
+                    try:
+                        self._loop(bag, out, builder, input_conns, read, start_ns, n_ticks,
+                                   progress, time.perf_counter())
+                    finally:
+                        out.set_custom_data('oxygen_ros.replay.frames', summary.frames)
             finally:
-                summary.wall_s = time.perf_counter() - wall_start
-                out.set_custom_data('oxygen_ros.replay.status', summary.status)
-                if summary.error:
-                    out.set_custom_data('oxygen_ros.replay.error', summary.error)
-                out.set_custom_data('oxygen_ros.replay.frames', summary.frames)
-                out.close()
-                if progress is not None:
-                    progress.close()
+                progress.close()
         return summary
 
     def _loop(self, bag: InputBag, out: OutputBag, builder: ObservationBuilder,
@@ -457,6 +442,36 @@ def _reason_kind(why: str) -> str:
     for marker in (' (waiting ', ', last message '):
         why = why.split(marker)[0]
     return why
+
+
+@contextlib.contextmanager
+def recorded_run(out: OutputBag, summary: ReplaySummary, source: str, settings):
+    """Open `out` and record a replay's run in its metadata, however the run ends.
+
+    Yields the open bag. Writes the source and settings first; on leaving, the summary's
+    status ('complete', 'interrupted' on Ctrl-C, 'error' with its message) and wall time go
+    into the summary and the bag's custom_data, and the bag is closed (nothing written is lost).
+    """
+    out.open()
+    wall_start = time.perf_counter()
+    try:
+        out.set_custom_data('oxygen_ros.replay.source', source)
+        out.set_custom_data('oxygen_ros.replay.settings', repr(settings))
+        yield out
+        summary.status = 'complete'
+    except KeyboardInterrupt:
+        summary.status = 'interrupted'
+        raise
+    except BaseException as err:
+        summary.status = 'error'
+        summary.error = str(err) or type(err).__name__
+        raise
+    finally:
+        summary.wall_s = time.perf_counter() - wall_start
+        out.set_custom_data('oxygen_ros.replay.status', summary.status)
+        if summary.error:
+            out.set_custom_data('oxygen_ros.replay.error', summary.error)
+        out.close()
 
 
 def _progress_bar(total: int, enabled: bool):
