@@ -24,8 +24,8 @@ import numpy as np
 
 from oxygen_ros.bag.config import ReplayParams
 from oxygen_ros.bag.errors import BagError
-from oxygen_ros.bag.replay import (_BagOutputs, _progress_bar, build_engine, recorded_run,
-                                   ReplaySummary)
+from oxygen_ros.bag.replay import (_BagOutputs, _progress_bar, build_engine, check_new_output,
+                                   recorded_run, ReplaySummary, StopOnRequest)
 from oxygen_ros.bag.typestore import make_typestore
 from oxygen_ros.bag.writer import OutputBag
 from oxygen_ros.dataset import ActionErrors, chunk_error, DatasetError, LeRobotDataset
@@ -65,7 +65,7 @@ def default_camera_map(dataset: LeRobotDataset, cameras: list[str]) -> dict[str,
     return mapping
 
 
-class DatasetReplay:
+class DatasetReplay(StopOnRequest):
     """One replay of a LeRobot dataset into `out`; run() returns a DatasetReplaySummary.
 
     camera_map: robot camera name -> dataset feature (over default_camera_map's); episodes:
@@ -78,8 +78,7 @@ class DatasetReplay:
                  storage: str = 'mcap', overwrite: bool = False, progress: bool = False):
         self.dataset_path = Path(dataset)
         self.out_path = Path(out)
-        if self.out_path.exists() and not overwrite:
-            raise BagError(f'output {out} exists; expected a new path (or --overwrite)')
+        check_new_output(out, overwrite)
         self.params = params
         self.camera_map = camera_map
         self.state_key = state_key
@@ -92,11 +91,6 @@ class DatasetReplay:
         self.store = make_typestore()
         self.summary = DatasetReplaySummary(str(dataset), str(out))
         self.errors = ActionErrors()
-        self.stop_requested = False          # set by request_stop() (e.g. a SIGINT handler)
-
-    def request_stop(self) -> None:
-        """Stop before the next frame, as Ctrl-C does (safe to call from a signal handler)."""
-        self.stop_requested = True
 
     def _open(self) -> tuple[LeRobotDataset, dict[str, str], list[int]]:
         """Read the dataset's metadata and check it fits the robot before any model loads."""
@@ -171,8 +165,7 @@ class DatasetReplay:
             recorded = dataset.actions(index, self.action_key)             # [T, A]
             features = list(mapping.values())
             for frame in dataset.frames(index, features, self.state_key, self.action_key):
-                if self.stop_requested:
-                    raise KeyboardInterrupt('replay stopped on request')
+                self._check_stop()
                 now_s = start_s + frame.timestamp
                 for cam, feature in mapping.items():
                     buffer.put(f'camera:{cam}', frame.images[feature], now_s)

@@ -240,7 +240,27 @@ class _BagOutputs:
         self.replay.summary.narrations += 1
 
 
-class Replay:
+class StopOnRequest:
+    """A replay that a signal handler can stop: request_stop(), checked before every tick."""
+
+    stop_requested = False               # set by request_stop() (e.g. a SIGINT handler)
+
+    def request_stop(self) -> None:
+        """Stop before the next tick, as Ctrl-C does (safe to call from a signal handler)."""
+        self.stop_requested = True
+
+    def _check_stop(self) -> None:
+        if self.stop_requested:
+            raise KeyboardInterrupt('replay stopped on request')
+
+
+def check_new_output(out: str | Path, overwrite: bool) -> None:
+    """Refuse an existing output path unless `overwrite` (said before any model loads)."""
+    if Path(out).exists() and not overwrite:
+        raise BagError(f'output {out} exists; expected a new path (or --overwrite)')
+
+
+class Replay(StopOnRequest):
     """One replay of `bag` into `out`; run() returns (and `summary` holds) a ReplaySummary.
 
     system: an engine with step(obs) -> FrameResult (default: built from the parameters).
@@ -265,8 +285,7 @@ class Replay:
         if out_abs == bag_abs or out_abs in bag_abs.parents or bag_abs in out_abs.parents:
             raise BagError(f'output {out} is, holds or is inside the input bag {bag}; expected '
                            'a path apart from it')
-        if self.out_path.exists() and not overwrite:   # say so before loading a model
-            raise BagError(f'output {out} exists; expected a new path (or --overwrite)')
+        check_new_output(out, overwrite)
         self.params = params
         self.system = system
         self.speed = parse_rate(rate)
@@ -280,15 +299,6 @@ class Replay:
         self.store = make_typestore()
         self.summary = ReplaySummary(str(bag), str(out))
         self.description: dict = {}          # what the node reports about its engine
-        self.stop_requested = False          # set by request_stop() (e.g. a SIGINT handler)
-
-    def request_stop(self) -> None:
-        """Stop before the next tick, as Ctrl-C does (safe to call from a signal handler)."""
-        self.stop_requested = True
-
-    def _check_stop(self) -> None:
-        if self.stop_requested:
-            raise KeyboardInterrupt('replay stopped on request')
 
     def topic_specs(self) -> list[TopicSpec]:
         """Return the input topics with the types they must have."""
