@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 import threading
 import time
@@ -244,7 +245,7 @@ WAITED_SHARE = 0.8   # act() on a CPU for less of its wall time than this: it wa
 
 def late_tick_hint(share: float | None) -> str:
     """Say why late ticks were late, from act()'s CPU share on them ('' when not measured)."""
-    if share is None or share != share:   # None or NaN
+    if share is None or math.isnan(share):
         return ''
     if share < WAITED_SHARE:
         return (f'; on late ticks act() ran on a CPU only {share:.0%} of its time: the '
