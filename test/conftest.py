@@ -20,7 +20,9 @@ def _rclpy_major_version():
 # Subprocesses started by tests inherit them.
 os.environ['ROS_AUTOMATIC_DISCOVERY_RANGE'] = 'LOCALHOST'
 os.environ['ROS_STATIC_PEERS'] = ''
-os.environ['ROS_DOMAIN_ID'] = str(1 + os.getpid() % 100)
+# OXYGEN_ROS_DOMAIN_ID pins the domain (e.g. two checkouts testing at once on one machine).
+os.environ['ROS_DOMAIN_ID'] = (os.environ.get('OXYGEN_ROS_DOMAIN_ID')
+                               or str(1 + os.getpid() % 100))
 _rclpy_major = _rclpy_major_version()
 if os.environ.get('ROS_DISTRO') == 'humble' or (_rclpy_major is not None and _rclpy_major < 4):
     # Humble (rclpy 3.x) predates ROS_AUTOMATIC_DISCOVERY_RANGE; newer distros warn on this one.
