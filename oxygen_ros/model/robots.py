@@ -43,6 +43,11 @@ def _aloha_gripper_from_pi(value: np.ndarray) -> np.ndarray:
     return (value + 0.5476 - (-0.6213)) / (1.4910 - (-0.6213))
 
 
+def _aloha_gripper_to_pi_output(value: np.ndarray) -> np.ndarray:
+    """Inverse of _aloha_gripper_from_pi: Aloha's gripper command -> pi's gripper output."""
+    return value * (1.4910 - (-0.6213)) - 0.5476 + (-0.6213)
+
+
 def aloha_state_to_pi(state: np.ndarray) -> np.ndarray:
     """Aloha state [14] -> the joint space the π models were trained in."""
     state = _ALOHA_JOINT_FLIP * state
@@ -54,6 +59,13 @@ def aloha_actions_from_pi(actions: np.ndarray) -> np.ndarray:
     """Model-space actions [H, 14] -> Aloha joint commands [H, 14]."""
     actions = _ALOHA_JOINT_FLIP * actions
     actions[:, _ALOHA_GRIPPERS] = _aloha_gripper_from_pi(actions[:, _ALOHA_GRIPPERS])
+    return actions
+
+
+def aloha_actions_to_pi(actions: np.ndarray) -> np.ndarray:
+    """Aloha joint commands [H, 14] -> model-space actions [H, 14] (aloha_actions_from_pi⁻¹)."""
+    actions = _ALOHA_JOINT_FLIP * actions
+    actions[:, _ALOHA_GRIPPERS] = _aloha_gripper_to_pi_output(actions[:, _ALOHA_GRIPPERS])
     return actions
 
 
@@ -83,6 +95,7 @@ class RobotSpec:
     # Robot <-> model joint-space conversions on unnormalised values (None: identity).
     state_to_model: Callable[[np.ndarray], np.ndarray] | None = None
     actions_from_model: Callable[[np.ndarray], np.ndarray] | None = None
+    actions_to_model: Callable[[np.ndarray], np.ndarray] | None = None   # its inverse
     # What the robot's controller does with a row (openpi's clients and the training data):
     action_space: str = JOINT_POSITION     # one of ACTION_SPACES
     action_names: tuple[str, ...] = ()     # one per action column
@@ -128,6 +141,7 @@ ROBOTS: dict[str, RobotSpec] = {
                                                   'wrist_angle', 'wrist_rotate', 'gripper')),
                   delta_action_mask=(True,) * 6 + (False,) + (True,) * 6 + (False,),
                   state_to_model=aloha_state_to_pi, actions_from_model=aloha_actions_from_pi,
+                  actions_to_model=aloha_actions_to_pi,
                   # Absolute joint positions (the deltas are added back above) at ALOHA's
                   # 50 Hz; openpi's ALOHA runtime plays 25 rows per chunk.
                   action_space=JOINT_POSITION,
@@ -345,3 +359,30 @@ class RobotAdapter:
         if spec.actions_from_model is not None:
             out = spec.actions_from_model(out)
         return out.astype(np.float32)
+
+    def model_actions(self, actions, inputs: ModelInputs | None = None) -> np.ndarray:
+        """Robot actions [n, robot dim] -> normalised model actions float32 [n, action_dim].
+
+        The inverse of postprocess (a chunk the robot executes, as the model would have
+        written it for the observation `inputs`): joint-space conversion undone, deltas taken
+        w.r.t. this observation's state, normalised; the padding columns are 0, as in
+        training (openpi pads normalised actions with zeros).
+        """
+        spec = self.spec
+        actions = np.array(actions, dtype=np.float64)
+        if actions.ndim != 2 or actions.shape[1] != spec.action_dim:
+            raise ValueError(f'{spec.name}: committed actions: expected [n, {spec.action_dim}]'
+                             f', got {list(actions.shape)}')
+        if not np.all(np.isfinite(actions)):
+            raise ValueError(f'{spec.name}: committed actions contain NaN or inf')
+        if spec.actions_to_model is not None:
+            actions = spec.actions_to_model(actions)
+        if spec.delta_action_mask is not None:
+            if inputs is None:
+                raise ValueError(f'{spec.name}: delta actions need the ModelInputs of the row')
+            mask = np.asarray(spec.delta_action_mask)
+            actions[:, :mask.size] -= np.where(mask, inputs.model_state[:mask.size], 0.0)
+        out = np.zeros((actions.shape[0], self.action_dim), np.float32)
+        out[:, :spec.action_dim] = normalize(actions, self.action_stats, self.use_quantiles,
+                                             what=f'{spec.name} committed actions')
+        return out
