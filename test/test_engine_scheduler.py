@@ -70,7 +70,7 @@ class FakeRunner:
         self.prefix[slot] = tensors['frame']
         self.written[slot] = 0
 
-    def sample_actions(self, slot, noise):
+    def sample_actions(self, slot, noise, plan=None):
         assert noise.shape == (H, A)
         return np.full((H, A), self.prefix[slot], dtype=np.float32)
 

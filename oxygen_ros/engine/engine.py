@@ -27,7 +27,8 @@ from oxygen_ros.engine.frontend import Frontend, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
 from oxygen_ros.engine.scheduler import Scheduler
-from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
+from oxygen_ros.engine.types import (ActionOutput, Continuation, FrameResult, Observation,
+                                     Timings)
 from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
 from oxygen_ros.kv import KVPool
 from oxygen_ros.kv.store import slot_bytes
@@ -122,18 +123,24 @@ class Engine(FrontendClock):
 
     # ---- 1. the action path ------------------------------------------------------------------
 
-    def act(self, obs: Observation) -> ActionOutput:
+    def act(self, obs: Observation, continuation: Continuation | None = None) -> ActionOutput:
         """Prefill the observation into a pool slot and compute its actions; no language work.
 
-        Raises ValueError for a malformed observation (nothing allocated); the action path
-        always gets a slot, evicting the oldest language request if the pool is full.
+        continuation: the chunk the robot is executing, which this one continues (real-time
+        chunking, on the same prefill); the output's start_row is then its delay.
+        Raises ValueError for a malformed observation or committed chunk (nothing allocated);
+        the action path always gets a slot, evicting the oldest language request if the pool
+        is full.
         """
         frame = self._begin_frame(obs)
+        horizon = self.runner.action_shape[0]
+        with self._frontend_clock():
+            plan = self.frontend.row_plan(continuation, frame.prepared, horizon)  # may raise
         slot = self.scheduler.allocate_frame_slot(frame.index)
         try:
             self.runner.prefill(frame.prepared.tensors, slot)
             noise = frame_noise(self.seed, frame.index, *self.runner.action_shape)
-            normalized = self.runner.sample_actions(slot, noise)            # [H, A]
+            normalized = self.runner.sample_actions(slot, noise, plan)      # [H, A]
             with self._frontend_clock():
                 actions = self.frontend.robot_actions(normalized, frame.prepared)
         except BaseException:
@@ -142,7 +149,8 @@ class Engine(FrontendClock):
         self.scheduler.after_actions()
         frame.act_s = self.clock() - frame.started
         self.budget.observe_action(frame.act_s)
-        frame.action = ActionOutput(frame.index, actions, normalized, frame.act_s, obs.stamp)
+        frame.action = ActionOutput(frame.index, actions, normalized, frame.act_s, obs.stamp,
+                                    plan.delay if plan is not None else 0)
         self._frame = frame
         return frame.action
 

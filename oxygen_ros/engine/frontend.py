@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oxygen_ros.engine.types import Observation
+from oxygen_ros.engine.types import Continuation, Observation
+from oxygen_ros.model import rtc
 from oxygen_ros.model.config import Pi05Config
 from oxygen_ros.model.normalize import NormStats
 from oxygen_ros.model.pi05 import Pi05Model
@@ -65,6 +66,21 @@ class Frontend:
     def robot_actions(self, normalized: np.ndarray, prepared: PreparedObservation) -> np.ndarray:
         """Model actions float32 [H, A] (normalised) -> robot actions float32 [H, robot dim]."""
         return self.adapter.postprocess(normalized, prepared.inputs)
+
+    def row_plan(self, continuation: Continuation | None, prepared: PreparedObservation,
+                 horizon: int) -> rtc.RowPlan | None:
+        """Return what the denoise loop inpaints for `continuation` (None: nothing).
+
+        The committed rows arrive in robot units; they go through the inverse of
+        robot_actions for this observation (its state for delta actions), so the guidance
+        target lives in the model's normalised space. Raises ValueError for a bad chunk.
+        """
+        if continuation is None or len(continuation.rows) == 0:
+            return None
+        target = self.adapter.model_actions(continuation.rows[:horizon], prepared.inputs)
+        c = continuation
+        return rtc.row_plan(c.mode, target, horizon, c.delay, c.overlap_end or horizon,
+                            c.schedule, c.max_guidance_weight)
 
     # ---- text side ---------------------------------------------------------------------------
 
