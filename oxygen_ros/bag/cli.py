@@ -16,7 +16,7 @@ import threading
 from typing import Callable
 
 from oxygen_ros.bag.errors import BagError
-from oxygen_ros.runtime.cli_options import add_engine_options
+from oxygen_ros.runtime.cli_options import add_engine_options, RTC_PARAMS
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -66,7 +66,8 @@ def _camera_topic_overrides(args: argparse.Namespace) -> dict:
 _TOPIC_PARAMS = ('robot', 'camera_names', 'joint_names', 'control_rate_hz')
 _ENGINE_PARAMS = ('checkpoint', 'preset', 'device', 'dtype', 'seed', 'decode_budget',
                   'tokens_per_request', 'request_every_n_frames', 'language_prompt',
-                  'kv_capacity', 'denoise_steps', 'stale_frame_timeout_s', 'tokenizer')
+                  'kv_capacity', 'denoise_steps', 'stale_frame_timeout_s',
+                  'tokenizer') + RTC_PARAMS
 # ReplayParams fields (not node parameters).
 _REPLAY_OPTIONS = ('namespace', 'instruction_topic', 'joint_states_topic',
                    'instruction_override', 'on_bad_input')
