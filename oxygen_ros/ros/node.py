@@ -76,6 +76,7 @@ from oxygen_ros.runtime.params import (camera_param_name, camera_param_specs, ch
                                        robot_defaults, robot_param_defaults, robot_param_name,
                                        robot_param_specs, ROBOT_PARAMS, SAFETY_LIMITS, Settings,
                                        split_param_name)
+from oxygen_ros.runtime.rtc import planner_for
 from oxygen_ros.runtime.status import build_statuses, ERROR, LoopStats, OK, ProblemLog, WARN
 
 try:
@@ -472,6 +473,9 @@ class OxygenNode(LifecycleNode):
                 scheduler.budget.frame_period_s = settings.period_s
             if robot and 'control_rate_hz' in bases:
                 self._fleet_loop.robots[robot].period_s = settings.period_s
+            if any(base.startswith('rtc_') for base in bases):
+                loop = self._fleet_loop.robots[robot] if robot else self._loop
+                loop.rtc.settings = settings.rtc
         if self._fleet_loop is not None:
             self._fleet_loop.gather_s = 0.5 * self._period_s
 
@@ -553,7 +557,7 @@ class OxygenNode(LifecycleNode):
         self._inputs, self._outputs = io.inputs, io.outputs
         self._stats = LoopStats()
         self._loop = FrameLoop(engine.system, io.inputs, problems=self._problems,
-                               stats=self._stats)
+                               stats=self._stats, rtc=planner_for(settings, engine.system))
         return engine
 
     def _configure_fleet(self, values: dict):
@@ -574,7 +578,8 @@ class OxygenNode(LifecycleNode):
                 lambda level, message, name=name: self._problems.note(level, f'{name}: {message}'))
             io = self._ios[name] = RobotIO(self, settings, problems,
                                            lambda: self._max_instruction_chars, namespace=name)
-            loops.append(RobotLoop(name, io.inputs, io.outputs, settings.period_s, problems))
+            loops.append(RobotLoop(name, io.inputs, io.outputs, settings.period_s, problems,
+                                   rtc=planner_for(settings, engine.system)))
         period = wake_period_s([s.period_s for s in fleet_settings.robots.values()])
         # Half a wake-up of slack: a robot due at a wake-up the timer fires a little early or
         # late for is served at that wake-up, not one later.
