@@ -106,7 +106,7 @@ def test_guided_inpainting_contracts_the_error_by_the_guidance_schedule():
     """
     noise, target = noise_and_target(1)
     velocity = torch.randn(1, H, A)
-    plan = rtc.row_plan('guided', target, H, delay=H, overlap_end=H)      # every row weight 1
+    plan = rtc.RowPlan(target, np.ones(H, np.float32), delay=H)           # every row weight 1
     out = rtc.sample(constant_expert(velocity), noise, STEPS,
                      rtc.Inpainting.from_rows([plan], H, A))
     start_error = torch.from_numpy(target) - (noise - velocity)           # Y - Â at t = 1
@@ -245,7 +245,7 @@ def test_delay_counts_the_rows_that_play_before_the_chunk_is_out():
 
 
 def test_auto_delay_follows_a_latency_change():
-    planner = RtcPlanner(RtcSettings('guided', delay=AUTO_DELAY), 0.05, H)
+    planner = RtcPlanner(RtcSettings('guided', delay=AUTO_DELAY), 0.05)
     assert planner.delay() == 0                               # nothing measured yet
 
     def publish(stamp, latency):
@@ -259,8 +259,9 @@ def test_auto_delay_follows_a_latency_change():
     assert planner.delay() == 4                               # ceil(0.22 / 0.05) - 1
     planner.settings = RtcSettings('guided', delay=2)         # a fixed delay wins
     assert planner.delay() == 2
-    planner.settings = RtcSettings('guided', delay=50)        # capped below the horizon
-    assert planner.delay() == H - 1
+    # a delay past the chunk is capped by the engine: the chunk keeps a row to play
+    plan = rtc.row_plan('guided', np.zeros((H, A), np.float32), H, delay=50, overlap_end=H)
+    assert plan.delay == H - 1
 
 
 def test_committed_rows_line_up_with_the_new_chunks_rows():
@@ -276,7 +277,7 @@ def test_committed_rows_line_up_with_the_new_chunks_rows():
 
 
 def test_planner_continues_the_newest_published_chunk():
-    planner = RtcPlanner(RtcSettings('prefix', delay=2, execution_horizon=6), 0.05, H)
+    planner = RtcPlanner(RtcSettings('prefix', delay=2, execution_horizon=6), 0.05)
     assert planner.continuation(random_observation('libero', 0)) is None   # nothing yet
     actions = np.random.default_rng(0).normal(size=(H, 7)).astype(np.float32)
     planner.record(ActionOutput(0, actions, np.zeros((H, 32)), 0.03, 1.0), 1.03)
@@ -288,7 +289,7 @@ def test_planner_continues_the_newest_published_chunk():
     planner.settings = RtcSettings('off')
     assert planner.continuation(obs) is None
     with pytest.raises(ValueError, match='rtc_mode'):
-        RtcPlanner(RtcSettings('sometimes'), 0.05, H)
+        RtcPlanner(RtcSettings('sometimes'), 0.05)
 
 
 def test_played_path_switches_at_start_rows_and_measures_jumps():
@@ -308,7 +309,7 @@ def run_frames(model, frontend, settings, frames=5, n_tokens=4):
     """act() + advance_language() over the same frames with a planner; chunks and tokens."""
     policy = LanguagePolicy(max_new_tokens=n_tokens, eos_id=None)
     engine = make_engine('oxygen', model, frontend, policy, UnlimitedBudget(), seed=1)
-    planner = RtcPlanner(settings, 0.05, model.config.action_horizon)
+    planner = RtcPlanner(settings, 0.05)
     chunks, tokens = [], {}
     for i in range(frames):
         obs = random_observation('libero', i, image_size=32)
@@ -338,9 +339,9 @@ def test_engine_rtc_leaves_language_tokens_identical(tiny, mode):
     assert [c.start_row for c in on_chunks] == [0] + [1] * 4      # the first row past d
     assert [c.start_row for c in off_chunks] == [0] * 5
     assert not np.allclose(on_chunks[-1].actions, off_chunks[-1].actions)
-    if mode == 'prefix':   # the frozen row equals the committed one (robot units, float32)
+    if mode == 'prefix':   # the frozen row is the committed one, exactly
         for before, after in zip(on_chunks, on_chunks[1:]):
-            np.testing.assert_allclose(after.actions[0], before.actions[2], atol=1e-5)
+            np.testing.assert_array_equal(after.actions[0], before.actions[2])
 
 
 def test_engine_rejects_a_bad_committed_chunk(tiny):

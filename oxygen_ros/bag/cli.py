@@ -99,6 +99,10 @@ def add_replay_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument('--overwrite', action='store_true', help='replace an existing --out bag')
     parser.add_argument('--threads', type=int, default=0, help='torch threads (0 = default)')
     parser.add_argument('--quiet', action='store_true', help='no progress bar')
+    parser.add_argument('--rtc-compare', action='store_true',
+                        help='replay once per real-time chunking mode (off, guided, prefix) '
+                             'into OUT/<mode>; compare boundary jumps, total variation and '
+                             'act() time (OUT/rtc.csv, OUT/rtc_boundaries.png)')
     dataset = parser.add_argument_group('LeRobot datasets')
     dataset.add_argument('--camera', action='append', default=[], metavar='NAME=FEATURE',
                          help="robot camera <- dataset feature (default: a feature named "
@@ -163,12 +167,20 @@ def replay_main(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         from oxygen_ros.dataset import is_dataset
         if is_dataset(args.bag):
-            replay = _dataset_replay(args, params)
+            def make_replay(out, params, **options):
+                return _dataset_replay(args, params, out, **options)
         else:
             from oxygen_ros.bag.replay import Replay
-            replay = Replay(args.bag, args.out, params, rate=args.rate, storage=args.storage,
-                            overwrite=args.overwrite, copy=args.copy, progress=not args.quiet,
-                            node_name=args.node_name)
+
+            def make_replay(out, params, **options):
+                return Replay(args.bag, out, params, rate=args.rate, storage=args.storage,
+                              overwrite=args.overwrite, copy=args.copy,
+                              progress=not args.quiet, node_name=args.node_name, **options)
+        if args.rtc_compare:
+            from oxygen_ros.bag.rtc_compare import compare_rtc
+            compare_rtc(make_replay, args.out, params, overwrite=args.overwrite)
+            return 0
+        replay = make_replay(args.out, params)
     except BagError as err:
         return error('replay', err)
     except KeyboardInterrupt:
@@ -190,7 +202,7 @@ def replay_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dataset_replay(args: argparse.Namespace, params):
+def _dataset_replay(args: argparse.Namespace, params, out, **options):
     """Build the DatasetReplay the options describe (a LeRobot dataset is paced by its frames)."""
     from oxygen_ros.bag.dataset_replay import DatasetReplay
 
@@ -201,10 +213,10 @@ def _dataset_replay(args: argparse.Namespace, params):
             raise BagError(f'--camera {item!r}; expected NAME=FEATURE, e.g. '
                            'image=observation.images.front')
         mapping[name] = feature
-    return DatasetReplay(args.bag, args.out, params, camera_map=mapping or None,
+    return DatasetReplay(args.bag, out, params, camera_map=mapping or None,
                          state_key=args.state_key, action_key=args.action_key,
                          episodes=args.episodes, storage=args.storage,
-                         overwrite=args.overwrite, progress=not args.quiet)
+                         overwrite=args.overwrite, progress=not args.quiet, **options)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # all close the bag cleanly

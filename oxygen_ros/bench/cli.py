@@ -20,6 +20,7 @@ examples:
   oxygen-ros bench --parts node                 # oxygen_node process vs the engine (~2 min)
   oxygen-ros bench --parts robots               # R = 1 2 4 8 robots: one engine vs R engines
   oxygen-ros bench --quick --parts robots       # the same in miniature (tiny preset, R = 1 2)
+  oxygen-ros bench --parts rtc                  # real-time chunking off / guided / prefix
 """
 
 
@@ -113,6 +114,21 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     node.add_argument('--camera-format', default='jpeg', choices=['jpeg', 'raw'],
                       help='CompressedImage jpeg (default) or raw rgb8 Image; raw 640x480 '
                       'frames are 0.9 MB best-effort messages that DDS drops on a busy machine')
+    rtc = bench.add_argument_group(
+        'rtc part', 'real-time chunking off / guided / prefix on the same synthetic episode: '
+        'boundary jumps, total variation, act() cost, a plot of one joint')
+    rtc.add_argument('--rtc-robot', default=None, choices=['libero', 'droid', 'aloha'],
+                     help='robot of the episode (default libero)')
+    rtc.add_argument('--rtc-frames', type=int, default=None,
+                     help='measured frames per mode (default 30; quick 8)')
+    rtc.add_argument('--rtc-delay', type=int, default=None, metavar='ROWS',
+                     help="d (default: from the 'off' engine's act() p95 over the warm-up)")
+    rtc.add_argument('--rtc-period-rows', type=int, default=None, metavar='ROWS',
+                     help='rows between frames of the episode (default: from --rtc-control-hz '
+                     'and the latency)')
+    rtc.add_argument('--rtc-control-hz', type=float, default=None,
+                     help='asked frame rate of the episode (default 10; frames are never '
+                     'closer than the latency)')
     bench.set_defaults(func=run_bench_command)
     return bench
 
@@ -157,6 +173,14 @@ def options_from_args(args: argparse.Namespace):
     if args.plot_statistic:
         changes['plot_statistic'] = args.plot_statistic
     changes['node'] = node_options_from_args(args)
+    rtc_changes = {name: value for name, value in (
+        ('robot', args.rtc_robot), ('frames', args.rtc_frames), ('delay', args.rtc_delay),
+        ('control_hz', args.rtc_control_hz), ('period_rows', args.rtc_period_rows))
+        if value is not None}
+    if (rtc_changes.get('frames', 2) < 2 or rtc_changes.get('delay', 0) < 0
+            or rtc_changes.get('period_rows', 1) < 1):
+        raise SystemExit('--rtc-frames must be >= 2, --rtc-delay >= 0, --rtc-period-rows >= 1')
+    changes['rtc'] = dataclasses.replace(base.rtc, **rtc_changes)
     changes['out_dir'] = args.out
     return dataclasses.replace(base, **changes)
 

@@ -27,7 +27,8 @@ PARTS = SWEEPS + ('memory',)   # the default ('all'): runs anywhere, ROS or not
 # (oxygen_node, a stand-in robot and a monitor as processes: it needs the ROS install and the
 # built messages) and 'serve' (`oxygen-ros serve` over the engine, a client on localhost) run
 # only when asked for.
-ALL_PARTS = PARTS + ('robots', 'node', 'serve')
+# 'rtc' (real-time chunking off / guided / prefix on the same synthetic episode) too.
+ALL_PARTS = PARTS + ('robots', 'node', 'serve', 'rtc')
 ROBOT_COUNTS = (1, 2, 4, 8)
 PAPER_NS = (5, 10, 15, 20, 30)
 PAPER_STEPS = (5, 10, 15, 20)

@@ -39,6 +39,7 @@ from .node import NodeBenchOptions, run_node_part
 from .phases import measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 from .robots import run_robots_part
+from .rtc import RtcBenchOptions, run_rtc_part
 
 # Deadline of oxygen-adaptive and of the deadline-miss count when no control rate is given:
 # the action path (P + D) plus this share of it for language (about k = 5 decode steps of the
@@ -65,13 +66,17 @@ class BenchOptions:
     quick: bool = False
     plot_statistic: str = 'mean'     # frame-time statistic of the plots' Hz: mean (paper) / p50
     node: NodeBenchOptions = dataclasses.field(default_factory=NodeBenchOptions)   # part 'node'
+    rtc: RtcBenchOptions = dataclasses.field(default_factory=RtcBenchOptions)      # part 'rtc'
     out_dir: str = 'bench-results'   # where the node part leaves its processes' logs
 
     @classmethod
     def quick_defaults(cls, **changes) -> BenchOptions:
         return dataclasses.replace(cls(plan=quick_options(), preset='tiny', quick=True,
                                        phase_repeats=3, memory_frames=2,
-                                       node=NodeBenchOptions.quick()), **changes)
+                                       node=NodeBenchOptions.quick(),
+                                       rtc=RtcBenchOptions(frames=8, warmup=3, delay=1,
+                                                           period_rows=2)),
+                                   **changes)
 
 
 @dataclasses.dataclass
@@ -89,6 +94,8 @@ class BenchResult:
     robots: list[dict] = dataclasses.field(default_factory=list)      # part 'robots': (R, system)
     node_ticks: list[dict] = dataclasses.field(default_factory=list)  # its per-tick records
     serve: list[dict] = dataclasses.field(default_factory=list)       # part 'serve': one row
+    rtc: list[dict] = dataclasses.field(default_factory=list)         # part 'rtc': per mode
+    rtc_paths: list[dict] = dataclasses.field(default_factory=list)   # its plotted paths
 
 
 def environment(opts: BenchOptions) -> dict:
@@ -520,6 +527,16 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
                                            opts.preset, opts.device, opts.dtype, opts.threads,
                                            opts.seed))
         part_seconds['serve'] = time.perf_counter() - start
+    if 'rtc' in opts.plan.parts:
+        start = time.perf_counter()
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress else (
+            lambda line: None)
+        steps = opts.plan.default_steps
+        rows, paths = run_rtc_part(opts.rtc, models.model(steps),
+                                   models.frontend(steps, opts.rtc.robot), opts.seed, say)
+        result.rtc.extend(rows)
+        result.rtc_paths.extend(paths)
+        part_seconds['rtc'] = time.perf_counter() - start
     env['loadavg_end'] = os.getloadavg()[0] if hasattr(os, 'getloadavg') else math.nan
     return result
 
@@ -539,6 +556,9 @@ def load_result(path: str | Path) -> BenchResult:
                                   for key, v in opts['plan'].items()})
     if isinstance(opts.get('node'), dict):
         opts['node'] = NodeBenchOptions(**opts['node'])
+    if isinstance(opts.get('rtc'), dict):
+        opts['rtc'] = RtcBenchOptions(**{key: tuple(v) if isinstance(v, list) else v
+                                         for key, v in opts['rtc'].items()})
     data['options'] = BenchOptions(**opts)
     data['periods'] = {int(steps): p for steps, p in data['periods'].items()}
     return BenchResult(**data)

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from oxygen_ros.engine.budget import Budget, UnlimitedBudget
-from oxygen_ros.engine.frontend import Frontend, PreparedObservation
+from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
 from oxygen_ros.engine.scheduler import Scheduler
@@ -142,7 +142,8 @@ class Engine(FrontendClock):
             noise = frame_noise(self.seed, frame.index, *self.runner.action_shape)
             normalized = self.runner.sample_actions(slot, noise, plan)      # [H, A]
             with self._frontend_clock():
-                actions = self.frontend.robot_actions(normalized, frame.prepared)
+                actions = self.frontend.robot_actions(normalized, frame.prepared,
+                                                      held_rows(continuation, plan))
         except BaseException:
             self.scheduler.drop_frame()
             raise

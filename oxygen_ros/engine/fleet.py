@@ -42,7 +42,7 @@ import numpy as np
 
 from oxygen_ros.engine.budget import Budget, FixedBudget, UnlimitedBudget
 from oxygen_ros.engine.engine import DEFAULT_MAX_FORCED_TOKENS, FrontendClock
-from oxygen_ros.engine.frontend import Frontend, PreparedObservation
+from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
 from oxygen_ros.engine.scheduler import PRESSURE_POLICIES, Scheduler, StepPlan
@@ -107,6 +107,7 @@ class _Frame:
     obs: Observation
     prepared: PreparedObservation
     plan: RowPlan | None = None   # real-time chunking of this robot's row (None: free)
+    held: np.ndarray | None = None   # the committed rows it holds, robot units (prefix mode)
     slot: int = -1
     action: ActionOutput | None = None
 
@@ -255,7 +256,7 @@ class FleetEngine(FrontendClock):
             return None
         robot.next_frame_index = index + 1
         robot.last_frame_index = index
-        return _Frame(robot, index, obs, prepared, plan)
+        return _Frame(robot, index, obs, prepared, plan, held_rows(continuation, plan))
 
     def _run_action_path(self, frames: list[_Frame], rejected: dict[str, str]) -> None:
         """Slots from each robot's quota, then one prefill and one denoise over all rows."""
@@ -281,7 +282,8 @@ class FleetEngine(FrontendClock):
         for frame, rows in zip(frames, normalized):
             try:
                 with self._frontend_clock():
-                    actions = frame.robot.frontend.robot_actions(rows, frame.prepared)
+                    actions = frame.robot.frontend.robot_actions(rows, frame.prepared,
+                                                                 frame.held)
             except ValueError as err:   # e.g. non-finite actions: this robot only
                 rejected[frame.robot.name] = f'actions: {err}'
                 frame.robot.scheduler.drop_frame()

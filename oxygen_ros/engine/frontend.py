@@ -63,9 +63,17 @@ class Frontend:
         inputs = self.adapter.prepare(obs.images, obs.state, obs.instruction)
         return PreparedObservation(inputs, collate([inputs], self.device))
 
-    def robot_actions(self, normalized: np.ndarray, prepared: PreparedObservation) -> np.ndarray:
-        """Model actions float32 [H, A] (normalised) -> robot actions float32 [H, robot dim]."""
-        return self.adapter.postprocess(normalized, prepared.inputs)
+    def robot_actions(self, normalized: np.ndarray, prepared: PreparedObservation,
+                      held: np.ndarray | None = None) -> np.ndarray:
+        """Model actions float32 [H, A] (normalised) -> robot actions float32 [H, robot dim].
+
+        held: robot rows [d, robot dim] the first rows are (RTC prefix mode: the committed
+        rows bit for bit, not their round trip through the normalisation).
+        """
+        actions = self.adapter.postprocess(normalized, prepared.inputs)
+        if held is not None:
+            actions[:len(held)] = held
+        return actions
 
     def row_plan(self, continuation: Continuation | None, prepared: PreparedObservation,
                  horizon: int) -> rtc.RowPlan | None:
@@ -96,6 +104,13 @@ class Frontend:
     def next_delta(self, ids: list[int], shown: str, final: bool) -> tuple[str, str]:
         """(delta, text) after `shown`, the text of the stream's previous ids (see tokenizer)."""
         return self.tokenizer.next_delta(ids, shown, final=final)
+
+
+def held_rows(continuation: Continuation | None, plan: rtc.RowPlan | None) -> np.ndarray | None:
+    """Return the committed rows a plan holds, robot units [d, A] (None: it holds none)."""
+    if plan is None or not plan.hold:
+        return None
+    return continuation.rows[:plan.delay]
 
 
 def identity_norm_stats(robot: str) -> dict[str, NormStats]:

@@ -93,15 +93,15 @@ def row_plan(mode: str, target: np.ndarray, horizon: int, delay: int, overlap_en
     """Plan one row: guided (weights over the overlap) or prefix (delay rows frozen).
 
     target: normalised committed rows [n, A] aligned with the new chunk's rows 0..n-1; rows
-    past n have nothing to continue (weight 0), and delay is capped at n. None for mode off
-    or when nothing is committed.
+    past n have nothing to continue (weight 0). The delay is capped at n and below the
+    horizon (the chunk keeps a row to play). None for mode off or when nothing is committed.
     """
     if mode not in MODES:
         raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
     n = min(len(target), horizon)
     if mode == OFF or n == 0:
         return None
-    delay = min(delay, n)
+    delay = max(0, min(delay, n, horizon - 1))
     if mode == PREFIX:
         return RowPlan(target[:n], np.zeros(horizon, np.float32), delay, True,
                        max_guidance_weight)

@@ -557,7 +557,7 @@ class OxygenNode(LifecycleNode):
         self._inputs, self._outputs = io.inputs, io.outputs
         self._stats = LoopStats()
         self._loop = FrameLoop(engine.system, io.inputs, problems=self._problems,
-                               stats=self._stats, rtc=planner_for(settings, engine.system))
+                               stats=self._stats, rtc=planner_for(settings))
         return engine
 
     def _configure_fleet(self, values: dict):
@@ -579,7 +579,7 @@ class OxygenNode(LifecycleNode):
             io = self._ios[name] = RobotIO(self, settings, problems,
                                            lambda: self._max_instruction_chars, namespace=name)
             loops.append(RobotLoop(name, io.inputs, io.outputs, settings.period_s, problems,
-                                   rtc=planner_for(settings, engine.system)))
+                                   rtc=planner_for(settings)))
         period = wake_period_s([s.period_s for s in fleet_settings.robots.values()])
         # Half a wake-up of slack: a robot due at a wake-up the timer fires a little early or
         # late for is served at that wake-up, not one later.

@@ -31,7 +31,7 @@ import numpy as np
 
 from oxygen_ros.engine.types import ActionOutput, Continuation, Observation
 from oxygen_ros.model.robots import get_robot
-from oxygen_ros.runtime.params import AUTO_DELAY, RtcSettings, Settings
+from oxygen_ros.runtime.params import AUTO_DELAY, GUIDED, OFF, PREFIX, RtcSettings, Settings
 
 LATENCY_WINDOW = 50              # chunks whose latency the auto delay looks at
 
@@ -111,21 +111,18 @@ class CommittedChunk:
 class RtcPlanner:
     """One robot's real-time chunking between act() calls (see the module docstring).
 
-    horizon: rows of the model's chunk (d is kept below it, so a chunk always has a row to
-    play). trace: keep every recorded chunk (PlayedChunk) for played_path (replays, bench).
+    trace: keep every recorded chunk (PlayedChunk) for played_path (replays, bench).
+    The engine caps d below the chunk's horizon (a chunk always has a row to play).
     """
 
-    def __init__(self, settings: RtcSettings, step_period_s: float, horizon: int, *,
-                 trace: bool = False):
+    def __init__(self, settings: RtcSettings, step_period_s: float, *, trace: bool = False):
         problems = settings.problems()
         if problems:
             raise ValueError('; '.join(problems))
-        if not step_period_s > 0 or horizon < 1:
-            raise ValueError(f'need step_period_s > 0 and horizon >= 1, got {step_period_s}, '
-                             f'{horizon}')
+        if not step_period_s > 0:
+            raise ValueError(f'step_period_s must be > 0, got {step_period_s}')
         self.settings = settings
         self.step_period_s = step_period_s
-        self.horizon = horizon
         self.committed = CommittedChunk()
         self.latency = LatencyWindow()
         self.trace: list[PlayedChunk] | None = [] if trace else None
@@ -136,7 +133,7 @@ class RtcPlanner:
         if d == AUTO_DELAY:
             p95 = self.latency.p95()
             d = 0 if p95 is None else delay_rows(p95, self.step_period_s)
-        return min(d, self.horizon - 1)
+        return d
 
     def continuation(self, obs: Observation) -> Continuation | None:
         """Return what the chunk of `obs` continues (None: RTC off or nothing committed)."""
@@ -146,14 +143,13 @@ class RtcPlanner:
                       ) -> Continuation | None:
         """Return the Continuation of committed `rows` [n, A] (None: RTC off or no rows).
 
-        delay: d in rows (None: the planner's, see delay()); capped below the horizon.
+        delay: d in rows (None: the planner's, see delay()).
         """
         s = self.settings
         if not s.enabled or rows is None or not len(rows):
             return None
-        d = self.delay() if delay is None else min(delay, self.horizon - 1)
-        return Continuation(rows, d, s.mode, s.execution_horizon, s.schedule,
-                            s.max_guidance_weight)
+        return Continuation(rows, self.delay() if delay is None else delay, s.mode,
+                            s.execution_horizon, s.schedule, s.max_guidance_weight)
 
     def record(self, action: ActionOutput, out_s: float) -> None:
         """Record a chunk sent to the robot at out_s (the stamps' clock): now committed."""
@@ -164,11 +160,9 @@ class RtcPlanner:
                                           action.start_row, action.inference_time_s))
 
 
-def planner_for(settings: Settings, system, **options) -> RtcPlanner:
-    """Return the RtcPlanner of one robot's settings over an engine (horizon: its runner's)."""
-    horizon = system.runner.action_shape[0]
-    return RtcPlanner(settings.rtc, get_robot(settings.robot).step_period_s, horizon,
-                      **options)
+def planner_for(settings: Settings, **options) -> RtcPlanner:
+    """Return the RtcPlanner of one robot's settings (its robot's step period)."""
+    return RtcPlanner(settings.rtc, get_robot(settings.robot).step_period_s, **options)
 
 
 @dataclasses.dataclass
@@ -190,6 +184,8 @@ class PlayedPath:
     chunk_of_row: np.ndarray         # int [T] index (in the chunk list) of each row's chunk
     jumps: np.ndarray                # float [K] boundary jumps: ||first new - last old||
     boundary_times_s: np.ndarray     # float [K] when each new chunk's first row plays
+    gaps: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    #                                  float [K] ||first new - what the old chunk had for then||
 
     @property
     def total_variation(self) -> float:
@@ -205,12 +201,16 @@ def played_path(chunks: list[PlayedChunk], step_period_s: float) -> PlayedPath:
     Chunk k plays from row start_row at stamp + (start_row + 1) P until the next chunk's
     first row is due (or holds its last row when it runs out). A chunk superseded before its
     first row is due is never played. The boundary jump is the distance (L2 over the action
-    columns) between the last row played of the old chunk and the first row of the new one.
+    columns) between the last row played of the old chunk and the first row of the new one;
+    the gap is the distance between that first new row and the old chunk's row for the same
+    time (it leaves out the path's own step between two rows; NaN when the old chunk has no
+    row then).
     """
     P = step_period_s
-    times, rows, owners, jumps, boundaries = [], [], [], [], []
+    times, rows, owners, jumps, boundaries, gaps = [], [], [], [], [], []
     starts = [c.stamp_s + (c.start_row + 1) * P for c in chunks]
     last_row = None
+    committed = CommittedChunk()
     for k, chunk in enumerate(chunks):
         # Played until the first later chunk that starts after this one does.
         end = next((starts[j] for j in range(k + 1, len(chunks)) if starts[j] > starts[k]),
@@ -226,6 +226,11 @@ def played_path(chunks: list[PlayedChunk], step_period_s: float) -> PlayedPath:
             if first and last_row is not None:
                 jumps.append(float(np.linalg.norm(row - last_row)))
                 boundaries.append(t)
+                then = committed.rows_at(chunk.stamp_s)   # old rows at this chunk's row times
+                gaps.append(float(np.linalg.norm(row - then[i])) if then is not None
+                            and i < len(then) else math.nan)
+            if first:
+                committed.record(chunk.actions, chunk.stamp_s, P)
             first = False
             times.append(t)
             rows.append(row)
@@ -233,4 +238,87 @@ def played_path(chunks: list[PlayedChunk], step_period_s: float) -> PlayedPath:
             last_row = row
     width = chunks[0].actions.shape[1] if chunks else 0
     return PlayedPath(np.array(times), np.array(rows).reshape(-1, width), np.array(owners, int),
-                      np.array(jumps), np.array(boundaries))
+                      np.array(jumps), np.array(boundaries), np.array(gaps))
+
+
+def compare_runs(traces: dict[str, list[PlayedChunk]], step_period_s: float,
+                 delay: int) -> tuple[list[dict], dict[str, PlayedPath]]:
+    """Compare runs of the same frames with RTC off and on: one row per mode, and the paths.
+
+    Every run is played from the same row of each chunk, the first past the delay, so the
+    boundary jumps compare what the chunks hold, not when they start. Per mode: the jumps
+    (mean, p95, max), the path's total variation, act() time, and how far the rows the delay
+    freezes lie from the committed ones (0 for prefix); ratios are over mode 'off'.
+    """
+    paths = {mode: played_path([dataclasses.replace(c, start_row=delay) for c in chunks],
+                               step_period_s) for mode, chunks in traces.items()}
+    rows = []
+    for mode, chunks in traces.items():
+        path = paths[mode]
+        # the path's own steps (between two rows of one chunk): the floor of any jump
+        within = [float(np.linalg.norm(b - a)) for a, b, same in zip(
+            path.rows, path.rows[1:], np.diff(path.chunk_of_row) == 0) if same]
+        frozen = []
+        committed = CommittedChunk()
+        for chunk in chunks:
+            rows_then = committed.rows_at(chunk.stamp_s)
+            if rows_then is not None and delay:
+                n = min(delay, len(rows_then))
+                frozen.append(float(np.abs(chunk.actions[:n] - rows_then[:n]).max()))
+            committed.record(chunk.actions, chunk.stamp_s, step_period_s)
+        act = np.array([c.act_s for c in chunks])
+        rows.append({'mode': mode, 'chunks': len(chunks), 'delay_rows': delay,
+                     'boundaries': len(path.jumps),
+                     'jump_mean': float(path.jumps.mean()) if len(path.jumps) else math.nan,
+                     'jump_p95': (float(np.percentile(path.jumps, 95)) if len(path.jumps)
+                                  else math.nan),
+                     'jump_max': float(path.jumps.max()) if len(path.jumps) else math.nan,
+                     'gap_mean': float(np.nanmean(path.gaps)) if np.isfinite(
+                         path.gaps).any() else math.nan,
+                     'row_step_mean': float(np.mean(within)) if within else math.nan,
+                     'total_variation': path.total_variation,
+                     'act_ms_p50': 1e3 * float(np.median(act)) if act.size else math.nan,
+                     'frozen_rows_max_diff': max(frozen, default=math.nan)})
+    off = next((r for r in rows if r['mode'] == OFF), None)
+    for row in rows:
+        for key in ('jump_mean', 'gap_mean', 'total_variation', 'act_ms_p50'):
+            row[f'{key}_vs_off'] = row[key] / off[key] if off and off[key] else math.nan
+    return rows, paths
+
+
+def plot_paths(paths: dict[str, PlayedPath], column: int, name: str, title: str,
+               boundaries: int = 6):
+    """Plot one action column across a few chunk boundaries, one line per mode (a Figure).
+
+    The window starts a third into the run (past the first chunks) and spans `boundaries`
+    switches of the first path; dashed lines mark where a new chunk takes over.
+    """
+    import matplotlib
+    matplotlib.use('Agg')   # files only
+    import matplotlib.pyplot as plt
+
+    first = next(iter(paths.values()))
+    times = first.boundary_times_s
+    if not len(times):
+        return None
+    start = len(times) // 3
+    lo = times[max(start - 1, 0)]
+    hi = times[min(start + boundaries, len(times) - 1)]
+    origin = first.times_s[0]        # stamps may be wall-clock seconds: plot from the start
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    styles = {OFF: ('tab:red', 'o'), GUIDED: ('tab:blue', 's'), PREFIX: ('tab:green', '^')}
+    for mode, path in paths.items():
+        keep = (path.times_s >= lo) & (path.times_s <= hi)
+        colour, marker = styles.get(mode, ('black', '.'))
+        ax.plot(path.times_s[keep] - origin, path.rows[keep, column], marker=marker,
+                markersize=3, color=colour, label=f'{mode}: mean jump {path.jumps.mean():.3f}'
+                if len(path.jumps) else mode)
+    for t in times[(times >= lo) & (times <= hi)]:
+        ax.axvline(t - origin, color='grey', linestyle='--', linewidth=0.7)
+    ax.set_xlabel('time (s) since the first row: each row when it plays; dashed: a new chunk '
+                  'takes over')
+    ax.set_ylabel(name)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -146,8 +146,8 @@ class EngineWorker:
         self.config = config
         self.queue = FairQueue(config.max_pending)
         self.inputs = _RequestInputs()
-        self.rtc = _ClientChunks(config.rtc, get_robot(config.robot).step_period_s,
-                                 system.runner.action_shape[0]) if config.rtc.enabled else None
+        self.rtc = (_ClientChunks(config.rtc, get_robot(config.robot).step_period_s)
+                    if config.rtc.enabled else None)
         self.loop = FrameLoop(system, self.inputs, stats=LoopStats(), rtc=self.rtc)
         self.replies = _Replies(self)
         self._lock = threading.Lock()             # outboxes and owners: engine + I/O threads
