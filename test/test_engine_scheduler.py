@@ -101,7 +101,7 @@ class FakeFrontend:
             raise ValueError('no state')
         return PreparedObservation(None, {'frame': obs.frame_index})
 
-    def robot_actions(self, normalized, prepared):
+    def robot_actions(self, normalized, prepared, held=None):
         return normalized
 
     def encode_text(self, text):

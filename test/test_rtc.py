@@ -354,3 +354,75 @@ def test_engine_rejects_a_bad_committed_chunk(tiny):
         engine.act(obs, bad)
     assert engine.pool.usage()['slots_in_use'] == 0               # nothing allocated
     assert engine.act(obs).start_row == 0                         # the engine goes on
+
+
+def test_fleet_continues_each_robots_chunk_in_one_denoise(tiny):
+    """Robots of one FleetEngine: a row with a committed chunk, a row without, one call."""
+    from oxygen_ros.engine import FixedBudget, FleetRobot, make_fleet
+
+    model, frontend = tiny
+    policy = LanguagePolicy(max_new_tokens=2)
+    fleet = make_fleet(model, [FleetRobot(name, frontend, policy, FixedBudget(1))
+                               for name in ('a', 'b')])
+    alone = make_fleet(model, [FleetRobot(name, frontend, policy, FixedBudget(1))
+                               for name in ('a', 'b')])
+    obs = {name: random_observation('libero', i, image_size=32)
+           for i, name in enumerate(('a', 'b'))}
+    rows = np.random.default_rng(1).uniform(-1, 1, (3, 7)).astype(np.float32)
+    acted = fleet.act(obs, {'a': Continuation(rows, delay=2, mode='prefix')})
+    plain = alone.act(obs)
+    assert acted.actions['a'].start_row == 2 and acted.actions['b'].start_row == 0
+    np.testing.assert_array_equal(acted.actions['a'].actions[:2], rows[:2])
+    np.testing.assert_allclose(acted.actions['b'].actions, plain.actions['b'].actions,
+                               atol=1e-5)
+    fleet.advance_language()
+    bad = fleet.act(obs, {'b': Continuation(np.zeros((3, 5)), delay=1)})
+    assert 'b' in bad.rejected and 'committed actions' in bad.rejected['b']
+    assert 'a' in bad.actions                                   # the other robot goes on
+
+
+def test_fleet_loop_continues_what_each_robot_was_sent(tiny):
+    from oxygen_ros.engine import FixedBudget, FleetRobot, make_fleet
+    from oxygen_ros.runtime.fleet_loop import FleetLoop, RobotLoop
+    from oxygen_ros.runtime.inputs import InputSet, InputSource, sanitize_instruction
+
+    model, frontend = tiny
+    names = ('a', 'b')
+    fleet = make_fleet(model, [FleetRobot(n, frontend, LanguagePolicy(max_new_tokens=2),
+                                          FixedBudget(1)) for n in names])
+
+    class Sink:
+        def __init__(self):
+            self.actions = []
+
+        def action(self, action, stamp_ns):
+            self.actions.append(action)
+
+        def tokens(self, delta, stamp_ns):
+            pass
+
+        def narration(self, request, stamp_ns):
+            pass
+
+    robots = []
+    for i, name in enumerate(names):
+        cameras = [(cam, InputSource(f'camera:{cam}', cam, lambda m: m))
+                   for cam in ('image', 'wrist_image')]
+        inputs = InputSet(cameras, InputSource('joint_states', 'joints', lambda m: m), 1.0)
+        inputs.set_instruction(sanitize_instruction('go', 100))
+        mode = 'prefix' if name == 'a' else 'off'
+        robots.append(RobotLoop(name, inputs, Sink(), 0.1,
+                                rtc=RtcPlanner(RtcSettings(mode, delay=1), 0.05)))
+    loop = FleetLoop(fleet, robots)
+    for tick in range(3):
+        now = 0.1 * tick
+        for i, robot in enumerate(loop.robots.values()):
+            obs = random_observation('libero', 10 * i + tick, image_size=32)
+            for cam, image in obs.images.items():
+                robot.inputs.put(f'camera:{cam}', image, now)
+            robot.inputs.put('joint_states', obs.state, now)
+        loop.tick(now)
+    a, b = (loop.robots[n].sink.actions for n in names)
+    assert [x.start_row for x in a] == [0, 1, 1] and [x.start_row for x in b] == [0, 0, 0]
+    for before, after in zip(a, a[1:]):   # stamps 0.1 s = two rows apart
+        np.testing.assert_array_equal(after.actions[0], before.actions[2])

@@ -133,9 +133,11 @@ class Engine(FrontendClock):
         is full.
         """
         frame = self._begin_frame(obs)
-        horizon = self.runner.action_shape[0]
-        with self._frontend_clock():
-            plan = self.frontend.row_plan(continuation, frame.prepared, horizon)  # may raise
+        plan = None
+        if continuation is not None:
+            with self._frontend_clock():   # may raise: nothing is held yet
+                plan = self.frontend.row_plan(continuation, frame.prepared,
+                                              self.runner.action_shape[0])
         slot = self.scheduler.allocate_frame_slot(frame.index)
         try:
             self.runner.prefill(frame.prepared.tensors, slot)

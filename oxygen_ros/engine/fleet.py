@@ -249,8 +249,9 @@ class FleetEngine(FrontendClock):
         try:
             with self._frontend_clock():
                 prepared = robot.frontend.prepare(obs)
-                plan = robot.frontend.row_plan(continuation, prepared,
-                                               self.runner.action_shape[0])
+                plan = (robot.frontend.row_plan(continuation, prepared,
+                                                self.runner.action_shape[0])
+                        if continuation is not None else None)
         except ValueError as err:   # this robot's observation only: nothing is held yet
             rejected[robot.name] = str(err)
             return None

@@ -70,13 +70,13 @@ class CommittedChunk:
     """The newest chunk sent to the robot and the time each of its rows plays."""
 
     def __init__(self):
-        self.actions: np.ndarray | None = None   # float [H, A] robot units
+        self.actions: np.ndarray | None = None   # float [H, A] robot units (as published)
         self.stamp_s = 0.0                       # its observation stamp
         self.step_period_s = 0.0
 
     def record(self, actions: np.ndarray, stamp_s: float, step_period_s: float) -> None:
         """Remember `actions` [H, A] (observed at stamp_s) as the chunk the robot executes."""
-        self.actions = np.asarray(actions, dtype=np.float64)
+        self.actions = np.asarray(actions)   # its own dtype: rows read back round to it
         self.stamp_s = float(stamp_s)
         self.step_period_s = float(step_period_s)
 
@@ -105,7 +105,8 @@ class CommittedChunk:
         below = np.floor(times).astype(int)
         above = np.minimum(below + 1, len(self.actions) - 1)
         frac = (times - below)[:, None]
-        return self.actions[below] * (1 - frac) + self.actions[above] * frac
+        rows = self.actions[below] * (1 - frac) + self.actions[above] * frac   # float64
+        return rows.astype(self.actions.dtype, copy=False)
 
 
 class RtcPlanner:
