@@ -332,6 +332,26 @@ class RobotAdapter:
                            token_masks=token_masks, state=padded, model_state=model_state)
 
     # -- output side --
+    def _matrix(self, actions, width: int, what: str, rows: str) -> np.ndarray:
+        """Return `actions` as float64 [rows, width]; ValueError naming what is wrong."""
+        actions = np.asarray(actions, dtype=np.float64)
+        if actions.ndim != 2 or actions.shape[1] != width:
+            raise ValueError(f'{self.spec.name}: {what}: expected [{rows}, {width}], '
+                             f'got {tuple(actions.shape)}')
+        if not np.all(np.isfinite(actions)):
+            raise ValueError(f'{self.spec.name}: {what} contain NaN or inf')
+        return actions
+
+    def _delta_base(self, inputs: ModelInputs | None) -> np.ndarray | None:
+        """Return the state the delta columns are relative to ([k]; None: no delta actions)."""
+        mask = self.spec.delta_action_mask
+        if mask is None:
+            return None
+        if inputs is None:
+            raise ValueError(f'{self.spec.name}: delta actions need the ModelInputs of the row')
+        mask = np.asarray(mask)
+        return np.where(mask, inputs.model_state[:mask.size], 0.0)
+
     def postprocess(self, actions, inputs: ModelInputs | None = None) -> np.ndarray:
         """Model actions [H, action_dim] (normalised) -> robot actions float32 [H, robot dim].
 
@@ -340,21 +360,13 @@ class RobotAdapter:
         spec = self.spec
         if isinstance(actions, torch.Tensor):
             actions = actions.detach().to('cpu', torch.float32).numpy()
-        actions = np.asarray(actions, dtype=np.float64)
-        if actions.ndim != 2 or actions.shape[1] != self.action_dim:
-            raise ValueError(f'{spec.name}: actions: expected [H, {self.action_dim}], '
-                             f'got {actions.shape}')
-        if not np.all(np.isfinite(actions)):
-            raise ValueError(f'{spec.name}: actions contain NaN or inf')
+        actions = self._matrix(actions, self.action_dim, 'actions', 'H')
         # openpi order: unnormalise the full width, make deltas absolute, slice, convert.
         out = unnormalize(actions, self.action_stats, self.use_quantiles,
                           what=f'{spec.name} actions', dtype=np.float64)  # [H, action_dim]
-        if spec.delta_action_mask is not None:
-            if inputs is None:
-                raise ValueError(f'{spec.name}: delta actions need the ModelInputs of the row')
-            mask = np.asarray(spec.delta_action_mask)
-            base = np.where(mask, inputs.model_state[:mask.size], 0.0)  # [k]
-            out[:, :mask.size] += base
+        base = self._delta_base(inputs)                                   # [k] or None
+        if base is not None:
+            out[:, :base.size] += base
         out = out[:, :spec.action_dim]
         if spec.actions_from_model is not None:
             out = spec.actions_from_model(out)
@@ -369,19 +381,12 @@ class RobotAdapter:
         training (openpi pads normalised actions with zeros).
         """
         spec = self.spec
-        actions = np.array(actions, dtype=np.float64)
-        if actions.ndim != 2 or actions.shape[1] != spec.action_dim:
-            raise ValueError(f'{spec.name}: committed actions: expected [n, {spec.action_dim}]'
-                             f', got {list(actions.shape)}')
-        if not np.all(np.isfinite(actions)):
-            raise ValueError(f'{spec.name}: committed actions contain NaN or inf')
+        actions = self._matrix(actions, spec.action_dim, 'committed actions', 'n').copy()
         if spec.actions_to_model is not None:
             actions = spec.actions_to_model(actions)
-        if spec.delta_action_mask is not None:
-            if inputs is None:
-                raise ValueError(f'{spec.name}: delta actions need the ModelInputs of the row')
-            mask = np.asarray(spec.delta_action_mask)
-            actions[:, :mask.size] -= np.where(mask, inputs.model_state[:mask.size], 0.0)
+        base = self._delta_base(inputs)                                   # [k] or None
+        if base is not None:
+            actions[:, :base.size] -= base
         out = np.zeros((actions.shape[0], self.action_dim), np.float32)
         out[:, :spec.action_dim] = normalize(actions, self.action_stats, self.use_quantiles,
                                              what=f'{spec.name} committed actions')
