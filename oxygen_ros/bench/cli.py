@@ -107,6 +107,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                       help='fixed decode budget k of the node and the engine run (default 5)')
     node.add_argument('--node-engine-frames', type=int, default=None,
                       help='measured frames of the engine alone (default 20; quick 5)')
+    node.add_argument('--node-rtc', default='off', choices=['off', 'guided', 'prefix'],
+                      help='real-time chunking of the node and of the engine run (default off)')
     node.add_argument('--camera-rate', type=float, default=15.0,
                       help='stand-in robot camera frames/s (default 15)')
     node.add_argument('--camera-size', default='640x480', metavar='WxH',
@@ -202,7 +204,7 @@ def node_options_from_args(args: argparse.Namespace):
                                k=args.node_k, rate_hz=args.node_rate,
                                camera_rate_hz=args.camera_rate, camera_width=width,
                                camera_height=height, camera_format=args.camera_format,
-                               **changes)
+                               rtc_mode=args.node_rtc, **changes)
 
 
 def _raise_system_exit(signum, frame):
