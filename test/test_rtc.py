@@ -156,6 +156,11 @@ def test_guided_inpainting_matches_a_hand_written_vjp_of_a_known_field():
     torch.testing.assert_close(out[0, 8:], free[0, 8:], rtol=0, atol=1e-6)
     gap = (out[0, :3] - torch.from_numpy(target[:3])).abs().mean()
     assert gap < 0.5 * (free[0, :3] - torch.from_numpy(target[:3])).abs().mean()
+    # only the robot's columns are guided (the padding's error would steer the rest)
+    narrow = rtc.sample(expert, noise, STEPS, rtc.Inpainting.from_rows(
+        [rtc.row_plan('guided', target, H, 3, 8, columns=2)], H, A))
+    torch.testing.assert_close(narrow[..., :2], out[..., :2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(narrow[..., 2:], free[..., 2:], rtol=0, atol=1e-6)
 
 
 def test_free_rows_and_mode_off_change_nothing():

@@ -88,7 +88,8 @@ class Frontend:
         target = self.adapter.model_actions(continuation.rows[:horizon], prepared.inputs)
         c = continuation
         return rtc.row_plan(c.mode, target, horizon, c.delay, c.overlap_end or horizon,
-                            c.schedule, c.max_guidance_weight)
+                            c.schedule, c.max_guidance_weight,
+                            columns=self.adapter.spec.action_dim)
 
     # ---- text side ---------------------------------------------------------------------------
 

@@ -86,10 +86,13 @@ class RowPlan:
     delay: int                    # d: rows 0..d-1 play before the chunk arrives
     hold: bool = False            # prefix mode: rows 0..d-1 held clean instead of guided
     max_guidance_weight: float = 5.0   # β
+    columns: int | None = None    # guided columns (the robot's; None: all): the padding
+    #                               columns' error would otherwise steer the real ones
 
 
 def row_plan(mode: str, target: np.ndarray, horizon: int, delay: int, overlap_end: int,
-             schedule: str = EXP, max_guidance_weight: float = 5.0) -> RowPlan | None:
+             schedule: str = EXP, max_guidance_weight: float = 5.0,
+             columns: int | None = None) -> RowPlan | None:
     """Plan one row: guided (weights over the overlap) or prefix (delay rows frozen).
 
     target: normalised committed rows [n, A] aligned with the new chunk's rows 0..n-1; rows
@@ -104,9 +107,9 @@ def row_plan(mode: str, target: np.ndarray, horizon: int, delay: int, overlap_en
     delay = max(0, min(delay, n, horizon - 1))
     if mode == PREFIX:
         return RowPlan(target[:n], np.zeros(horizon, np.float32), delay, True,
-                       max_guidance_weight)
+                       max_guidance_weight, columns)
     weights = overlap_weights(horizon, delay, min(overlap_end, n), schedule)
-    return RowPlan(target[:n], weights, delay, False, max_guidance_weight)
+    return RowPlan(target[:n], weights, delay, False, max_guidance_weight, columns)
 
 
 @dataclasses.dataclass
@@ -114,7 +117,7 @@ class Inpainting:
     """What a denoise loop inpaints, for every row of its batch (tensors on the model device)."""
 
     target: torch.Tensor          # float32 [B, H, A] committed rows (zeros where none)
-    weights: torch.Tensor         # float32 [B, H, 1] guidance weights (0 everywhere: no VJP)
+    weights: torch.Tensor         # float32 [B, H, A] guidance weights (0 everywhere: no VJP)
     frozen: torch.Tensor          # bool [B, H, 1] rows held clean
     max_guidance_weight: torch.Tensor   # float32 [B, 1, 1] β per row
     guided: bool                  # any weight > 0: the loop pays the vector-Jacobian product
@@ -128,7 +131,7 @@ class Inpainting:
             return None
         B = len(rows)
         target = np.zeros((B, horizon, action_dim), np.float32)
-        weights = np.zeros((B, horizon), np.float32)
+        weights = np.zeros((B, horizon, action_dim), np.float32)
         frozen = np.zeros((B, horizon), bool)
         beta = np.zeros(B, np.float32)
         for b, row in enumerate(rows):
@@ -139,11 +142,11 @@ class Inpainting:
                 raise ValueError(f'row {b}: target {row.target.shape} / weights '
                                  f'{row.weights.shape} do not fit [{horizon}, {action_dim}]')
             target[b, :n] = row.target
-            weights[b, :n] = row.weights[:n]     # nothing to continue past n
+            weights[b, :n, :row.columns] = row.weights[:n, None]   # nothing to continue past n
             frozen[b, :row.delay] = row.hold
             beta[b] = row.max_guidance_weight
         return cls(torch.from_numpy(target).to(device),
-                   torch.from_numpy(weights[..., None]).to(device),
+                   torch.from_numpy(weights).to(device),
                    torch.from_numpy(frozen[..., None]).to(device),
                    torch.from_numpy(beta[:, None, None]).to(device),
                    guided=bool(weights.any()), held=bool(frozen.any()))
