@@ -68,8 +68,11 @@ def test_rtc_parameters_refused_with_a_reason_and_applied_while_active(rclpy_con
             held += 1
         assert held, 'no consecutive chunks to compare'
 
-        assert _set(node, 'rtc_mode', 'off').successful
+        # `ros2 param set /oxygen_node rtc_mode off` sends false (YAML): read as 'off'
+        assert not _set(node, 'rtc_mode', True).successful
+        assert _set(node, 'rtc_mode', False).successful
         assert wait_for(lambda: node._loop.rtc.settings.mode == 'off', 5)
+        assert any("rtc_mode false is read as 'off'" in m for _, m in node.problem_history)
         seen = len(col.actions)
         assert wait_for(lambda: len(col.actions) >= seen + 3, 30)
         assert {m.start_row for m, _, _ in col.actions[seen + 1:]} == {0}

@@ -72,7 +72,8 @@ from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.params import (camera_param_name, camera_param_specs, check_value,
                                        deprecation_warning, FleetSettings, NODE_NAME,
                                        param_spec, PARAMS,
-                                       PARAMS_BY_NAME, parse_decode_budget, ROBOT_IO,
+                                       PARAMS_BY_NAME, parse_decode_budget,
+                                       parse_rtc_mode, ROBOT_IO,
                                        robot_defaults, robot_param_defaults, robot_param_name,
                                        robot_param_specs, ROBOT_PARAMS, SAFETY_LIMITS, Settings,
                                        split_param_name)
@@ -435,7 +436,8 @@ class OxygenNode(LifecycleNode):
             f'{k}={v}' for k, v in changes.items()))
 
     def _replace_settings(self, robot: str, base: str, value) -> None:
-        value = parse_decode_budget(value) if base == 'decode_budget' else value
+        value = (parse_decode_budget(value) if base == 'decode_budget'
+                 else parse_rtc_mode(value) if base == 'rtc_mode' else value)
         if robot and self._fleet_settings is not None:
             fleet = self._fleet_settings
             robots = dict(fleet.robots)

@@ -201,6 +201,18 @@ def _legacy_decode_budget(value) -> tuple[str | None, str]:
                   f'{k or 0} (0 = adaptive), e.g. `-p decode_budget:={k or 0}`')
 
 
+def parse_rtc_mode(value: str | bool) -> str:
+    """Read rtc_mode: a mode name, or false (what YAML makes of a bare `off`) for 'off'."""
+    return OFF if value is False else value
+
+
+def _legacy_rtc_mode(value) -> tuple[str | None, str]:
+    if value is False:   # `-p rtc_mode:=off` and `ros2 param set ... rtc_mode off` send false
+        return None, ("rtc_mode false is read as 'off' (YAML reads a bare off as false; "
+                      "quote it, rtc_mode:=\"'off'\", to say so)")
+    return f'expected one of {", ".join(RTC_MODES)}, got {value!r}', ''
+
+
 def _check_names(value) -> str | None:
     names = list(value)
     if any(not n.strip() for n in names):
@@ -309,7 +321,8 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('rtc_mode', OFF, "Real-time chunking: 'off'; 'guided' (each chunk is guided "
               "toward the committed one; act() pays a backward pass per denoise step); "
               "'prefix' (the delay's rows held to the committed ones, for checkpoints trained "
-              'with delays).', configure_time=False, check=_check_choice(RTC_MODES)),
+              'with delays).', configure_time=False, check=_check_choice(RTC_MODES),
+              legacy=_legacy_rtc_mode),
     ParamSpec('rtc_schedule', 'exp', "Decay of the guidance weights over the overlap: 'exp' "
               "(the paper's) or 'linear'.", configure_time=False,
               check=_check_choice(RTC_SCHEDULES)),
@@ -451,7 +464,7 @@ def check_value(name: str, value: Any) -> str | None:
     if spec is None:
         return None
     why = _type_problem(spec.default, value)
-    if why and spec.legacy is not None and isinstance(value, str):
+    if why and spec.legacy is not None and isinstance(value, (str, bool)):
         return spec.legacy(value)[0]
     if why:
         return why
@@ -618,7 +631,7 @@ class Settings:
             max_instruction_chars=int(merged['max_instruction_chars']),
             diagnostics_period_s=float(merged['diagnostics_period_s']),
             seed=int(merged['seed']), tokenizer=merged['tokenizer'],
-            rtc_mode=merged['rtc_mode'], rtc_schedule=merged['rtc_schedule'],
+            rtc_mode=parse_rtc_mode(merged['rtc_mode']), rtc_schedule=merged['rtc_schedule'],
             rtc_delay=int(merged['rtc_delay']),
             rtc_execution_horizon=int(merged['rtc_execution_horizon']),
             rtc_max_guidance_weight=float(merged['rtc_max_guidance_weight'])), []
