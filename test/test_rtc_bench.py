@@ -56,3 +56,15 @@ def test_replay_rtc_compare_on_a_recorded_bag(tmp_path, capsys):
     assert (out / 'rtc_boundaries.png').read_bytes().startswith(PNG_MAGIC)
     assert main(['replay', str(bag), '--out', str(out), '--rtc-compare', '--preset',
                  'tiny']) == 2                                    # the output exists
+
+
+def test_episode_timing_falls_back_when_nothing_would_overlap():
+    from oxygen_ros.bench.rtc import episode_timing, RtcBenchOptions
+
+    P, H = 0.05, 10
+    # 140 ms: d = 2, a frame every 3 rows (max(0.1 s, 0.14 s)): 7 committed rows past d
+    assert episode_timing(RtcBenchOptions(), 0.14, P, H) == (2, pytest.approx(0.15), 'measured')
+    # 400 ms on a slow CPU: d = 7 and 8 rows per frame leave nothing: the assumed timing
+    assert episode_timing(RtcBenchOptions(), 0.40, P, H) == (2, pytest.approx(0.15), 'assumed')
+    given = RtcBenchOptions(delay=1, period_rows=2)
+    assert episode_timing(given, 0.40, P, H) == (1, pytest.approx(0.10), 'given')

@@ -501,7 +501,8 @@ def rtc_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
         return []
     first = result.rtc[0]
     lines = [f'## Real-time chunking ({first["robot"]}, {first["frames"]} frames per mode, '
-             f'd = {first["delay_rows"]} rows, a frame every {first["period_ms"]:.0f} ms)', '',
+             f'd = {first["delay_rows"]} rows, a frame every {first["period_ms"]:.0f} ms, '
+             f'timing {first.get("timing", "measured")})', '',
              table(['mode', 'jump mean', 'jump p95', 'jump max', 'jump / off', 'gap mean',
                     'gap / off', 'row step', 'total variation', 'TV / off', 'act p50 ms',
                     'act / off', 'max |frozen - committed|', 'tokens = off'],
@@ -517,7 +518,9 @@ def rtc_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
              'time; the row step, the mean distance between two consecutive rows of one chunk, '
              'is the floor of any jump (random weights give rough chunks). The episode\'s '
              f'latency: {first["latency_ms"]:.0f} ms (act() p95 over the warm-up: '
-             f'{first["measured_act_p95_ms"]:.0f} ms).', '']
+             f'{first["measured_act_p95_ms"]:.0f} ms; timing "assumed": that left the new '
+             'chunk no committed row past d, so d = 2 and a frame every 3 rows, as on a '
+             'robot\'s GPU).', '']
     if 'rtc_boundaries' in paths:
         lines += [f'![one joint across chunk boundaries]({paths["rtc_boundaries"].name})', '']
     return lines

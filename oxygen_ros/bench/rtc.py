@@ -8,6 +8,8 @@ out L later, where L is the p95 of the 'off' engine's act() over the warm-up fra
 a delay d given, (d + 1) P, the longest latency with that delay), so every mode continues its
 chunks with the same delay d = ceil(L / P) - 1, and T = max(1 / control_hz, L) in whole steps
 P (an engine cannot start a frame before the last one is out) unless period_rows is given.
+A measured timing that leaves nothing to continue (see episode_timing) is replaced by an
+assumed one, and the report says which it was.
 Per mode (runtime.rtc.compare_runs): the boundary jumps and gaps, the played path's total
 variation, act() p50, and how far the frozen rows lie from the committed ones; plus whether
 the language tokens equal the 'off' run's (RTC must not touch the language path).
@@ -25,6 +27,8 @@ import math
 import time
 
 import numpy as np
+
+from oxygen_ros.runtime.rtc import delay_rows
 
 TARGET_JUMP_GUIDED = 0.3        # boundary jump guided / off (mean over the boundaries)
 TARGET_ACT_GUIDED = 2.0         # act() p50 guided / off
@@ -71,13 +75,38 @@ def synthetic_frame(robot: str, index: int, time_s: float, seed: int, image_size
                        instruction='pick up the black bowl', stamp=time_s, frame_index=index)
 
 
+# The episode's timing when the measured latency leaves nothing to continue: the issue's
+# 'inference_time ≈ 140 ms, about 3 rows at 20 Hz', one frame per 3 rows.
+ASSUMED_DELAY, ASSUMED_PERIOD_ROWS = 2, 3
+
+
+def episode_timing(options: RtcBenchOptions, measured_s: float, step_s: float,
+                   horizon: int) -> tuple[int, float, str]:
+    """Return (d, frame period in s, 'measured' | 'given' | 'assumed') of the episode.
+
+    Measured: d from act()'s p95, a frame every max(1 / control_hz, latency). When that
+    leaves the new chunk no committed row past d (d + rows per frame >= H: a slow CPU for a
+    short horizon), RTC has nothing to do there; the episode then assumes d = 2 and a frame
+    every 3 rows, as a robot's GPU would give, and says so.
+    """
+    if options.delay is not None:
+        d, latency, timing = options.delay, (options.delay + 1) * step_s, 'given'
+    else:
+        d, latency, timing = delay_rows(measured_s, step_s), measured_s, 'measured'
+    rows = options.period_rows or math.ceil(
+        max(1 / options.control_hz, latency) / step_s - 1e-9)
+    if timing == 'measured' and not options.period_rows and d + rows >= horizon:
+        d, rows, timing = ASSUMED_DELAY, ASSUMED_PERIOD_ROWS, 'assumed'
+    return d, rows * step_s, timing
+
+
 def run_rtc_part(options: RtcBenchOptions, model, frontend, seed: int,
                  progress=lambda line: None) -> tuple[list[dict], list[dict]]:
     """Run the episode once per mode; return (one row per mode, the plotted paths)."""
     from oxygen_ros.engine import FixedBudget, LanguagePolicy, make_engine
     from oxygen_ros.runtime.actions import action_layout
     from oxygen_ros.runtime.params import RtcSettings
-    from oxygen_ros.runtime.rtc import compare_runs, delay_rows, RtcPlanner
+    from oxygen_ros.runtime.rtc import compare_runs, RtcPlanner
 
     layout = action_layout(options.robot)
     P = layout.step_period_s
@@ -106,19 +135,12 @@ def run_rtc_part(options: RtcBenchOptions, model, frontend, seed: int,
             warm[mode].append(step(mode, obs).inference_time_s)
     # The first frame of an engine pays one-time costs (allocation, kernels): not a latency.
     measured = float(np.percentile(warm[reference][1:] or warm[reference], 95))
-    if options.delay is None:
-        latency, d = measured, delay_rows(measured, P)
-    else:   # the episode's latency is the longest that has this delay
-        latency, d = (options.delay + 1) * P, options.delay
-    period = P * (options.period_rows or
-                  math.ceil(max(1 / options.control_hz, latency) / P - 1e-9))
-    progress(f'rtc: act() p95 {1e3 * measured:.0f} ms over the warm-up; the episode: latency '
-             f'{1e3 * latency:.0f} ms, d = {d} rows, a frame every {1e3 * period:.0f} ms '
-             f'({round(period / P)} rows of {1e3 * P:.0f} ms)')
     horizon = model.config.action_horizon
-    if round(period / P) >= horizon:
-        progress(f'rtc: a chunk ({horizon} rows) is played out before the next one comes: '
-                 'nothing to continue (a faster preset, or a longer horizon)')
+    d, period, timing = episode_timing(options, measured, P, horizon)
+    latency = (d + 1) * P if timing != 'measured' else measured
+    progress(f'rtc: act() p95 {1e3 * measured:.0f} ms over the warm-up; the episode ({timing}): '
+             f'latency {1e3 * latency:.0f} ms, d = {d} rows, a frame every '
+             f'{1e3 * period:.0f} ms ({round(period / P)} rows of {1e3 * P:.0f} ms)')
     planners = {mode: RtcPlanner(RtcSettings(mode, delay=d), P, trace=True)
                 for mode in options.modes}
     for j in range(options.frames):
@@ -136,6 +158,7 @@ def run_rtc_part(options: RtcBenchOptions, model, frontend, seed: int,
     for row in rows:
         same = tokens[row['mode']] == tokens[reference]
         row.update(robot=options.robot, frames=options.frames, period_ms=1e3 * period,
+                   timing=timing,
                    latency_ms=1e3 * latency, measured_act_p95_ms=1e3 * measured,
                    tokens_identical_to_off=same,
                    requests_compared=len(tokens[row['mode']]))

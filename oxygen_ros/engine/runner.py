@@ -110,6 +110,10 @@ class ModelRunner:
         cfg = model.config
         backbone = cfg.backbone
         device = next(model.parameters()).device
+        # Inference only: RTC's guided steps differentiate w.r.t. the actions, never the
+        # weights; frozen weights keep autograd from recording them (measured: the guided
+        # denoise 2.3x -> 2.0x the plain one, pi05-cpu, one thread).
+        model.requires_grad_(False)
         self.model = model
         self.store = KVStore(backbone.depth, num_slots, cfg.prefix_len, max_gen_len,
                              backbone.num_kv_heads, backbone.head_dim, backbone.width,
