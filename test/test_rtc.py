@@ -262,6 +262,10 @@ def test_auto_delay_follows_a_latency_change():
     for i in range(50, 100):                                  # the engine slows down
         publish(0.1 * i, 0.22)
     assert planner.delay() == 4                               # ceil(0.22 / 0.05) - 1
+    for i in range(100, 150):   # stamps on another clock (1000 s behind): act() time only
+        planner.record(ActionOutput(0, np.zeros((H, 2), np.float32), np.zeros((H, 32)),
+                                    0.11, 0.1 * i - 1000.0), 0.1 * i + 0.12)
+    assert planner.delay() == 2                               # ceil(0.11 / 0.05) - 1
     planner.settings = RtcSettings('guided', delay=2)         # a fixed delay wins
     assert planner.delay() == 2
     # a delay past the chunk is capped by the engine: the chunk keeps a row to play

@@ -34,6 +34,7 @@ from oxygen_ros.model.robots import get_robot
 from oxygen_ros.runtime.params import AUTO_DELAY, GUIDED, OFF, PREFIX, RtcSettings, Settings
 
 LATENCY_WINDOW = 50              # chunks whose latency the auto delay looks at
+MAX_LATENCY_S = 5.0              # a longer stamp-to-chunk latency means another clock
 
 
 def delay_rows(latency_s: float, step_period_s: float) -> int:
@@ -154,7 +155,12 @@ class RtcPlanner:
 
     def record(self, action: ActionOutput, out_s: float) -> None:
         """Record a chunk sent to the robot at out_s (the stamps' clock): now committed."""
-        self.latency.observe(out_s - action.stamp)
+        latency = out_s - action.stamp
+        if not 0.0 <= latency <= MAX_LATENCY_S:
+            # Camera stamps on another clock than the node's: the engine's own time is the
+            # part of the latency that is known.
+            latency = action.inference_time_s
+        self.latency.observe(latency)
         self.committed.record(action.actions, action.stamp, self.step_period_s)
         if self.trace is not None:
             self.trace.append(PlayedChunk(action.stamp, np.array(action.actions),
