@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from oxygen_ros.model.robots import get_robot, RobotSpec
+from oxygen_ros.model.robot_spec import get_robot, RobotSpec
 
 
 def frame_rng(seed: int, frame_index: int, stream: int = 0) -> np.random.Generator:
@@ -107,7 +107,8 @@ class Workload:
     """A reference robot setup from the OxyGen paper; its facts come from the RobotSpec."""
 
     name: str
-    robot: str                  # robot adapter name in oxygen_ros.model.robots
+    robot: str                  # shipped robot name (config/robots/<robot>.yaml)
+    horizon: int = 10           # H, action rows per chunk in the paper's workloads
 
     @property
     def spec(self) -> RobotSpec:
@@ -125,11 +126,6 @@ class Workload:
     @property
     def action_dim(self) -> int:
         return self.spec.action_dim
-
-    @property
-    def horizon(self) -> int:
-        """H, action rows per chunk."""
-        return self.spec.horizon
 
 
 WORKLOADS: dict[str, Workload] = {name: Workload(name, name) for name in ('libero', 'droid',
