@@ -318,7 +318,7 @@ def test_failed_configure_is_an_error_status():
     ('decode_budget', 2.5, 'expected an integer'),
     ('cameras.image.compressed', 'yes', 'expected a bool'),
     ('cameras.image.topic', 3, 'expected a string'),
-    ('robot', 'pr2', 'must be one of'),
+    ('robot', 'pr2', 'unknown robot; expected one of aloha, droid, libero, so101'),
     ('preset', 'huge', 'unknown preset'),
     ('dtype', 'int8', 'must be one of'),
     ('device', 'gpu0', "expected 'cpu'"),

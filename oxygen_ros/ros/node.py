@@ -72,8 +72,9 @@ from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.params import (camera_param_name, camera_param_specs, check_value,
                                        deprecation_warning, FleetSettings, NODE_NAME,
                                        param_spec, PARAMS,
-                                       PARAMS_BY_NAME, parse_decode_budget, ROBOT_IO,
-                                       robot_defaults, robot_param_defaults, robot_param_name,
+                                       PARAMS_BY_NAME, parse_decode_budget, robot_defaults,
+                                       robot_param_defaults, robot_param_name,
+                                       RobotSpecError,
                                        robot_param_specs, ROBOT_PARAMS, SAFETY_LIMITS, Settings,
                                        split_param_name)
 from oxygen_ros.runtime.status import build_statuses, ERROR, LoopStats, OK, ProblemLog, WARN
@@ -208,8 +209,12 @@ class OxygenNode(LifecycleNode):
         """Declare every parameter; a rejected override is recorded, not raised."""
         self._declaring = True
         robot = self._declare(PARAMS_BY_NAME['robot'])
-        # Camera and joint defaults follow the robot given at startup.
-        defaults = robot_defaults(robot if robot in ROBOT_IO else 'libero')
+        # Camera and joint defaults follow the robot given at startup (a shipped robot or a
+        # robot YAML); one that cannot be read keeps libero's, and configure says why.
+        try:
+            defaults = robot_defaults(robot if check_value('robot', robot) is None else 'libero')
+        except RobotSpecError:
+            defaults = robot_defaults('libero')
         for spec in PARAMS:
             if spec.name != 'robot':
                 self._declare(spec, defaults.get(spec.name, spec.default))
@@ -746,7 +751,9 @@ class OxygenNode(LifecycleNode):
         for name, robot in list(fleet_loop.robots.items()):
             io = self._ios.get(name)
             inputs = robot.last_inputs
-            about = {'robot': io.settings.robot if io else '',
+            spec = io.settings.spec if io else None
+            about = {'robot': spec.name if spec else '',
+                     'robot_spec': (spec.source or 'inferred') if spec else '',
                      'namespace': io.resolved_namespace if io else '',
                      'kv_quota': self._scheduler(name).pool.num_slots}
             statuses += build_statuses(

@@ -21,7 +21,8 @@ from oxygen_ros.engine.workload import default_num_slots
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
 from oxygen_ros.model.config import get_preset
-from oxygen_ros.model.robots import get_robot
+from oxygen_ros.model.robot_spec import (check_fits_model, check_norm_stats, get_robot,
+                                         RobotSpec, RobotSpecError)
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer
 from oxygen_ros.runtime.params import FleetSettings, Settings
 
@@ -86,11 +87,31 @@ def slots_needed(every_n_frames: int, tokens_per_request: int, k: int | None) ->
     return default_num_slots(policy, k or 1)
 
 
+def robot_spec(settings: Settings) -> RobotSpec:
+    """Return the spec of the robot the settings name (resolved by Settings.check)."""
+    return settings.spec if settings.spec is not None else get_robot(settings.robot)
+
+
+def _frontend(config, spec: RobotSpec, tokenizer, norm_stats, device) -> Frontend:
+    """Build a robot's frontend; a spec that does not fit the model is a one-line error."""
+    try:
+        check_fits_model(spec, config.action_dim, config.num_cameras)
+        check_norm_stats(spec, norm_stats, config.action_dim)
+    except RobotSpecError as err:
+        raise EngineSetupError(str(err)) from None
+    return Frontend.from_config(config, spec, tokenizer, norm_stats, device)
+
+
 def _random_weights(settings: Settings, device: str, dtype: torch.dtype):
     config = get_preset(settings.preset)
     if settings.denoise_steps:
         config = config.replace(num_steps=settings.denoise_steps)
-    model, frontend = random_setup(config, settings.robot, seed=settings.seed, device=device,
+    spec = robot_spec(settings)
+    try:
+        check_fits_model(spec, config.action_dim, config.num_cameras)
+    except RobotSpecError as err:
+        raise EngineSetupError(str(err)) from None
+    model, frontend = random_setup(config, spec, seed=settings.seed, device=device,
                                    dtype=dtype)
     warnings = []
     tokenizer = frontend.tokenizer
@@ -99,9 +120,8 @@ def _random_weights(settings: Settings, device: str, dtype: torch.dtype):
     else:
         warnings.append('random weights with the tiny offline tokenizer: narration is noise')
 
-    def make_frontend(robot: str) -> Frontend:
-        return Frontend.from_config(config, robot, tokenizer, identity_norm_stats(robot),
-                                    device)
+    def make_frontend(spec: RobotSpec) -> Frontend:
+        return _frontend(config, spec, tokenizer, identity_norm_stats(spec), device)
     return model, make_frontend, {'source': f'random weights (preset {settings.preset}, '
                                             f'seed {settings.seed})'}, warnings
 
@@ -109,26 +129,36 @@ def _random_weights(settings: Settings, device: str, dtype: torch.dtype):
 def _checkpoint(settings: Settings, device: str, dtype: torch.dtype):
     path = Path(settings.checkpoint).expanduser()
     config = None
-    if settings.denoise_steps:
-        try:
-            config = checkpoint_config(path)
-        except OSError as err:
+    try:
+        config = checkpoint_config(path)
+    except OSError as err:
+        if settings.denoise_steps:
             raise EngineSetupError(
                 f'checkpoint {path}: cannot read {CONFIG_FILE}: {err}') from None
+    except ValueError:
+        if settings.denoise_steps:
+            raise
+    if config is not None and settings.spec is not None:
+        # Before the weights load: a robot that does not fit fails in a second, not after it.
+        try:
+            check_fits_model(settings.spec, config.action_dim, config.num_cameras)
+        except RobotSpecError as err:
+            raise EngineSetupError(str(err)) from None
+    if settings.denoise_steps:
         config = config.replace(num_steps=settings.denoise_steps)
-    loaded = load_pi05(path, config=config, device=device, dtype=dtype)
+    loaded = load_pi05(path, config=config if settings.denoise_steps else None, device=device,
+                       dtype=dtype)
     stats = loaded.norm_stats
 
-    def norm_stats_of(robot: str):
-        spec = get_robot(robot)
+    def norm_stats_of(spec: RobotSpec):
+        # A LeRobot folder has one set of statistics (its processor files), whatever the key.
+        if loaded.layout == 'lerobot':
+            return next(iter(stats.items()))
         if spec.asset_id in stats:
             return spec.asset_id, stats[spec.asset_id]
-        if len(stats) == 1:
-            return next(iter(stats.items()))
         raise EngineSetupError(
-            f'checkpoint {path}: no norm stats for robot {robot!r} (looked for '
-            f'assets/{spec.asset_id}/norm_stats.json; found {sorted(stats) or "none"})')
-    asset, _ = norm_stats_of(settings.robot)   # the node's robot must have them: fail now
+            f'{spec.where}: norm_stats: {spec.asset_id!r} is not in checkpoint {path}; expected '
+            f'one of {sorted(stats) or "none"} (assets/<key>/norm_stats.json)')
     warnings = []
     if settings.tokenizer:
         tokenizer_path = Path(settings.tokenizer).expanduser()
@@ -140,12 +170,28 @@ def _checkpoint(settings: Settings, device: str, dtype: torch.dtype):
                                '(tokenizer.model)')
     tokenizer = PaligemmaTokenizer(tokenizer_path, max_len=loaded.config.max_token_len)
 
-    def make_frontend(robot: str) -> Frontend:
-        return Frontend.from_config(loaded.config, robot, tokenizer, norm_stats_of(robot)[1],
-                                    device)
-    return loaded.model, make_frontend, {'source': f'{loaded.layout} checkpoint {path}',
-                                         'norm_stats': asset,
-                                         'tokenizer': str(tokenizer_path)}, warnings
+    description = {'source': f'{loaded.layout} checkpoint {path}', 'norm_stats': '',
+                   'tokenizer': str(tokenizer_path)}
+
+    def make_frontend(spec: RobotSpec) -> Frontend:
+        key, robot_stats = norm_stats_of(spec)
+        try:
+            check_norm_stats(spec, robot_stats, loaded.config.action_dim,
+                             f'assets/{key}' if loaded.layout == 'openpi' else str(path))
+        except RobotSpecError as err:
+            raise EngineSetupError(str(err)) from None
+        used = [k for k in description['norm_stats'].split(', ') if k]
+        description['norm_stats'] = ', '.join(dict.fromkeys([*used, key]))
+        return _frontend(loaded.config, spec, tokenizer, robot_stats, device)
+    return loaded.model, make_frontend, description, warnings
+
+
+def describe_robot(spec: RobotSpec) -> dict:
+    """Return what the diagnostics say about a robot: its spec's name, file and layout."""
+    return {'robot': spec.name, 'robot_spec': spec.source or 'inferred',
+            'cameras': ', '.join(f'{cam} ({slot})' for cam, slot in spec.cameras),
+            'state_dim': spec.state_dim,
+            'actions': f'{spec.action_dim} {spec.action_space} at {1 / spec.step_period_s:g} Hz'}
 
 
 def available_memory_bytes(device: str) -> int | None:
@@ -191,10 +237,10 @@ def warm_up(model, frontend: Frontend, settings: Settings) -> None:
     """
     policy = LanguagePolicy(max_new_tokens=2, every_n_frames=1, eos_id=frontend.eos_id)
     system = make_system('oxygen', model, frontend, policy, k=2, num_slots=2, seed=settings.seed)
-    obs = random_observation(settings.robot, 0, settings.seed,
-                             image_size=model.config.vision.image_size)
+    spec = frontend.adapter.spec
+    obs = random_observation(spec, 0, settings.seed, image_size=model.config.vision.image_size)
     system.step(obs)
-    system.step(random_observation(settings.robot, 1, settings.seed,
+    system.step(random_observation(spec, 1, settings.seed,
                                    image_size=model.config.vision.image_size))
 
 
@@ -248,7 +294,9 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
     """
     model, make_frontend, description, warnings = load_model(settings)
     try:
-        frontend = make_frontend(settings.robot)
+        frontend = make_frontend(robot_spec(settings))
+    except EngineSetupError:
+        raise
     except ValueError as err:
         raise EngineSetupError(f'loading the model failed: {err}') from err
     policy = policy_for(settings, frontend.eos_id)
@@ -261,7 +309,8 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
                          policy, k=k or 1, frame_period_s=settings.period_s,
                          num_slots=settings.kv_capacity or None, seed=settings.seed,
                          runner_options={'kv_dtype': kv_dtype})
-    _describe(description, settings, model, system.pool.num_slots, {'robot': settings.robot},
+    _describe(description, settings, model, system.pool.num_slots,
+              describe_robot(frontend.adapter.spec),
               {'tokens_per_request': settings.tokens_per_request})
     return Engine(system, frontend, description, warnings)
 
@@ -290,7 +339,7 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     for name, settings in fleet.robots.items():
         try:
             if settings.robot not in frontends:
-                frontends[settings.robot] = make_frontend(settings.robot)
+                frontends[settings.robot] = make_frontend(robot_spec(settings))
         except (ValueError, EngineSetupError) as err:
             raise EngineSetupError(f'robot {name}: {err}') from err
         frontend = frontends[settings.robot]
