@@ -61,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     phases.add_argument('--repeats', type=int, default=5)
     phases.add_argument('--threads', type=int, default=0, help='torch threads (0 = default)')
     phases.add_argument('--seed', type=int, default=0)
-    phases.add_argument('--robot', choices=['libero', 'droid', 'aloha'], default=None,
-                        help="time prefill on a synthetic frame of this robot (its cameras and "
-                             "prompt); default: every camera slot and a quarter-length prompt")
+    phases.add_argument('--robot', default=None,
+                        help="time prefill on a synthetic frame of this robot (a shipped name "
+                             "or a robot YAML: its cameras and prompt); default: every camera "
+                             "slot and a quarter-length prompt")
     phases.set_defaults(func=_phases)
 
     from .bench.cli import add_bench_parser
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .check_checkpoint import add_parser as add_check_parser
     add_check_parser(sub)
+
+    from .robot_spec_cli import add_parser as add_robot_spec_parser
+    add_robot_spec_parser(sub)
     return parser
 
 

@@ -55,10 +55,13 @@ class DatasetReplaySummary(ReplaySummary):
 
 
 def default_camera_map(dataset: LeRobotDataset, cameras: list[str]) -> dict[str, str]:
-    """Robot camera -> dataset feature, matching 'observation.images.<camera>' or '<camera>'."""
+    """Map robot cameras to the dataset features named after them.
+
+    Tried in order: observation.images.<camera>, observation.<camera>, <camera>.
+    """
     mapping = {}
     for camera in cameras:
-        for feature in (f'observation.images.{camera}', camera):
+        for feature in (f'observation.images.{camera}', f'observation.{camera}', camera):
             if feature in dataset.cameras:
                 mapping[camera] = feature
                 break

@@ -222,7 +222,7 @@ class _BagOutputs:
         p, summary = self.replay.params, self.replay.summary
         self.out.write(p.resolve('actions'), ACTION_CHUNK, self.tick_ns, messages.action_chunk(
             self.replay.store, action, stamp_ns, p.settings.frame_id,
-            action_layout(p.settings.robot)))
+            action_layout(p.settings.spec or p.settings.robot)))
         summary.frames += 1
         summary.actions += 1
 
