@@ -25,6 +25,8 @@ examples:
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     """Register `bench` on the top-level sub-parsers."""
+    from .node import node_robots
+
     bench = sub.add_parser('bench', help='side-by-side benchmark of oxygen and the baselines',
                            epilog=BENCH_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,7 +91,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     node = bench.add_argument_group(
         'node part', 'oxygen_node in its own process with a stand-in robot, next to the engine '
         'alone (same preset, threads, N, k)')
-    node.add_argument('--node-robot', default='libero', choices=['libero', 'droid', 'aloha'],
+    node.add_argument('--node-robot', default='libero', choices=node_robots(),
                       help='config/<robot>.yaml of the node and the robot (default libero)')
     node.add_argument('--node-duration', type=float, default=None,
                       help='measured seconds of the node run (default 60; quick 5)')

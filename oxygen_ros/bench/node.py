@@ -48,7 +48,7 @@ import time
 import numpy as np
 
 from oxygen_ros.runtime.control import thread_cpu, THREAD_NAME
-from oxygen_ros.runtime.params import camera_param_name, load_node_params, NODE_NAME
+from oxygen_ros.runtime.params import camera_param_name, load_node_params, NODE_NAME, ROBOT_IO
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PACKAGE_ROOT / 'config'
@@ -119,6 +119,11 @@ class EngineReference:
         return share / self.frame_p50_s
 
 
+def node_robots() -> list[str]:
+    """Shipped robots with a node configuration (config/<robot>.yaml) to benchmark."""
+    return sorted(name for name in ROBOT_IO if (CONFIG_DIR / f'{name}.yaml').is_file())
+
+
 def node_parameters(robot: str) -> dict:
     """Read the `ros__parameters` of oxygen_node in config/<robot>.yaml (what the node loads)."""
     return load_node_params(CONFIG_DIR / f'{robot}.yaml', NODE_NAME)
@@ -128,7 +133,7 @@ def camera_observation(robot: str, index: int, height: int, width: int, seed: in
                        instruction: str):
     """Make an observation with camera-sized noise images (the frontend resizes them)."""
     from ..engine.types import Observation
-    from ..model.robots import get_robot
+    from ..model.robot_spec import get_robot
 
     spec = get_robot(robot)
     rng = np.random.default_rng(np.random.SeedSequence([seed, index, 11]))

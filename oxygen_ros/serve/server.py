@@ -40,7 +40,9 @@ from oxygen_ros.engine.types import Observation
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.inputs import ObservationResult, sanitize_instruction
 from oxygen_ros.runtime.status import LoopStats
-from oxygen_ros.serve.observations import OBSERVATION_KEYS, RequestError, to_observation
+from oxygen_ros.model.robot_spec import get_robot
+from oxygen_ros.serve.observations import (keys_for, ObservationKeys, RequestError,
+                                           to_observation)
 from oxygen_ros.serve.queue import FairQueue
 from oxygen_ros.serve.wire import packb, unpackb, WireError
 
@@ -55,7 +57,9 @@ MAX_OWNED_FRAMES = 4096             # frames whose language output still has a k
 class ServerConfig:
     """How the server listens and reads requests."""
 
-    robot: str                      # whose openpi observation keys requests carry
+    robot: object                   # the robot: a RobotSpec, a shipped name or a YAML path
+    observation_keys: ObservationKeys | None = None   # where requests carry cameras and
+    #                                   state (None: openpi's for its robots, else defaults)
     host: str = '0.0.0.0'           # openpi's default: reachable from the robot computer
     port: int = DEFAULT_PORT        # 0: any free port (see PolicyServer.port)
     default_prompt: str = ''        # used when a request has no 'prompt' ('' = required)
@@ -219,9 +223,8 @@ class PolicyServer:
     """
 
     def __init__(self, system, config: ServerConfig, description: dict | None = None):
-        if config.robot not in OBSERVATION_KEYS:
-            raise ValueError(f'robot {config.robot!r}; expected one of '
-                             f'{sorted(OBSERVATION_KEYS)}')
+        self.spec = get_robot(config.robot)   # RobotSpecError (a ValueError) names the file
+        self.keys = config.observation_keys or keys_for(self.spec)
         self.config = config
         self.worker = EngineWorker(system, config)
         self.metadata = self._metadata(system, description or {})
@@ -234,9 +237,9 @@ class PolicyServer:
         self._thread = threading.Thread(target=self._serve, name='oxygen-serve-io', daemon=True)
 
     def _metadata(self, system, description: dict) -> dict:
-        keys = OBSERVATION_KEYS[self.config.robot]
+        keys = self.keys
         return {
-            'server': 'oxygen_ros', 'version': __version__, 'robot': self.config.robot,
+            'server': 'oxygen_ros', 'version': __version__, 'robot': self.spec.name,
             'observation_keys': {
                 'cameras': {cam: '.'.join(path) for cam, path in keys.cameras.items()},
                 'state': ['.'.join(path) for path in keys.state], 'prompt': 'prompt'},
@@ -296,7 +299,7 @@ class PolicyServer:
                                    compression=None, max_size=None,
                                    process_request=self._health) as server:
             self.port = server.sockets[0].getsockname()[1]
-            logger.info('serving %s on %s:%d', self.config.robot, self.config.host, self.port)
+            logger.info('serving %s on %s:%d', self.spec.name, self.config.host, self.port)
             self._ready.set()
             await self._stopped.wait()
 
@@ -334,7 +337,8 @@ class PolicyServer:
         try:
             if isinstance(message, str):
                 raise RequestError('expected a binary msgpack message, got text')
-            obs = to_observation(unpackb(message), self.config.robot, self.config.default_prompt)
+            obs = to_observation(unpackb(message), self.spec, self.config.default_prompt,
+                                 self.keys)
             instruction = sanitize_instruction(obs.instruction,
                                                self.config.max_instruction_chars)
             if not instruction.text:
