@@ -261,6 +261,11 @@ def test_bad_remap_and_missing_config_are_named(launch_module, tmp_path):
         launch_module._launch_node(_context(camera_remaps='camera/image'))
     with pytest.raises(RuntimeError, match='no parameter file'):
         launch_module._launch_node(_context(config=str(tmp_path / 'none.yaml')))
+    # A robot YAML needs a parameter file of its own (its cameras and joints), not libero's.
+    with pytest.raises(RuntimeError, match=r'is a robot YAML: give config:='):
+        launch_module._launch_node(_context(robot=str(tmp_path / 'arm.yaml')))
+    node, _, _ = _split(launch_module._launch_node(_context(robot='so101')))
+    assert node.kwargs['parameters'][0] == str(REPO / 'config' / 'so101.yaml')
 
 
 def test_launched_node_in_a_namespace_gets_file_overrides_and_remaps(
