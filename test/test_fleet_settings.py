@@ -38,6 +38,28 @@ def test_robots_default_to_the_node_values_and_their_type():
     assert fleet.node.robot == 'libero'
 
 
+def test_fleet_robots_take_a_robot_yaml_each(tmp_path):
+    import yaml
+
+    from oxygen_ros.model.robot_spec import get_robot
+
+    data = yaml.safe_load(Path(get_robot('so101').source).read_text())
+    data.update(name='left_so101', cameras=[{'name': 'top', 'slot': 'base_0_rgb'}],
+                masked_slots=['left_wrist_0_rgb', 'right_wrist_0_rgb'])
+    arm = tmp_path / 'left.yaml'
+    arm.write_text(yaml.safe_dump(data))
+    fleet = FleetSettings.from_values({'robots': ['a', 'b'], 'a.robot': str(arm),
+                                       'b.robot': 'so101'})
+    a, b = fleet.robots['a'], fleet.robots['b']
+    assert (a.spec.name, [c.name for c in a.cameras]) == ('left_so101', ['top'])
+    assert (b.spec.name, [c.name for c in b.cameras]) == ('so101', ['front', 'wrist'])
+    assert a.joint_names == b.joint_names == get_robot('so101').joint_names
+    data['state']['dim'] = 7
+    arm.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=rf'a.robot: {arm}: state.names: 6 names; expected 7'):
+        FleetSettings.from_values({'robots': ['a'], 'a.robot': str(arm)})
+
+
 def test_every_problem_names_its_robot_and_parameter():
     with pytest.raises(ValueError) as err:
         FleetSettings.from_values({
