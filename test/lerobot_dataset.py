@@ -86,12 +86,13 @@ def write_v21(root, lengths=(6, 5), size=16) -> Path:
     return root
 
 
-def _write_video(file, frames):
+def _write_video(file, frames, codec='ffv1', pix_fmt='bgr0', fps=FPS):
+    """Encode frames uint8 [T, H, W, 3]; ffv1 is lossless (frames compare exactly)."""
     file.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(file), 'w') as container:
-        stream = container.add_stream('ffv1', rate=FPS)     # lossless: frames compare exactly
+        stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = 'bgr0'
+        stream.pix_fmt = pix_fmt
         for image in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(image, format='rgb24')):
                 container.mux(packet)
@@ -205,20 +206,7 @@ def write_unknown_robot_v21(root, lengths=(5, 3), fps=30, **feature_options) -> 
             height, width = features[key]['info']['video.height'], features[key]['info'][
                 'video.width']
             frames = rng.integers(0, 256, (length, height, width, 3), dtype=np.uint8)
-            _write_h264(root / f'videos/chunk-000/{key}/episode_{episode:06d}.mp4', frames,
-                        fps)
+            _write_video(root / f'videos/chunk-000/{key}/episode_{episode:06d}.mp4', frames,
+                         'libx264', 'yuv420p', fps)
         start += length
     return root
-
-
-def _write_h264(file, frames, fps):
-    file.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(file), 'w') as container:
-        stream = container.add_stream('libx264', rate=fps)
-        stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = 'yuv420p'
-        for image in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format='rgb24')):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)

@@ -104,24 +104,29 @@ class RobotSpec:
     @property
     def state_to_model(self) -> Callable[[np.ndarray], np.ndarray] | None:
         """Robot state [S] -> model joint space (affine, then the named transform); None: same."""
-        named = TRANSFORMS[self.transform].state_to_model if self.transform else None
-        affine = self.state_affine
-        if affine is None:
-            return named
-        if named is None:
-            return affine.to_model
-        return lambda state: named(affine.to_model(state))
+        named = TRANSFORMS[self.transform] if self.transform else None
+        return _chain(self.state_affine and self.state_affine.to_model,
+                      named and named.state_to_model)
 
     @property
     def actions_from_model(self) -> Callable[[np.ndarray], np.ndarray] | None:
         """Model actions [H, A] -> robot units (the named transform, then affine); None: same."""
-        named = TRANSFORMS[self.transform].actions_from_model if self.transform else None
-        affine = self.action_affine
-        if affine is None:
-            return named
-        if named is None:
-            return affine.to_robot
-        return lambda actions: affine.to_robot(named(actions))
+        named = TRANSFORMS[self.transform] if self.transform else None
+        return _chain(named and named.actions_from_model,
+                      self.action_affine and self.action_affine.to_robot)
+
+
+def _chain(*steps: Callable | None) -> Callable | None:
+    """Compose the given steps in order (None: no step; one step: that function itself)."""
+    steps = [step for step in steps if step is not None]
+    if len(steps) <= 1:
+        return steps[0] if steps else None
+
+    def run(value):
+        for step in steps:
+            value = step(value)
+        return value
+    return run
 
 
 # --- reading the schema --------------------------------------------------------------------------
