@@ -17,12 +17,18 @@ def _phases(args: argparse.Namespace) -> int:
     frames = None
     if args.robot:   # prefill costs what a frame holds: time a frame of this robot
         from .engine import random_observation, random_setup
-        model, frontend = random_setup(cfg, args.robot, seed=args.seed, device=args.device,
+        from .model.robot_spec import get_robot, RobotSpecError
+        try:
+            robot = get_robot(args.robot)
+        except RobotSpecError as err:
+            print(f'oxygen-ros phases: error: {err}', file=sys.stderr)
+            return 2
+        model, frontend = random_setup(cfg, robot, seed=args.seed, device=args.device,
                                        dtype=getattr(torch, args.dtype))
         frames = [frontend.prepare(random_observation(
-            args.robot, 0, seed=args.seed, image_size=cfg.vision.image_size)).tensors]
+            robot, 0, seed=args.seed, image_size=cfg.vision.image_size)).tensors]
         shown = int(frames[0]['image_masks'].sum()) * cfg.tokens_per_image
-        what = (f'one {args.robot} frame: {shown + int(frames[0]["token_masks"].sum())} of '
+        what = (f'one {robot.name} frame: {shown + int(frames[0]["token_masks"].sum())} of '
                 f'{cfg.prefix_len} prefix positions valid')
     else:
         with torch.device(args.device):
