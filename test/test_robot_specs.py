@@ -422,3 +422,15 @@ def test_a_spec_is_also_accepted_where_robot_names_were():
     assert identity_norm_stats(str(spec.source))['actions'].dim == 6
     layout = action_layout(spec.source)
     assert layout.names == spec.action_names and layout.step_period_s == 1 / 30
+
+
+def test_reading_specs_and_parameters_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ('import sys; import oxygen_ros.runtime.params as p; '
+            'p.Settings.from_values({"robot": "so101", **p.robot_defaults("so101")}); '
+            'print("torch" in sys.modules)')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == 'False', out.stderr[-2000:]

@@ -434,8 +434,8 @@ def test_param_file_keys_rcl_accepts(tmp_path):
 
 @pytest.mark.parametrize('robot', sorted(ROBOT_IO))
 def test_robot_io_table_matches_the_robot_spec(robot):
-    # params keeps its own copy so reading parameters never imports torch; it must not drift.
-    from oxygen_ros.model.robots import get_robot
+    # params derives the topic defaults from the specs (torch-free): they must agree.
+    from oxygen_ros.model.robot_spec import get_robot
 
     spec = get_robot(robot)
     cameras, joints = ROBOT_IO[robot]
