@@ -123,7 +123,7 @@ def test_settings_from_any_values(values):
     except (ValueError, TypeError) as err:
         assert str(err)
         return
-    assert settings_.control_rate_hz > 0
+    assert settings_.control_rate_hz == 0 or settings_.control_rate_hz >= 0.1   # 0: auto
 
 
 @pytest.fixture(scope='module')
