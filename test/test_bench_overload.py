@@ -61,7 +61,7 @@ def test_the_node_runs_with_the_shipped_yaml():
     assert not any('control_rate_hz' in arg for arg in cmd)       # the YAML's: auto
     assert 'cameras.image.compressed:=true' in cmd                 # what the robot publishes
     raw = node_command(NodeBenchOptions(camera_format='raw'), 7.25)
-    assert raw[-2:] == ['-p', 'control_rate_hz:=7.25']
+    assert raw[-2:] == ['-p', 'control_rate_hz:=7.250000']
     assert not any('compressed' in arg for arg in raw)
 
 

@@ -24,12 +24,10 @@ import json
 import math
 from pathlib import Path
 import queue
-import sys
 
-from .node import (_sleep_until, _wait_event, Child, child_environment, CONFIG_DIR,
-                   monitor_command, NodeBenchError, NodeBenchOptions, node_parameters,
-                   robot_command)
-from ..runtime.params import camera_param_name, NODE_NAME
+from .node import (_sleep_until, _wait_event, Child, child_environment, monitor_command,
+                   NodeBenchError, NodeBenchOptions, robot_command, yaml_node_command)
+from ..runtime.params import NODE_NAME
 
 FIRST_NARRATION_TARGET_S = 60.0   # defaults: the first narration within this of the instruction
 NARRATION_WINDOW_S = 10.0         # overload: at least one narration in every such window
@@ -53,17 +51,9 @@ class OverloadBenchOptions:
 
 def node_command(node: NodeBenchOptions, rate_hz: float | None) -> list[str]:
     """oxygen_node with config/<robot>.yaml as it is (only the rate of an overload run set)."""
-    overrides = {}
-    if rate_hz is not None:
-        overrides['control_rate_hz'] = f'{rate_hz:.6g}'
-    if node.camera_format == 'jpeg':   # the stand-in robot then publishes <base>/compressed
-        for camera in node_parameters(node.robot)['camera_names']:
-            overrides[camera_param_name(camera, 'compressed')] = 'true'
-    cmd = [sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
-           '--params-file', str(CONFIG_DIR / f'{node.robot}.yaml')]
-    for name, value in overrides.items():
-        cmd += ['-p', f'{name}:={value}']
-    return cmd
+    # A decimal point: '-p control_rate_hz:=7' would reach the node as an integer.
+    return yaml_node_command(node, {} if rate_hz is None else {
+        'control_rate_hz': f'{rate_hz:.6f}'})
 
 
 def run_once(node: NodeBenchOptions, opts: OverloadBenchOptions, rate_hz: float | None,
