@@ -105,3 +105,22 @@ def test_the_estimate_is_within_twenty_percent_of_the_ticks_it_predicts():
     assert isinstance(system.budget, FixedBudget) and result.decode_batch_size >= 9
     measured = statistics.median(ticks)
     assert capacity.tick_s == pytest.approx(measured, rel=0.20), (capacity, measured)
+
+
+def test_a_fleet_times_every_robot_ticking_together():
+    from oxygen_ros.runtime.engine_setup import build_fleet
+    from oxygen_ros.runtime.params import FleetSettings
+
+    fleet = FleetSettings.from_values({
+        'preset': 'tiny', 'torch_threads': 1, 'tokens_per_request': 4,
+        'robots': ['arm_a', 'arm_b'], 'arm_a.control_rate_hz': 0.0,
+        'arm_b.control_rate_hz': 5.0, 'arm_b.robot': 'droid'})
+    engine = build_fleet(fleet, warmup=False)           # an auto robot: timed regardless
+    capacity = engine.capacity
+    assert 'with 2 robots ticking together' in capacity.label
+    assert capacity.steady_batch == 8                   # 4 live requests per robot
+    rates = {name: s.control_rate_hz for name, s in engine.settings.robots.items()}
+    assert rates == {'arm_a': pytest.approx(capacity.auto_rate_hz()), 'arm_b': 5.0}
+    budget = engine.system.scheduler('arm_a').budget
+    assert budget.frame_period_s == pytest.approx(1.0 / rates['arm_a'])
+    assert engine.description['robot_rates_hz'].startswith('arm_a ')
