@@ -334,7 +334,7 @@ def test_failed_configure_is_an_error_status():
 
 # --- parameters ------------------------------------------------------------------------------
 @pytest.mark.parametrize('name, value, reason', [
-    ('control_rate_hz', 0.0, 'must be in'),
+    ('control_rate_hz', 0.05, 'must be 0 (auto) or in'),
     ('control_rate_hz', float('nan'), 'must be in'),
     ('tokens_per_request', 0, 'must be in'),
     ('decode_budget', 'fast', 'expected an integer k >= 0 (0 = adaptive)'),
