@@ -152,7 +152,7 @@ def test_replay_writes_every_output_with_fields_intact(tmp_path, demo_bag, param
 
 def test_replay_matches_engine_on_the_same_observations(tmp_path, demo_bag, params):
     _, frames = replay(demo_bag, tmp_path / 'out', params)
-    live, _ = build_engine(params.settings)      # the node's engine, fed the same frames
+    live = build_engine(params.settings)[0]      # the node's engine, fed the same frames
     for obs, result in frames:
         again = live.step(obs)
         np.testing.assert_array_equal(again.action.actions, result.action.actions)

@@ -20,7 +20,9 @@ def test_robot_parameters_are_named_and_checked_under_the_robot():
     spec = param_spec('arm_left.decode_budget')
     assert spec.name == 'arm_left.decode_budget' and not spec.configure_time
     assert param_spec('arm_left.preset') is None
-    assert check_value('arm_left.control_rate_hz', 0.0) == 'must be in [0.1, 1000], got 0.0'
+    assert check_value('arm_left.control_rate_hz', 0.05) == ('must be 0 (auto) or in [0.1, '
+                                                             '1000], got 0.05')
+    assert check_value('arm_left.control_rate_hz', 0.0) is None   # auto
     assert check_value('robots', ['a', 'a']) == "duplicate names in ['a', 'a']"
     assert 'parameter names' in check_value('robots', ['preset'])
     assert 'ROS name tokens' in check_value('robots', ['arm/1'])

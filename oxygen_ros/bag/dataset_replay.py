@@ -134,7 +134,7 @@ class DatasetReplay(StopOnRequest):
         except DatasetError as err:
             raise BagError(str(err)) from None
         if self.system is None:
-            self.system, _ = build_engine(self.params.settings)
+            self.system = build_engine(self.params.settings)[0]   # paced by the dataset
         out = OutputBag(self.out_path, self.store, self.storage, self.overwrite)
         total = sum(dataset.episode(i).length for i in episodes)
         progress = _progress_bar(total, self.progress)

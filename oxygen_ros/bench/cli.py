@@ -18,6 +18,7 @@ examples:
   oxygen-ros bench                              # every sweep + memory (the README numbers)
   oxygen-ros bench --preset pi05 --device cuda --dtype bfloat16 --parts nk memory
   oxygen-ros bench --parts node                 # oxygen_node process vs the engine (~2 min)
+  oxygen-ros bench --parts overload             # shipped YAML, then 2x overload: narration
   oxygen-ros bench --parts robots               # R = 1 2 4 8 robots: one engine vs R engines
   oxygen-ros bench --quick --parts robots       # the same in miniature (tiny preset, R = 1 2)
 """
@@ -115,6 +116,14 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     node.add_argument('--camera-format', default='jpeg', choices=['jpeg', 'raw'],
                       help='CompressedImage jpeg (default) or raw rgb8 Image; raw 640x480 '
                       'frames are 0.9 MB best-effort messages that DDS drops on a busy machine')
+    overload = bench.add_argument_group(
+        'overload part', 'oxygen_node with config/<--node-robot>.yaml as shipped (auto rate), '
+        'then asked --overload-factor x the rate it reported; the stand-in robot as in the '
+        'node part (--camera-*)')
+    overload.add_argument('--overload-factor', type=float, default=None,
+                          help='asked rate of the second run / what the node holds (default 2)')
+    overload.add_argument('--overload-duration', type=float, default=None,
+                          help='measured seconds of each run (default 60; quick 10)')
     bench.set_defaults(func=run_bench_command)
     return bench
 
@@ -159,6 +168,7 @@ def options_from_args(args: argparse.Namespace):
     if args.plot_statistic:
         changes['plot_statistic'] = args.plot_statistic
     changes['node'] = node_options_from_args(args)
+    changes['overload'] = overload_options_from_args(args)
     changes['out_dir'] = args.out
     return dataclasses.replace(base, **changes)
 
@@ -181,6 +191,19 @@ def node_options_from_args(args: argparse.Namespace):
                                camera_rate_hz=args.camera_rate, camera_width=width,
                                camera_height=height, camera_format=args.camera_format,
                                **changes)
+
+
+def overload_options_from_args(args: argparse.Namespace):
+    """Build the OverloadBenchOptions of the overload part's flags."""
+    from .overload import OverloadBenchOptions
+
+    base = OverloadBenchOptions.quick() if args.quick else OverloadBenchOptions()
+    changes = {name: value for name, value in (('factor', args.overload_factor),
+                                               ('duration_s', args.overload_duration))
+               if value is not None}
+    if changes.get('factor', 1.0) <= 0 or changes.get('duration_s', 1.0) <= 0:
+        raise SystemExit('--overload-factor and --overload-duration must be > 0')
+    return dataclasses.replace(base, **changes)
 
 
 def _raise_system_exit(signum, frame):

@@ -417,6 +417,12 @@ def node_command(opts: NodeBenchOptions, preset: str, device: str, dtype: str, t
                  'tokens_per_request': opts.tokens, 'seed': seed,
                  # Declared by nodes that pin torch's threads; an older node ignores it.
                  'torch_threads': threads}
+    return yaml_node_command(opts, overrides)
+
+
+def yaml_node_command(opts: NodeBenchOptions, overrides: dict) -> list[str]:
+    """oxygen_node with config/<robot>.yaml, `overrides` and the robot's camera format."""
+    overrides = dict(overrides)
     if opts.camera_format == 'jpeg':
         # The node subscribes <base>/compressed (image_transport naming), as the stand-in
         # robot publishes with --compressed.

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .run import BenchResult, save_result  # noqa: E402
+from .overload import overload_section, overload_targets  # noqa: E402
 from .serve import serve_targets  # noqa: E402
 
 SYSTEM_STYLE = {   # colour, marker per system (oxygen k=... share the oxygen colour)
@@ -82,6 +83,9 @@ def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
     if result.robots:
         paths['robots'] = out / 'robots.csv'
         write_csv(result.robots, paths['robots'])
+    if result.overload:
+        paths['overload'] = out / 'overload.csv'
+        write_csv(result.overload, paths['overload'])
     paths.update(write_plots(result, out))
     paths['summary'].write_text(summary_markdown(result, paths))
     return paths
@@ -168,6 +172,7 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
             'met': ratio <= TARGET_MEMORY_OVER_ACTION_ONLY})
     targets += node_targets(result)
     targets += serve_targets(result.serve)
+    targets += overload_targets(result.overload)
     targets += robots_targets(result)
     if not result.rows:
         return targets
@@ -485,6 +490,7 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
                   'probes (MKL_DISABLE_FAST_MM; it caches a GEMM buffer per row count).', '']
     parts += robots_section(result, paths)
     parts += node_section(result, paths)
+    parts += overload_section(result.overload)
     parts += ['## Files', ''] + [f'- `{p.name}`' for p in paths.values()] + ['']
     return '\n'.join(parts)
 

@@ -36,6 +36,7 @@ from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
 from .measure import compare_tokens, max_action_diff, summarize, SystemLog
 from .node import NodeBenchOptions, run_node_part
+from .overload import OverloadBenchOptions, run_overload_part
 from .phases import measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 from .robots import run_robots_part
@@ -65,13 +66,16 @@ class BenchOptions:
     quick: bool = False
     plot_statistic: str = 'mean'     # frame-time statistic of the plots' Hz: mean (paper) / p50
     node: NodeBenchOptions = dataclasses.field(default_factory=NodeBenchOptions)   # part 'node'
+    overload: OverloadBenchOptions = dataclasses.field(   # part 'overload'
+        default_factory=OverloadBenchOptions)
     out_dir: str = 'bench-results'   # where the node part leaves its processes' logs
 
     @classmethod
     def quick_defaults(cls, **changes) -> BenchOptions:
         return dataclasses.replace(cls(plan=quick_options(), preset='tiny', quick=True,
                                        phase_repeats=3, memory_frames=2,
-                                       node=NodeBenchOptions.quick()), **changes)
+                                       node=NodeBenchOptions.quick(),
+                                       overload=OverloadBenchOptions.quick()), **changes)
 
 
 @dataclasses.dataclass
@@ -89,6 +93,7 @@ class BenchResult:
     robots: list[dict] = dataclasses.field(default_factory=list)      # part 'robots': (R, system)
     node_ticks: list[dict] = dataclasses.field(default_factory=list)  # its per-tick records
     serve: list[dict] = dataclasses.field(default_factory=list)       # part 'serve': one row
+    overload: list[dict] = dataclasses.field(default_factory=list)    # part 'overload': 2 rows
 
 
 def environment(opts: BenchOptions) -> dict:
@@ -520,6 +525,13 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
                                            opts.preset, opts.device, opts.dtype, opts.threads,
                                            opts.seed))
         part_seconds['serve'] = time.perf_counter() - start
+    if 'overload' in opts.plan.parts:
+        start = time.perf_counter()
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress else (
+            lambda line: None)
+        result.overload.extend(run_overload_part(opts.node, opts.overload,
+                                                 Path(opts.out_dir) / 'overload_logs', say))
+        part_seconds['overload'] = time.perf_counter() - start
     env['loadavg_end'] = os.getloadavg()[0] if hasattr(os, 'getloadavg') else math.nan
     return result
 
@@ -539,6 +551,8 @@ def load_result(path: str | Path) -> BenchResult:
                                   for key, v in opts['plan'].items()})
     if isinstance(opts.get('node'), dict):
         opts['node'] = NodeBenchOptions(**opts['node'])
+    if isinstance(opts.get('overload'), dict):
+        opts['overload'] = OverloadBenchOptions(**opts['overload'])
     data['options'] = BenchOptions(**opts)
     data['periods'] = {int(steps): p for steps, p in data['periods'].items()}
     return BenchResult(**data)

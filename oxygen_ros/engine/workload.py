@@ -89,10 +89,10 @@ def default_num_slots(policy: LanguagePolicy, k: int | None) -> int:
     t + ceil(N/k) - 1. At most one request starts per frame, so when act() of frame t needs a
     slot, the requests of frames t - ceil(N/k) + 1 .. t - 1 are live: ceil(N/k) slots with
     the frame's own, which its request then adopts (no second slot). The + 1 is the spare
-    the 'refuse_new' pressure policy keeps free when it admits, so the next frame's action
-    path never waits; an adaptive budget sizes with k = 1 (its k may drop to 1 any frame).
-    Forced prompt-template tokens are not counted: a request that outlives its frames under
-    a long template is evicted for the action path, never the other way round.
+    slack admission keeps (a request ending early by EOS leaves room for one more); an
+    adaptive budget sizes with its k_min = 1 (the steps per frame its requests are planned
+    with). Forced prompt-template tokens are not counted: under a long template fewer
+    requests are admitted (engine/scheduler.py), never is the action path kept waiting.
     Without requests the pool is the frame slot alone.
     """
     if policy.requests_per_frame() == 0:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
 import os
 import sys
 import threading
@@ -66,6 +67,7 @@ from oxygen_ros.engine import AdaptiveBudget, FixedBudget
 from oxygen_ros.ros import qos
 from oxygen_ros.ros.diagnostics import to_diagnostic_array
 from oxygen_ros.ros.robot_io import RobotIO, RosOutputs
+from oxygen_ros.runtime.capacity import resolve_rate
 from oxygen_ros.runtime.control import ControlThread, CpuSplit
 from oxygen_ros.runtime.fleet_loop import FleetLoop, RobotLoop, wake_period_s
 from oxygen_ros.runtime.frame_loop import FrameLoop
@@ -187,7 +189,7 @@ class OxygenNode(LifecycleNode):
 
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self._declare_parameters()
-        self._period_s = 1.0 / self._value('control_rate_hz')
+        self._period_s = _period_of(self._value('control_rate_hz'))
         self._stale_timeout_s = self._value('stale_frame_timeout_s')
         self._max_instruction_chars = self._value('max_instruction_chars')
 
@@ -424,7 +426,7 @@ class OxygenNode(LifecycleNode):
                 if robot in self._ios:
                     self._ios[robot].inputs.stale_timeout_s = value
             elif base == 'control_rate_hz' and not robot and self._settings is None:
-                self._period_s = 1.0 / value   # not configured: the period configure starts
+                self._period_s = _period_of(value)   # not configured: what configure starts
             # A fleet's node-level settings hold its shared values; a robot's, its own.
             if robot in robots or (not robot and self._settings is not None):
                 self._replace_settings(robot, base, value)
@@ -440,6 +442,11 @@ class OxygenNode(LifecycleNode):
 
     def _replace_settings(self, robot: str, base: str, value) -> None:
         value = parse_decode_budget(value) if base == 'decode_budget' else value
+        if base == 'control_rate_hz':
+            capacity = self._engine.capacity if self._engine is not None else None
+            value = resolve_rate(value, capacity)   # 0: auto, from the configure-time timing
+            if capacity is not None:
+                self._rate_note(capacity, value)
         if robot and self._fleet_settings is not None:
             fleet = self._fleet_settings
             robots = dict(fleet.robots)
@@ -447,6 +454,16 @@ class OxygenNode(LifecycleNode):
             self._fleet_settings = dataclasses.replace(fleet, robots=robots)
         else:
             self._settings = dataclasses.replace(self._settings, **{base: value})
+
+    def _rate_note(self, capacity, asked_hz: float) -> None:
+        """Log what rate this machine holds next to the one asked (a warning if above it)."""
+        message = f'this machine {capacity.describe(asked_hz)}'
+        if asked_hz > capacity.rate_hz:
+            self._problems.note(WARN, f'{message}: ticks will overrun (language still takes '
+                                      'its minimum); set control_rate_hz 0 (auto) or at most '
+                                      f'{capacity.auto_rate_hz():.3g}')
+        else:
+            self.get_logger().info(message)
 
     def _wake_period_s(self) -> float:
         """Return the control timer's period: the robot's, or one meeting every robot's ticks."""
@@ -543,16 +560,18 @@ class OxygenNode(LifecycleNode):
             f'{engine.description["source"]}, {served}, KV pool {pool.num_slots} slots '
             f'({pool.total_bytes / (1 << 20):.1f} MiB), '
             f'{engine.description.get("torch_threads", "?")} torch threads')
+        if engine.capacity is not None:
+            self._rate_note(engine.capacity, max(
+                s.control_rate_hz for s in self._robot_settings().values()))
         self._lifecycle = 'inactive'
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_robot(self, values: dict):
         """One robot: its engine, its topics in the node's namespace, a FrameLoop."""
-        settings = Settings.from_values(values)
         from oxygen_ros.runtime.engine_setup import build_engine   # torch: load lazily
 
-        engine = build_engine(settings)
-        self._settings = settings
+        engine = build_engine(Settings.from_values(values))
+        self._settings = settings = engine.settings   # the control rate resolved
         io = self._ios[''] = RobotIO(self, settings, self._problems,
                                      lambda: self._max_instruction_chars)
         self._inputs, self._outputs = io.inputs, io.outputs
@@ -572,6 +591,7 @@ class OxygenNode(LifecycleNode):
         from oxygen_ros.runtime.engine_setup import build_fleet   # torch: load lazily
 
         engine = build_fleet(fleet_settings)
+        fleet_settings = engine.settings   # the robots' control rates resolved
         self._settings, self._fleet_settings = fleet_settings.node, fleet_settings
         loops = []
         for name, settings in fleet_settings.robots.items():
@@ -822,6 +842,11 @@ class OxygenNode(LifecycleNode):
             self.get_logger().warning(message)
         else:
             self.get_logger().error(message)
+
+
+def _period_of(rate_hz: float) -> float:
+    """Return the period of a rate (0, auto: unknown until configure has timed it)."""
+    return 1.0 / rate_hz if rate_hz else math.inf
 
 
 def make_executor(context=None) -> SingleThreadedExecutor:

@@ -10,6 +10,8 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+import time
+from typing import Callable
 
 import torch
 
@@ -24,6 +26,8 @@ from oxygen_ros.model.config import get_preset
 from oxygen_ros.model.robot_spec import (check_fits_model, check_norm_stats, get_robot,
                                          RobotSpec, RobotSpecError)
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer
+from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, resolve_rate,
+                                         steady_batch, time_ticks, TIMED_FRAMES)
 from oxygen_ros.runtime.params import FleetSettings, Settings
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,9 @@ class Engine:
     frontend: Frontend | None      # the robot's (None for a fleet: each robot has its own)
     description: dict              # for diagnostics: source, preset, device, dtype, ...
     warnings: list[str]            # things that work but deserve a look (e.g. tiny tokenizer)
+    settings: Settings | FleetSettings | None = None   # what it was built from, with the
+    #                                control rate resolved (auto: from `capacity`)
+    capacity: Capacity | None = None   # the rate this machine holds (None: not timed)
 
 
 def inference_threads(torch_threads: int) -> int:
@@ -228,20 +235,83 @@ def check_pool_fits(settings: Settings, config, policy: LanguagePolicy,
             f'kv_capacity 0 (sized from N and k) or at most {max(free // 2 // per_slot, 1)}')
 
 
-def warm_up(model, frontend: Frontend, settings: Settings) -> None:
-    """Run one throwaway frame (own 2-slot scheduler) so the first real tick is not slow.
+def _timing_label(settings: Settings) -> str:
+    if settings.checkpoint:
+        return f'checkpoint {Path(settings.checkpoint).expanduser().name}'
+    return f'preset {settings.preset}'
 
-    The first torch calls allocate and pick kernels (CUDA: initialise the context); doing it
-    here keeps it out of the control loop and leaves the node's scheduler untouched, so frame
-    and request numbering start at 0.
+
+def _k_min(settings: Settings) -> int:
+    """Return the fewest steps per request per frame its budget stands for (budget_for)."""
+    return settings.decode_budget or 1
+
+
+def _steady_batch(settings: Settings) -> int:
+    return steady_batch(settings.tokens_per_request, _k_min(settings),
+                        settings.request_every_n_frames,
+                        settings.kv_capacity - 1 if settings.kv_capacity else None)
+
+
+def time_capacity(model, frontend: Frontend, settings: Settings,
+                  clock: Callable[[], float] = time.perf_counter) -> Capacity:
+    """Time the node's frames on a throwaway engine: what rate this machine holds.
+
+    Also the warm-up: the first torch calls allocate and pick kernels (CUDA: initialise the
+    context) here, not in the control loop, and the node's scheduler is untouched, so frame
+    and request numbering start at 0. See runtime/capacity.py for what is timed.
     """
-    policy = LanguagePolicy(max_new_tokens=2, every_n_frames=1, eos_id=frontend.eos_id)
-    system = make_system('oxygen', model, frontend, policy, k=2, num_slots=2, seed=settings.seed)
-    spec = frontend.adapter.spec
-    obs = random_observation(spec, 0, settings.seed, image_size=model.config.vision.image_size)
-    system.step(obs)
-    system.step(random_observation(spec, 1, settings.seed,
-                                   image_size=model.config.vision.image_size))
+    k_min = _k_min(settings)
+    system = make_system('oxygen', model, frontend, policy_for(settings, frontend.eos_id),
+                         k=k_min, num_slots=TIMED_FRAMES + 3, seed=settings.seed,
+                         runner_options={'kv_dtype': _kv_dtype(settings)}, clock=clock)
+    image_size = model.config.vision.image_size
+
+    def tick(index: int) -> tuple[float, float, int]:
+        action = system.act(random_observation(frontend.adapter.spec, index, settings.seed,
+                                               image_size=image_size))
+        result = system.advance_language()
+        return action.inference_time_s, result.timings.total_s, result.decode_batch_size
+    return capacity_from(time_ticks(tick, clock=clock), _steady_batch(settings),
+                         _timing_label(settings))
+
+
+def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSettings,
+                        max_prefill_rows: int | None) -> Capacity:
+    """Time ticks of a throwaway fleet in which every robot sends a frame (time_capacity)."""
+    node = fleet.node
+    robots = [FleetRobot(name, frontends[s.robot], policy_for(s, frontends[s.robot].eos_id),
+                         FixedBudget(_k_min(s)), kv_quota=TIMED_FRAMES + 3, seed=s.seed)
+              for name, s in fleet.robots.items()]
+    system = make_fleet(model, robots, kv_dtype=_kv_dtype(node),
+                        max_prefill_rows=max_prefill_rows)
+    image_size = model.config.vision.image_size
+
+    def tick(index: int) -> tuple[float, float, int]:
+        act = system.act({name: random_observation(frontends[s.robot].adapter.spec, index,
+                                                   s.seed, image_size=image_size)
+                          for name, s in fleet.robots.items()})
+        result = system.advance_language()
+        return act.act_s, result.timings.total_s, result.decode_batch_size
+    batch = sum(_steady_batch(s) for s in fleet.robots.values())
+    label = f'{_timing_label(node)} with {len(robots)} robots ticking together'
+    return capacity_from(time_ticks(tick), batch, label)
+
+
+def with_rate(settings: Settings, capacity: Capacity | None) -> Settings:
+    """Return `settings` with control_rate_hz resolved (0, auto: the capacity's auto rate)."""
+    rate = resolve_rate(settings.control_rate_hz, capacity)
+    return settings if rate == settings.control_rate_hz else dataclasses.replace(
+        settings, control_rate_hz=rate)
+
+
+def _rate_description(settings: Settings, asked_hz: float, capacity: Capacity | None) -> dict:
+    about = {'control_rate_hz': settings.control_rate_hz,
+             'control_rate': ('auto: {:g}% of capacity'.format(100 * AUTO_SHARE)
+                              if not asked_hz else 'given')}
+    if capacity is not None:
+        about.update(capacity.values())
+        about['capacity'] = capacity.describe(settings.control_rate_hz)
+    return about
 
 
 def load_model(settings: Settings):
@@ -302,8 +372,10 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
     policy = policy_for(settings, frontend.eos_id)
     kv_dtype = _kv_dtype(settings)
     check_pool_fits(settings, model.config, policy, kv_dtype)
-    if warmup:
-        warm_up(model, frontend, settings)
+    asked_hz = settings.control_rate_hz
+    capacity = (time_capacity(model, frontend, settings)
+                if warmup or not asked_hz else None)
+    settings = with_rate(settings, capacity)
     k = settings.decode_budget
     system = make_system('oxygen' if k is not None else 'oxygen-adaptive', model, frontend,
                          policy, k=k or 1, frame_period_s=settings.period_s,
@@ -311,8 +383,9 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
                          runner_options={'kv_dtype': kv_dtype})
     _describe(description, settings, model, system.pool.num_slots,
               describe_robot(frontend.adapter.spec),
-              {'tokens_per_request': settings.tokens_per_request})
-    return Engine(system, frontend, description, warnings)
+              {'tokens_per_request': settings.tokens_per_request,
+               **_rate_description(settings, asked_hz, capacity)})
+    return Engine(system, frontend, description, warnings, settings, capacity)
 
 
 def budget_for(settings: Settings) -> Budget:
@@ -334,7 +407,7 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     """
     node = fleet.node
     model, make_frontend, description, warnings = load_model(node)
-    frontends, robots = {}, []
+    frontends, policies = {}, {}
     kv_dtype = _kv_dtype(node)
     for name, settings in fleet.robots.items():
         try:
@@ -342,19 +415,28 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
                 frontends[settings.robot] = make_frontend(robot_spec(settings))
         except (ValueError, EngineSetupError) as err:
             raise EngineSetupError(f'robot {name}: {err}') from err
-        frontend = frontends[settings.robot]
-        policy = policy_for(settings, frontend.eos_id)
+        policies[name] = policy_for(settings, frontends[settings.robot].eos_id)
         try:
-            check_pool_fits(settings, model.config, policy, kv_dtype)
+            check_pool_fits(settings, model.config, policies[name], kv_dtype)
         except EngineSetupError as err:
             raise EngineSetupError(f'{name}.{err}') from None
-        robots.append(FleetRobot(name, frontend, policy, budget_for(settings),
-                                 kv_quota=settings.kv_capacity or None, seed=settings.seed))
-    if warmup:
-        first = next(iter(fleet.robots.values()))
-        warm_up(model, frontends[first.robot], first)
-    system = make_fleet(model, robots, kv_dtype=kv_dtype,
-                        max_prefill_rows=1 if node.device == 'cpu' else None)
-    _describe(description, node, model, system.pool.num_slots, {'robots': ', '.join(
-        f'{name} ({s.robot})' for name, s in fleet.robots.items())}, {})
-    return Engine(system, None, description, warnings)
+    max_prefill_rows = 1 if node.device == 'cpu' else None
+    auto = [name for name, s in fleet.robots.items() if not s.control_rate_hz]
+    capacity = (time_fleet_capacity(model, frontends, fleet, max_prefill_rows)
+                if warmup or auto else None)
+    fleet = dataclasses.replace(
+        fleet, node=with_rate(node, capacity),
+        robots={name: with_rate(s, capacity) for name, s in fleet.robots.items()})
+    robots = [FleetRobot(name, frontends[s.robot], policies[name], budget_for(s),
+                         kv_quota=s.kv_capacity or None, seed=s.seed)
+              for name, s in fleet.robots.items()]
+    system = make_fleet(model, robots, kv_dtype=kv_dtype, max_prefill_rows=max_prefill_rows)
+    rates = {'robot_rates_hz': ', '.join(f'{name} {s.control_rate_hz:.3g}'
+                                         + (' (auto)' if name in auto else '')
+                                         for name, s in fleet.robots.items())}
+    if capacity is not None:
+        rates.update(capacity.values(), capacity=capacity.describe(
+            max(s.control_rate_hz for s in fleet.robots.values())))
+    _describe(description, fleet.node, model, system.pool.num_slots, {'robots': ', '.join(
+        f'{name} ({s.robot})' for name, s in fleet.robots.items())}, rates)
+    return Engine(system, None, description, warnings, fleet, capacity)

@@ -185,6 +185,12 @@ def _legacy_decode_budget(value) -> tuple[str | None, str]:
                   f'{k or 0} (0 = adaptive), e.g. `-p decode_budget:={k or 0}`')
 
 
+def _check_rate(value) -> str | None:
+    if 0 < value < 0.1:
+        return f'must be 0 (auto) or in [0.1, 1000], got {value:g}'
+    return None
+
+
 def _check_names(value) -> str | None:
     names = list(value)
     if any(not n.strip() for n in names):
@@ -261,8 +267,11 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('publish_trajectory', False, 'Also publish each chunk as trajectory_msgs/'
               'JointTrajectory on joint_trajectory (joint-position robots only), for '
               "ros2_control's joint_trajectory_controller."),
-    ParamSpec('control_rate_hz', 10.0, 'Control ticks per second (one action chunk each).',
-              configure_time=False, float_range=(0.1, 1000.0)),
+    ParamSpec('control_rate_hz', 10.0, 'Control ticks per second (one action chunk each); 0 '
+              '= auto: 90% of the rate this machine holds, timed at configure on a few frames '
+              '(act p50 plus the least language work of a tick: one decode step per live '
+              'request at the steady batch, k steps with a fixed decode_budget).',
+              configure_time=False, float_range=(0.0, 1000.0), check=_check_rate),
     ParamSpec('denoise_steps', 0, 'Flow-matching steps; 0 = the model config default.',
               int_range=(0, 100)),
     ParamSpec('language_prompt', '', "Template fed after the observation prefix for narration "
@@ -487,6 +496,9 @@ class Settings:
 
     @property
     def period_s(self) -> float:
+        if not self.control_rate_hz:
+            raise ValueError('control_rate_hz 0 (auto) has no period until the rate is '
+                             'resolved (engine_setup.build_engine times it)')
         return 1.0 / self.control_rate_hz
 
     @classmethod

@@ -90,7 +90,7 @@ def serve_main(args: argparse.Namespace) -> int:
                           port=args.port, default_prompt=args.default_prompt,
                           max_pending=args.max_pending,
                           max_instruction_chars=settings.max_instruction_chars,
-                          period_s=settings.period_s)
+                          period_s=engine.settings.period_s)
     for warning in engine.warnings:
         logging.getLogger(__name__).warning(warning)
     server = PolicyServer(engine.system, config, engine.description)
