@@ -16,7 +16,7 @@ import torch
 from oxygen_ros.engine import AdaptiveBudget, FixedBudget, make_system, random_observation
 from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, fit_line,
                                          resolve_rate, steady_batch, time_ticks)
-from oxygen_ros.runtime.engine_setup import (build_engine, load_model, policy_for,
+from oxygen_ros.runtime.engine_setup import (build_engine, load_model, policy_for, robot_spec,
                                              time_capacity)
 from oxygen_ros.runtime.params import check_value, Settings
 
@@ -89,7 +89,7 @@ def test_the_estimate_is_within_twenty_percent_of_the_ticks_it_predicts():
                                      'control_rate_hz': 10.0})
     try:
         model, make_frontend, _, _ = load_model(settings)     # sets 1 torch thread
-        frontend = make_frontend(settings.robot)
+        frontend = make_frontend(robot_spec(settings))
         capacity = time_capacity(model, frontend, settings, clock=time.thread_time)
         # The node's language at its minimum: every live request one step a frame (k_min).
         system = make_system('oxygen', model, frontend, policy_for(settings, frontend.eos_id),
