@@ -7,10 +7,12 @@
     ros2 launch oxygen_ros oxygen.launch.py robots:=arm_left,arm_right robot:=droid
 
 Arguments:
-  config         libero | droid | aloha | two_arms | aloha_droid | a path to a parameter YAML;
-                 default: the robot's
-  robot          libero | droid | aloha; default: the config's (libero if neither is given);
-                 with several robots, the type of those whose section does not set one
+  config         libero | droid | aloha | so101 | two_arms | aloha_droid | a path to a
+                 parameter YAML; default: the robot's
+  robot          a shipped robot (libero | droid | aloha | so101) or the path of a robot YAML
+                 (docs/robots.md; then give a config whose cameras and joints are its);
+                 default: the config's (libero if neither is given); with several robots, the
+                 type of those whose section does not set one
   robots         comma-separated robot names: one node serves them all, each in its own
                  namespace (<robot>/actions, ...); default: the config's (one robot)
   checkpoint     openpi checkpoint directory; default: the config's ('' = random weights)
@@ -46,7 +48,8 @@ NODE_NAME = 'oxygen_node'
 ARGUMENTS = (
     ('config', '', 'libero, droid, aloha, two_arms, aloha_droid, or a parameter YAML path '
                    '(default: the robot)'),
-    ('robot', '', "libero, droid or aloha (default: the config's robot)"),
+    ('robot', '', "a shipped robot (libero, droid, aloha, so101) or a robot YAML's path "
+                  "(default: the config's robot)"),
     ('robots', '', "comma-separated robot names served by one node (default: the config's)"),
     ('checkpoint', '', "openpi checkpoint directory (default: the config's)"),
     ('namespace', '', 'namespace of the node and its relative topics'),
@@ -60,6 +63,9 @@ ARGUMENTS = (
 def _config_path(config: str, robot: str) -> str:
     if config.endswith(('.yaml', '.yml')) or os.sep in config:
         return os.path.expanduser(config)
+    if not config and (robot.endswith(('.yaml', '.yml')) or os.sep in robot):
+        raise RuntimeError(f'robot:={robot} is a robot YAML: give config:=<a parameter file> '
+                           'with its camera_names and joint_names too (copy config/so101.yaml)')
     name = config or robot or 'libero'
     return os.path.join(get_package_share_directory(PACKAGE), 'config', name + '.yaml')
 

@@ -17,12 +17,18 @@ def _phases(args: argparse.Namespace) -> int:
     frames = None
     if args.robot:   # prefill costs what a frame holds: time a frame of this robot
         from .engine import random_observation, random_setup
-        model, frontend = random_setup(cfg, args.robot, seed=args.seed, device=args.device,
+        from .model.robot_spec import get_robot, RobotSpecError
+        try:
+            robot = get_robot(args.robot)
+        except RobotSpecError as err:
+            print(f'oxygen-ros phases: error: {err}', file=sys.stderr)
+            return 2
+        model, frontend = random_setup(cfg, robot, seed=args.seed, device=args.device,
                                        dtype=getattr(torch, args.dtype))
         frames = [frontend.prepare(random_observation(
-            args.robot, 0, seed=args.seed, image_size=cfg.vision.image_size)).tensors]
+            robot, 0, seed=args.seed, image_size=cfg.vision.image_size)).tensors]
         shown = int(frames[0]['image_masks'].sum()) * cfg.tokens_per_image
-        what = (f'one {args.robot} frame: {shown + int(frames[0]["token_masks"].sum())} of '
+        what = (f'one {robot.name} frame: {shown + int(frames[0]["token_masks"].sum())} of '
                 f'{cfg.prefix_len} prefix positions valid')
     else:
         with torch.device(args.device):
@@ -61,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     phases.add_argument('--repeats', type=int, default=5)
     phases.add_argument('--threads', type=int, default=0, help='torch threads (0 = default)')
     phases.add_argument('--seed', type=int, default=0)
-    phases.add_argument('--robot', choices=['libero', 'droid', 'aloha'], default=None,
-                        help="time prefill on a synthetic frame of this robot (its cameras and "
-                             "prompt); default: every camera slot and a quarter-length prompt")
+    phases.add_argument('--robot', default=None,
+                        help="time prefill on a synthetic frame of this robot (a shipped name "
+                             "or a robot YAML: its cameras and prompt); default: every camera "
+                             "slot and a quarter-length prompt")
     phases.set_defaults(func=_phases)
 
     from .bench.cli import add_bench_parser
@@ -81,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .check_checkpoint import add_parser as add_check_parser
     add_check_parser(sub)
+
+    from .robot_spec_cli import add_parser as add_robot_spec_parser
+    add_robot_spec_parser(sub)
     return parser
 
 

@@ -71,7 +71,7 @@ def _inject_faults(engine, rate: float, rng: random.Random, counts: dict) -> Non
         return decode(*args, **kwargs)
 
     def faulty_allocate(holder):
-        # A "full pool" the scheduler must answer by evicting language, never by dropping
+        # A "full pool" the scheduler must answer by preempting language, never by dropping
         # the frame: only injected while there is a live request to evict.
         if holder.startswith('frame') and system.num_live_requests and rng.random() < rate:
             counts['allocation'] += 1

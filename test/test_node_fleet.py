@@ -236,7 +236,7 @@ def test_fleet_lifecycle_and_runtime_parameters(fleet):
 
 
 def test_bad_robot_names_and_values_are_named_at_configure(fleet):
-    h = fleet({'arm_left': dict(robot='aloha', control_rate_hz=0.0)})
+    h = fleet({'arm_left': dict(robot='aloha', control_rate_hz=0.05)})
     node = h.node
     assert node.trigger_configure() != SUCCESS
     message = h.statuses()['model'].message

@@ -261,6 +261,11 @@ def test_bad_remap_and_missing_config_are_named(launch_module, tmp_path):
         launch_module._launch_node(_context(camera_remaps='camera/image'))
     with pytest.raises(RuntimeError, match='no parameter file'):
         launch_module._launch_node(_context(config=str(tmp_path / 'none.yaml')))
+    # A robot YAML needs a parameter file of its own (its cameras and joints), not libero's.
+    with pytest.raises(RuntimeError, match=r'is a robot YAML: give config:='):
+        launch_module._launch_node(_context(robot=str(tmp_path / 'arm.yaml')))
+    node, _, _ = _split(launch_module._launch_node(_context(robot='so101')))
+    assert node.kwargs['parameters'][0] == str(REPO / 'config' / 'so101.yaml')
 
 
 def test_launched_node_in_a_namespace_gets_file_overrides_and_remaps(
@@ -289,7 +294,7 @@ def test_launched_node_in_a_namespace_gets_file_overrides_and_remaps(
         values = {n: node.get_parameter(n).value
                   for n in ('robot', 'preset', 'seed', 'autostart', 'control_rate_hz')}
         assert values == {'robot': 'droid', 'preset': 'tiny', 'seed': 7, 'autostart': False,
-                          'control_rate_hz': 10.0}
+                          'control_rate_hz': 0.0}   # auto: resolved at configure
         assert node.lifecycle_state == 'unconfigured', 'no self-activation when launched'
 
         state = {TransitionCallbackReturn.SUCCESS: 'inactive'}
@@ -303,6 +308,9 @@ def test_launched_node_in_a_namespace_gets_file_overrides_and_remaps(
                         assert action.event.transition_id == Transition.TRANSITION_ACTIVATE
                         assert node.trigger_activate() == TransitionCallbackReturn.SUCCESS
         assert node.lifecycle_state == 'active'
+        # The shipped rate is auto: the node timed this machine at configure and runs at 90%.
+        model = dict(node.diagnostic_statuses()[0].values)
+        assert float(model['control_rate_hz']) > 0 and 'holds about' in model['capacity']
         topics = {sub.topic_name for sub in node._subscriptions_made}
         assert {'/zed/wrist', '/arm1/camera/exterior_image_1_left/image_raw',
                 '/arm1/joint_states', '/arm1/instruction'} <= topics

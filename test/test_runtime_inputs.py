@@ -288,16 +288,41 @@ def test_statuses_report_every_required_quantity():
 
 
 def test_statuses_escalate_input_problems_and_lost_requests():
-    statuses = _statuses(input_problems={'cam': "camera 'wrist': stale"},
-                         engine={'k': 1, 'active_requests': 0, 'budget': 'b',
-                                 'finished': {'evicted': 2},
-                                 'kv_usage': {'slots_in_use': 6, 'slots_total': 6,
-                                              'bytes_in_use': 6, 'bytes_total': 6,
-                                              'peak_slots_in_use': 6}})
+    engine = {'k': 1, 'active_requests': 0, 'budget': 'b', 'finished': {'evicted': 2},
+              'kv_usage': {'slots_in_use': 6, 'slots_total': 6, 'bytes_in_use': 6,
+                           'bytes_total': 6, 'peak_slots_in_use': 6}}
+    loop = LoopStats().snapshot()
+    loop.update(action_rate_hz=10.0, tokens_per_s=3.0, latency_p50_ms=20.0,
+                since_last_action_s=0.05, ticks_window=50, requests_completed_window=7,
+                requests_evicted_window=2, requests_refused_window=1)
+    statuses = _statuses(input_problems={'cam': "camera 'wrist': stale"}, engine=engine,
+                         loop=loop)
     assert statuses['control loop'].level == ERROR
     assert "camera 'wrist': stale" in statuses['inputs'].message
-    assert statuses['language'].level == WARN and 'evicted=2' in statuses['language'].message
+    language = statuses['language']
+    assert language.level == WARN
+    assert '7 requests completed, 2 evicted, 1 refused in the last 5 s' in language.message
+    assert ('requests_refused_window', '1') in language.values
     assert statuses['kv cache'].level == WARN
+    # Requests lost long ago (outside the window) no longer warn; the totals stay.
+    loop.update(requests_evicted_window=0, requests_refused_window=0)
+    language = _statuses(engine=engine, loop=loop)['language']
+    assert language.level == OK and ('finished_evicted', '2') in language.values
+
+
+def test_loop_stats_count_ended_requests_per_window():
+    clock = FakeClock()
+    stats = LoopStats(window_s=5.0, clock=clock)
+    for i in range(100):                                     # 10 Hz for 10 s
+        clock.t = i * 0.1
+        stats.record(clock.t, 0.02, 0.1, 0.01, 0.008, tokens=1,
+                     ended={'length': 1} if i % 2 else {'refused': 1})
+    stats.record_ended(clock.t, {'evicted': 1})              # a tick of another robot
+    clock.t = 9.95                                           # the window: ticks 50..99
+    snap = stats.snapshot()
+    assert snap['requests_completed_window'] == 25 and snap['requests_refused_window'] == 25
+    assert snap['requests_evicted_window'] == 1 and snap['requests_error_window'] == 0
+    assert snap['completed_per_min'] == pytest.approx(60 * 25 / 5.0, rel=0.05)
 
 
 def test_failed_configure_is_an_error_status():
@@ -309,7 +334,7 @@ def test_failed_configure_is_an_error_status():
 
 # --- parameters ------------------------------------------------------------------------------
 @pytest.mark.parametrize('name, value, reason', [
-    ('control_rate_hz', 0.0, 'must be in'),
+    ('control_rate_hz', 0.05, 'must be 0 (auto) or in'),
     ('control_rate_hz', float('nan'), 'must be in'),
     ('tokens_per_request', 0, 'must be in'),
     ('decode_budget', 'fast', 'expected an integer k >= 0 (0 = adaptive)'),
@@ -318,7 +343,7 @@ def test_failed_configure_is_an_error_status():
     ('decode_budget', 2.5, 'expected an integer'),
     ('cameras.image.compressed', 'yes', 'expected a bool'),
     ('cameras.image.topic', 3, 'expected a string'),
-    ('robot', 'pr2', 'must be one of'),
+    ('robot', 'pr2', 'unknown robot; expected one of aloha, droid, libero, so101'),
     ('preset', 'huge', 'unknown preset'),
     ('dtype', 'int8', 'must be one of'),
     ('device', 'gpu0', "expected 'cpu'"),
@@ -434,8 +459,8 @@ def test_param_file_keys_rcl_accepts(tmp_path):
 
 @pytest.mark.parametrize('robot', sorted(ROBOT_IO))
 def test_robot_io_table_matches_the_robot_spec(robot):
-    # params keeps its own copy so reading parameters never imports torch; it must not drift.
-    from oxygen_ros.model.robots import get_robot
+    # params derives the topic defaults from the specs (torch-free): they must agree.
+    from oxygen_ros.model.robot_spec import get_robot
 
     spec = get_robot(robot)
     cameras, joints = ROBOT_IO[robot]

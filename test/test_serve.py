@@ -281,3 +281,40 @@ def test_observation_conversion_follows_openpi():
     assert obs.instruction == 'default task'
     with pytest.raises(RequestError, match='gripper_position'):
         to_observation({k: v for k, v in floats.items() if 'gripper' not in k}, 'droid', 'x')
+
+
+# ---- a robot of one's own ---------------------------------------------------------------------
+def test_custom_robot_with_default_and_mapped_observation_keys(tmp_path):
+    from oxygen_ros.model.robot_spec import get_robot
+    from oxygen_ros.serve.observations import load_observation_keys
+
+    spec = get_robot('so101')
+    obs = random_observation(spec, 0, image_size=64)
+    # Default keys of a robot without an openpi client: observation/<camera>, observation/state.
+    with serve('so101') as server:
+        assert server.metadata['observation_keys']['cameras'] == {
+            'front': 'observation/front', 'wrist': 'observation/wrist'}
+        with connect(server) as ws:
+            ws.send(packb({'observation/front': obs.images['front'],
+                           'observation/wrist': obs.images['wrist'].transpose(2, 0, 1).copy(),
+                           'observation/state': obs.state, 'prompt': 'stack the cubes'}))
+            reply = unpackb(ws.recv(timeout=60))
+            assert reply['actions'].shape[1] == 6
+            ws.send(packb({'observation/front': obs.images['front'], 'prompt': 'x'}))
+            error = ws.recv(timeout=60)
+            assert "'observation/wrist'" in error and 'observation key map' in error
+    # A key map file: nested keys, the state in two parts.
+    keys_file = tmp_path / 'keys.yaml'
+    keys_file.write_text('cameras: {front: [images, top], wrist: wrist_rgb}\n'
+                         'state: [arm/joints, arm/gripper]\n')
+    keys = load_observation_keys(keys_file, spec)
+    with serve('so101', observation_keys=keys) as server:
+        with connect(server) as ws:
+            ws.send(packb({'images': {'top': obs.images['front']},
+                           'wrist_rgb': obs.images['wrist'], 'arm/joints': obs.state[:5],
+                           'arm/gripper': obs.state[5:], 'prompt': 'stack the cubes'}))
+            assert unpackb(ws.recv(timeout=60))['actions'].shape[1] == 6
+    keys_file.write_text('cameras: {front: top}\n')
+    with pytest.raises(ValueError, match=r"cameras: \['front'\]; expected the cameras of robot "
+                                         r"'so101': \['front', 'wrist'\]"):
+        load_observation_keys(keys_file, spec)

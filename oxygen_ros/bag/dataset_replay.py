@@ -56,10 +56,13 @@ class DatasetReplaySummary(ReplaySummary):
 
 
 def default_camera_map(dataset: LeRobotDataset, cameras: list[str]) -> dict[str, str]:
-    """Robot camera -> dataset feature, matching 'observation.images.<camera>' or '<camera>'."""
+    """Map robot cameras to the dataset features named after them.
+
+    Tried in order: observation.images.<camera>, observation.<camera>, <camera>.
+    """
     mapping = {}
     for camera in cameras:
-        for feature in (f'observation.images.{camera}', camera):
+        for feature in (f'observation.images.{camera}', f'observation.{camera}', camera):
             if feature in dataset.cameras:
                 mapping[camera] = feature
                 break
@@ -135,7 +138,7 @@ class DatasetReplay(StopOnRequest):
         except DatasetError as err:
             raise BagError(str(err)) from None
         if self.system is None:
-            self.system, _ = build_engine(self.params.settings)
+            self.system = build_engine(self.params.settings)[0]   # paced by the dataset
         out = OutputBag(self.out_path, self.store, self.storage, self.overwrite)
         total = sum(dataset.episode(i).length for i in episodes)
         progress = _progress_bar(total, self.progress)

@@ -223,7 +223,7 @@ class _BagOutputs:
         p, summary = self.replay.params, self.replay.summary
         self.out.write(p.resolve('actions'), ACTION_CHUNK, self.tick_ns, messages.action_chunk(
             self.replay.store, action, stamp_ns, p.settings.frame_id,
-            action_layout(p.settings.robot)))
+            action_layout(p.settings.spec or p.settings.robot)))
         summary.frames += 1
         summary.actions += 1
 
@@ -321,7 +321,12 @@ class Replay(StopOnRequest):
             input_conns = [c for spec in self.topic_specs() for c in bag.connections(spec)]
             read = input_conns if self.copy != 'all' else list(bag.reader.connections)
             if self.system is None:
-                self.system, self.description = build_engine(p.settings)
+                self.system, self.description, settings = build_engine(p.settings)
+                # control_rate_hz 0 (auto): the tick grid of the rate this machine holds
+                self.params = p = dataclasses.replace(p, settings=settings)
+            elif not p.settings.control_rate_hz:
+                raise BagError('control_rate_hz 0 (auto) needs the engine built here (it '
+                               'times the machine); give a rate with a prebuilt system')
             summary.deterministic = p.settings.decode_budget is not None
             start_ns = bag.start_ns
             n_ticks = int((bag.end_ns - start_ns) // p.period_ns) + 1
@@ -496,15 +501,18 @@ def _progress_bar(total: int, enabled: bool):
                 desc='replay')
 
 
-def build_engine(settings) -> tuple[object, dict]:
-    """Build exactly the engine the node builds from these settings: (system, description)."""
+def build_engine(settings) -> tuple[object, dict, object]:
+    """Build exactly the engine the node builds from these settings.
+
+    Returns (system, description, settings with the control rate resolved: auto is timed).
+    """
     from oxygen_ros.runtime.engine_setup import SETUP_ERRORS
 
     try:
         engine = build_node_engine(settings, warmup=False)
     except SETUP_ERRORS as err:
         raise BagError(f'engine: {err}') from None
-    return engine.system, dict(engine.description)
+    return engine.system, dict(engine.description), engine.settings
 
 
 def run_replay(bag: str | Path, out: str | Path, params: ReplayParams, **kwargs

@@ -18,6 +18,7 @@ examples:
   oxygen-ros bench                              # every sweep + memory (the README numbers)
   oxygen-ros bench --preset pi05 --device cuda --dtype bfloat16 --parts nk memory
   oxygen-ros bench --parts node                 # oxygen_node process vs the engine (~2 min)
+  oxygen-ros bench --parts overload             # shipped YAML, then 2x overload: narration
   oxygen-ros bench --parts robots               # R = 1 2 4 8 robots: one engine vs R engines
   oxygen-ros bench --quick --parts robots       # the same in miniature (tiny preset, R = 1 2)
   oxygen-ros bench --parts rtc                  # real-time chunking off / guided / prefix
@@ -26,6 +27,8 @@ examples:
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     """Register `bench` on the top-level sub-parsers."""
+    from .node import node_robots
+
     bench = sub.add_parser('bench', help='side-by-side benchmark of oxygen and the baselines',
                            epilog=BENCH_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,7 +93,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     node = bench.add_argument_group(
         'node part', 'oxygen_node in its own process with a stand-in robot, next to the engine '
         'alone (same preset, threads, N, k)')
-    node.add_argument('--node-robot', default='libero', choices=['libero', 'droid', 'aloha'],
+    node.add_argument('--node-robot', default='libero', choices=node_robots(),
                       help='config/<robot>.yaml of the node and the robot (default libero)')
     node.add_argument('--node-duration', type=float, default=None,
                       help='measured seconds of the node run (default 60; quick 5)')
@@ -131,6 +134,14 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     rtc.add_argument('--rtc-control-hz', type=float, default=None,
                      help='asked frame rate of the episode (default 10; frames are never '
                      'closer than the latency)')
+    overload = bench.add_argument_group(
+        'overload part', 'oxygen_node with config/<--node-robot>.yaml as shipped (auto rate), '
+        'then asked --overload-factor x the rate it reported; the stand-in robot as in the '
+        'node part (--camera-*)')
+    overload.add_argument('--overload-factor', type=float, default=None,
+                          help='asked rate of the second run / what the node holds (default 2)')
+    overload.add_argument('--overload-duration', type=float, default=None,
+                          help='measured seconds of each run (default 60; quick 10)')
     bench.set_defaults(func=run_bench_command)
     return bench
 
@@ -183,6 +194,7 @@ def options_from_args(args: argparse.Namespace):
             or rtc_changes.get('period_rows', 1) < 1):
         raise SystemExit('--rtc-frames must be >= 2, --rtc-delay >= 0, --rtc-period-rows >= 1')
     changes['rtc'] = dataclasses.replace(base.rtc, **rtc_changes)
+    changes['overload'] = overload_options_from_args(args)
     changes['out_dir'] = args.out
     return dataclasses.replace(base, **changes)
 
@@ -205,6 +217,19 @@ def node_options_from_args(args: argparse.Namespace):
                                camera_rate_hz=args.camera_rate, camera_width=width,
                                camera_height=height, camera_format=args.camera_format,
                                rtc_mode=args.node_rtc, **changes)
+
+
+def overload_options_from_args(args: argparse.Namespace):
+    """Build the OverloadBenchOptions of the overload part's flags."""
+    from .overload import OverloadBenchOptions
+
+    base = OverloadBenchOptions.quick() if args.quick else OverloadBenchOptions()
+    changes = {name: value for name, value in (('factor', args.overload_factor),
+                                               ('duration_s', args.overload_duration))
+               if value is not None}
+    if changes.get('factor', 1.0) <= 0 or changes.get('duration_s', 1.0) <= 0:
+        raise SystemExit('--overload-factor and --overload-duration must be > 0')
+    return dataclasses.replace(base, **changes)
 
 
 def _raise_system_exit(signum, frame):

@@ -47,10 +47,10 @@ import time
 
 import numpy as np
 
-from oxygen_ros.model.robots import get_robot
+from oxygen_ros.model.robot_spec import get_robot
 from oxygen_ros.runtime.control import thread_cpu, THREAD_NAME
 from oxygen_ros.runtime.params import (camera_param_name, load_node_params, NODE_NAME,
-                                       RtcSettings)
+                                       ROBOT_IO, RtcSettings)
 from oxygen_ros.runtime.rtc import RtcPlanner
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -123,6 +123,11 @@ class EngineReference:
         return share / self.frame_p50_s
 
 
+def node_robots() -> list[str]:
+    """Shipped robots with a node configuration (config/<robot>.yaml) to benchmark."""
+    return sorted(name for name in ROBOT_IO if (CONFIG_DIR / f'{name}.yaml').is_file())
+
+
 def node_parameters(robot: str) -> dict:
     """Read the `ros__parameters` of oxygen_node in config/<robot>.yaml (what the node loads)."""
     return load_node_params(CONFIG_DIR / f'{robot}.yaml', NODE_NAME)
@@ -132,7 +137,6 @@ def camera_observation(robot: str, index: int, height: int, width: int, seed: in
                        instruction: str):
     """Make an observation with camera-sized noise images (the frontend resizes them)."""
     from ..engine.types import Observation
-    from ..model.robots import get_robot
 
     spec = get_robot(robot)
     rng = np.random.default_rng(np.random.SeedSequence([seed, index, 11]))
@@ -425,6 +429,12 @@ def node_command(opts: NodeBenchOptions, preset: str, device: str, dtype: str, t
                  'torch_threads': threads}
     if opts.rtc_mode != 'off':
         overrides['rtc_mode'] = opts.rtc_mode
+    return yaml_node_command(opts, overrides)
+
+
+def yaml_node_command(opts: NodeBenchOptions, overrides: dict) -> list[str]:
+    """oxygen_node with config/<robot>.yaml, `overrides` and the robot's camera format."""
+    overrides = dict(overrides)
     if opts.camera_format == 'jpeg':
         # The node subscribes <base>/compressed (image_transport naming), as the stand-in
         # robot publishes with --compressed.

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .run import BenchResult, save_result  # noqa: E402
+from .overload import overload_section, overload_targets  # noqa: E402
 from .rtc import rtc_targets  # noqa: E402
 from .serve import serve_targets  # noqa: E402
 
@@ -86,6 +87,9 @@ def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
     if result.robots:
         paths['robots'] = out / 'robots.csv'
         write_csv(result.robots, paths['robots'])
+    if result.overload:
+        paths['overload'] = out / 'overload.csv'
+        write_csv(result.overload, paths['overload'])
     paths.update(write_plots(result, out))
     paths['summary'].write_text(summary_markdown(result, paths))
     return paths
@@ -173,6 +177,7 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
     targets += node_targets(result)
     targets += serve_targets(result.serve)
     targets += rtc_targets(result.rtc)
+    targets += overload_targets(result.overload)
     targets += robots_targets(result)
     if not result.rows:
         return targets
@@ -491,6 +496,7 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
     parts += robots_section(result, paths)
     parts += node_section(result, paths)
     parts += rtc_section(result, paths)
+    parts += overload_section(result.overload)
     parts += ['## Files', ''] + [f'- `{p.name}`' for p in paths.values()] + ['']
     return '\n'.join(parts)
 

@@ -57,7 +57,7 @@ def synthetic_frame(robot: str, index: int, time_s: float, seed: int, image_size
     the state follows slow sines: consecutive frames differ a little, as on a robot.
     """
     from oxygen_ros.engine.types import Observation
-    from oxygen_ros.model.robots import get_robot
+    from oxygen_ros.model.robot_spec import get_robot
 
     spec = get_robot(robot)
     rng = np.random.default_rng(seed)

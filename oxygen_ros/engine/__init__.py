@@ -11,7 +11,7 @@ from oxygen_ros.engine.frontend import (Frontend, identity_norm_stats, random_ob
                                         random_setup)
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner
-from oxygen_ros.engine.scheduler import Admission, PRESSURE_POLICIES, Scheduler, StepPlan
+from oxygen_ros.engine.scheduler import Admission, Scheduler, StepPlan
 from oxygen_ros.engine.system import System
 from oxygen_ros.engine.types import (ActionOutput, Continuation, FinishedRequest, FrameResult,
                                      Observation, TokenDelta, Timings)
@@ -24,7 +24,6 @@ __all__ = ['action_only_policy', 'ActionOutput', 'AdaptiveBudget', 'Admission', 
            'FixedBudget', 'FleetActions', 'FleetEngine', 'FleetMember', 'FleetResult',
            'FleetRobot', 'make_fleet', 'FrameResult', 'Frontend', 'get_workload',
            'identity_norm_stats', 'LanguagePolicy', 'make_engine', 'make_system', 'ModelRunner',
-           'Observation', 'OutputProcessor', 'ParallelSystem', 'PRESSURE_POLICIES',
-           'random_observation', 'random_setup', 'Scheduler', 'StepCostModel', 'StepPlan',
-           'System', 'SYSTEMS', 'TokenDelta', 'Timings', 'UnlimitedBudget', 'Workload',
-           'WORKLOADS']
+           'Observation', 'OutputProcessor', 'ParallelSystem', 'random_observation',
+           'random_setup', 'Scheduler', 'StepCostModel', 'StepPlan', 'System', 'SYSTEMS',
+           'TokenDelta', 'Timings', 'UnlimitedBudget', 'Workload', 'WORKLOADS']

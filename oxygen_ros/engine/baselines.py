@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import queue
 import time
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -219,28 +220,29 @@ class ParallelSystem:
 
 def make_system(name: str, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy, *,
                 k: int = 5, frame_period_s: float | None = None, num_slots: int | None = None,
-                pressure: str = 'evict_oldest', seed: int = 0, debug: bool = False,
-                runner_options: dict | None = None, **adaptive_kw) -> Engine | ParallelSystem:
+                seed: int = 0, debug: bool = False, runner_options: dict | None = None,
+                clock: Callable[[], float] = time.perf_counter,
+                **adaptive_kw) -> Engine | ParallelSystem:
     """Build system `name` (one of SYSTEMS) over one model and frontend.
 
     k: tokens per request per frame for 'oxygen' (and k_max for 'oxygen-adaptive' unless
     given in adaptive_kw); frame_period_s: the deadline of 'oxygen-adaptive' (required).
     runner_options: ModelRunner options (bucket_sizes, compile_decode, max_holes_per_row).
+    clock: the engine's clock (not the parallel baseline's).
     """
     if name == 'parallel':
         return ParallelSystem(model, frontend, policy, seed=seed)
     if name == 'oxygen':
-        budget, sizing_k = FixedBudget(k), k
+        budget = FixedBudget(k)
     elif name == 'oxygen-adaptive':
         if frame_period_s is None:
             raise ValueError('oxygen-adaptive needs frame_period_s (the frame deadline)')
         adaptive_kw.setdefault('k_max', max(k, policy.max_request_len))
-        # Sized for k = 1: the budget may give any frame a single token step.
-        budget, sizing_k = AdaptiveBudget(frame_period_s, **adaptive_kw), 1
+        budget = AdaptiveBudget(frame_period_s, **adaptive_kw)
     elif name in ('shared', 'isolated'):
-        budget, sizing_k = UnlimitedBudget(), None
+        budget = UnlimitedBudget()
     else:
         raise ValueError(f'unknown system {name!r}; expected one of {SYSTEMS}')
     return make_engine(name, model, frontend, policy, budget, share_prefix=name != 'isolated',
-                       num_slots=num_slots, sizing_k=sizing_k, pressure=pressure, seed=seed,
-                       debug=debug, **(runner_options or {}))
+                       num_slots=num_slots, seed=seed, debug=debug, clock=clock,
+                       **(runner_options or {}))

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from oxygen_ros.engine.budget import Budget, UnlimitedBudget
+from oxygen_ros.engine.budget import Budget, sizing_k, UnlimitedBudget
 from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
@@ -129,8 +129,7 @@ class Engine(FrontendClock):
         continuation: the chunk the robot is executing, which this one continues (real-time
         chunking, on the same prefill); the output's start_row is then its delay.
         Raises ValueError for a malformed observation or committed chunk (nothing allocated);
-        the action path always gets a slot, evicting the oldest language request if the pool
-        is full.
+        the action path always gets a slot (the scheduler's admission keeps one free for it).
         """
         frame = self._begin_frame(obs)
         plan = None
@@ -287,19 +286,17 @@ def pool_slot_bytes(config: Pi05Config, policy: LanguagePolicy,
 
 def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy,
                 budget: Budget, *, share_prefix: bool = True, num_slots: int | None = None,
-                sizing_k: int | None = None, pressure: str = 'evict_oldest', seed: int = 0,
-                max_forced_tokens: int | None = None, debug: bool = False,
+                seed: int = 0, max_forced_tokens: int | None = None, debug: bool = False,
                 clock: Callable[[], float] = time.perf_counter, **runner_options) -> Engine:
-    """Build an Engine: pool sized by default_num_slots(policy, sizing_k) unless num_slots.
+    """Build an Engine: pool sized by default_num_slots for the budget unless num_slots.
 
-    sizing_k: the smallest k the budget may use (None: requests finish in their frame).
     runner_options: ModelRunner's max_holes_per_row / bucket_sizes / compile_decode.
     """
     max_forced_tokens = forced_token_room(policy, max_forced_tokens)
     max_gen_len = generated_entries(policy, max_forced_tokens)
-    num_slots = num_slots or default_num_slots(policy, sizing_k)
+    num_slots = num_slots or default_num_slots(policy, sizing_k(budget))
     runner = ModelRunner(model, num_slots, max_gen_len, clock=clock, **runner_options)
     pool = KVPool(num_slots, runner.store.bytes_per_slot)
-    scheduler = Scheduler(policy, budget, pool, max_gen_len, pressure=pressure,
-                          share_prefix=share_prefix, max_forced_tokens=max_forced_tokens)
+    scheduler = Scheduler(policy, budget, pool, max_gen_len, share_prefix=share_prefix,
+                          max_forced_tokens=max_forced_tokens)
     return Engine(name, scheduler, runner, frontend, seed=seed, debug=debug, clock=clock)

@@ -1,7 +1,7 @@
 """FleetEngine: R robots served by one model and one KV store, in batched model calls.
 
 Each robot keeps everything the single-robot Engine has per robot: a scheduler (its requests,
-decode budget, eviction, frame numbering), a frontend (robot spec, tokenizer, norm stats), an
+decode budget, pool deadlines, frame numbering), a frontend (robot spec, tokenizer, norm stats), an
 output processor and a noise seed. What the robots share is the model, the KV store and the
 model calls. One tick, as the runtime drives it:
 
@@ -25,8 +25,8 @@ one prefill (measured: P(4) > 4 P(1) there), a GPU reads the weights once for al
 (None: every row in one call).
 
 KV quotas: the store's slots are partitioned (KVPool.partition); a robot's scheduler sees a
-QuotaPool of its quota and evicts only its own requests, and the quotas add up to the store,
-so no robot's language can take another robot's action slot.
+QuotaPool of its quota and admits only what its quota holds to the end (scheduler.py), and the
+quotas add up to the store, so no robot's language can take another robot's action slot.
 
 Shapes: B rows of a batched call (one per robot with a frame), H action rows, A action width.
 """
@@ -40,12 +40,12 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from oxygen_ros.engine.budget import Budget, FixedBudget, UnlimitedBudget
+from oxygen_ros.engine.budget import Budget, sizing_k, UnlimitedBudget
 from oxygen_ros.engine.engine import DEFAULT_MAX_FORCED_TOKENS, FrontendClock
 from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
-from oxygen_ros.engine.scheduler import PRESSURE_POLICIES, Scheduler, StepPlan
+from oxygen_ros.engine.scheduler import Scheduler, StepPlan
 from oxygen_ros.engine.types import (ActionOutput, Continuation, FrameResult, Observation,
                                      Timings)
 from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
@@ -54,15 +54,6 @@ from oxygen_ros.model.pi05 import Pi05Model
 from oxygen_ros.model.rtc import RowPlan
 
 logger = logging.getLogger(__name__)
-
-
-def sizing_k(budget: Budget) -> int | None:
-    """Return the smallest k `budget` may use, which sizes a quota (None: no batching)."""
-    if budget.unlimited:
-        return None
-    if isinstance(budget, FixedBudget):
-        return budget.k
-    return 1   # an adaptive budget may give any frame a single token step
 
 
 @dataclasses.dataclass
@@ -74,7 +65,6 @@ class FleetRobot:
     policy: LanguagePolicy       # when its requests start and how long they run
     budget: Budget               # its decode budget k (fixed or adaptive)
     kv_quota: int | None = None  # KV slots it may hold (None: default_num_slots of its policy)
-    pressure: str = 'evict_oldest'   # what its scheduler does when its quota is full
     seed: int = 0                # flow-matching noise seed (as make_engine's)
 
     def quota(self) -> int:
@@ -438,8 +428,7 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
     max_prefill_rows: rows per prefill call (None: every framed robot in one call).
 
     runner_options: ModelRunner's max_holes_per_row / bucket_sizes / compile_decode / kv_dtype.
-    Raises ValueError for an empty fleet, repeated names, a frontend made for another model
-    or an unknown pressure policy.
+    Raises ValueError for an empty fleet, repeated names or a frontend made for another model.
     """
     if not robots:
         raise ValueError('a fleet needs at least one robot')
@@ -453,9 +442,6 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
             raise ValueError(f'{robot.name}: frontend made for action_dim {adapter.action_dim}'
                              f', images {adapter.image_size}; the model has {cfg.action_dim}, '
                              f'{cfg.vision.image_size}')
-        if robot.pressure not in PRESSURE_POLICIES:
-            raise ValueError(f'{robot.name}: pressure must be one of {PRESSURE_POLICIES}, '
-                             f'got {robot.pressure!r}')
     if max_forced_tokens is None:
         templated = any(r.policy.prompt_template for r in robots)
         max_forced_tokens = DEFAULT_MAX_FORCED_TOKENS if templated else 0
@@ -467,7 +453,7 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
     pool = KVPool(sum(quotas.values()), runner.store.bytes_per_slot)
     shares = pool.partition(quotas)
     members = [FleetMember(r.name, Scheduler(r.policy, r.budget, shares[r.name], max_gen_len,
-                                             pressure=r.pressure, share_prefix=True,
+                                             share_prefix=True,
                                              max_forced_tokens=max_forced_tokens),
                            r.frontend, r.seed) for r in robots]
     return FleetEngine(members, runner, pool, max_prefill_rows=max_prefill_rows, debug=debug,

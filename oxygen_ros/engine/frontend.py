@@ -19,7 +19,8 @@ from oxygen_ros.model import rtc
 from oxygen_ros.model.config import Pi05Config
 from oxygen_ros.model.normalize import NormStats
 from oxygen_ros.model.pi05 import Pi05Model
-from oxygen_ros.model.robots import collate, get_robot, ModelInputs, RobotAdapter
+from oxygen_ros.model.robot_spec import get_robot, RobotSpec
+from oxygen_ros.model.robots import collate, ModelInputs, RobotAdapter
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer, train_tiny_tokenizer
 
 
@@ -41,10 +42,10 @@ class Frontend:
         self.device = torch.device(device)
 
     @classmethod
-    def from_config(cls, config: Pi05Config, robot: str, tokenizer: PaligemmaTokenizer,
-                    norm_stats: dict[str, NormStats], device: str | torch.device = 'cpu'
-                    ) -> Frontend:
-        """Frontend for `robot` ('libero', 'droid', 'aloha') with the model's sizes."""
+    def from_config(cls, config: Pi05Config, robot: str | RobotSpec,
+                    tokenizer: PaligemmaTokenizer, norm_stats: dict[str, NormStats],
+                    device: str | torch.device = 'cpu') -> Frontend:
+        """Frontend for `robot` (a spec, a shipped robot's name or a YAML path), model sizes."""
         adapter = RobotAdapter.from_config(get_robot(robot), config, norm_stats, tokenizer)
         return cls(adapter, device)
 
@@ -114,7 +115,7 @@ def held_rows(continuation: Continuation | None, plan: rtc.RowPlan | None) -> np
     return continuation.rows[:plan.delay]
 
 
-def identity_norm_stats(robot: str) -> dict[str, NormStats]:
+def identity_norm_stats(robot: str | RobotSpec) -> dict[str, NormStats]:
     """Norm stats that leave values in [-1, 1] unchanged (random-weight demos and tests)."""
     spec = get_robot(robot)
 
@@ -124,7 +125,7 @@ def identity_norm_stats(robot: str) -> dict[str, NormStats]:
     return {'state': stats(spec.state_dim), 'actions': stats(spec.action_dim)}
 
 
-def random_setup(config: Pi05Config, robot: str = 'libero', seed: int = 0,
+def random_setup(config: Pi05Config, robot: str | RobotSpec = 'libero', seed: int = 0,
                  tokenizer_dir: str | os.PathLike | None = None,
                  device: str | torch.device = 'cpu', dtype: torch.dtype = torch.float32
                  ) -> tuple[Pi05Model, Frontend]:
@@ -143,7 +144,8 @@ def random_setup(config: Pi05Config, robot: str = 'libero', seed: int = 0,
     return model, frontend
 
 
-def random_observation(robot: str, frame_index: int, seed: int = 0, image_size: int = 224,
+def random_observation(robot: str | RobotSpec, frame_index: int, seed: int = 0,
+                       image_size: int = 224,
                        instruction: str = 'pick up the red block') -> Observation:
     """Make a synthetic observation for `robot`, a pure function of (seed, frame_index)."""
     spec = get_robot(robot)

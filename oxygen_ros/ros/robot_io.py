@@ -140,7 +140,8 @@ class RobotIO:
         self.namespace = namespace
         self._max_instruction_chars = max_instruction_chars
         self.subscriptions: list = []
-        self.outputs = RosOutputs(node, settings.frame_id, action_layout(settings.robot),
+        self.outputs = RosOutputs(node, settings.frame_id,
+                                  action_layout(settings.spec or settings.robot),
                                   settings.publish_trajectory, namespace)
         try:
             self.inputs = self._subscribe(settings)

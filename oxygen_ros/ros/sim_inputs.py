@@ -32,7 +32,8 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 
 from oxygen_ros.ros import qos
-from oxygen_ros.runtime.params import default_camera_topic, ROBOT_IO, transport_topic
+from oxygen_ros.runtime.params import (default_camera_topic, robot_defaults, RobotSpecError,
+                                       transport_topic)
 
 PHOTOS = ('astronaut', 'coffee', 'chelsea', 'rocket', 'immunohistochemistry')
 
@@ -103,10 +104,13 @@ class SimCamera:
 
 
 def robot_cameras(robot: str, compressed: bool = False) -> list[SimCamera]:
-    """List the robot's cameras on the node's default topics, each showing another photo."""
+    """List the robot's cameras on the node's default topics, each showing another photo.
+
+    robot: a shipped robot's name or the path of a robot YAML.
+    """
     return [SimCamera(name, transport_topic(default_camera_topic(name), compressed),
                       PHOTOS[i % len(PHOTOS)], compressed)
-            for i, name in enumerate(ROBOT_IO[robot][0])]
+            for i, name in enumerate(robot_defaults(robot)['camera_names'])]
 
 
 class CameraPublisher(Node):
@@ -201,7 +205,9 @@ class InstructionPublisher(Node):
 def main(argv: list[str] | None = None) -> int:
     """Run the simulated cameras, joint states and instruction until Ctrl-C."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--robot', default='libero', choices=sorted(ROBOT_IO))
+    parser.add_argument('--robot', default='libero',
+                        help='a shipped robot (libero, droid, aloha, so101) or the path of a '
+                             'robot YAML: its cameras and joints (default %(default)s)')
     parser.add_argument('--namespace', default='',
                         help="namespace of every topic (a fleet robot's name, e.g. arm_left)")
     parser.add_argument('--rate', type=float, default=10.0, help='camera frames per second')
@@ -216,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
                         help='task text (repeat to cycle through several)')
     parser.add_argument('--instruction-period', type=float, default=30.0)
     args, ros_args = parser.parse_known_args(argv)
+    try:
+        joints = robot_defaults(args.robot)['joint_names']
+    except RobotSpecError as err:
+        parser.error(str(err))
     from rclpy.executors import SingleThreadedExecutor
 
     rclpy.init(args=ros_args)
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = {'namespace': args.namespace}
     nodes = [CameraPublisher(robot_cameras(args.robot, args.compressed), args.rate, height,
                              width=width, **ns),
-             JointStatePublisher(list(ROBOT_IO[args.robot][1]), args.joint_rate, **ns),
+             JointStatePublisher(list(joints), args.joint_rate, **ns),
              InstructionPublisher(args.instruction or ['pick up the black bowl'],
                                   args.instruction_period, **ns)]
     # Single-threaded: a MultiThreadedExecutor spins while a callback group is busy (here the

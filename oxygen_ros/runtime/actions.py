@@ -16,7 +16,8 @@ import dataclasses
 
 import numpy as np
 
-from oxygen_ros.model.robots import END_EFFECTOR_DELTA, get_robot, JOINT_POSITION, JOINT_VELOCITY
+from oxygen_ros.model.robot_spec import (END_EFFECTOR_DELTA, get_robot, JOINT_POSITION,
+                                         JOINT_VELOCITY, RobotSpec)
 
 # ActionChunk.action_space values (msg/ActionChunk.msg constants; a test checks they agree).
 ACTION_SPACE_IDS = {JOINT_POSITION: 0, JOINT_VELOCITY: 1, END_EFFECTOR_DELTA: 2}
@@ -26,7 +27,7 @@ ACTION_SPACE_IDS = {JOINT_POSITION: 0, JOINT_VELOCITY: 1, END_EFFECTOR_DELTA: 2}
 class ActionLayout:
     """How a controller reads one robot's action chunks."""
 
-    action_space: str              # model.robots.JOINT_POSITION / JOINT_VELOCITY / ...
+    action_space: str              # robot_spec.JOINT_POSITION / JOINT_VELOCITY / ...
     names: tuple[str, ...]         # one per action column
     step_period_s: float           # seconds between rows
     open_loop_rows: int            # rows openpi's client plays before it replans
@@ -37,8 +38,8 @@ class ActionLayout:
         return ACTION_SPACE_IDS[self.action_space]
 
 
-def action_layout(robot: str) -> ActionLayout:
-    """Return the action layout of robot `robot` (from its RobotSpec)."""
+def action_layout(robot: str | RobotSpec) -> ActionLayout:
+    """Return the action layout of a robot (a spec, a shipped robot's name or a YAML path)."""
     spec = get_robot(robot)
     return ActionLayout(spec.action_space, spec.action_names, spec.step_period_s,
                         spec.open_loop_rows)

@@ -162,13 +162,17 @@ class FleetLoop:
                 if name in outcomes or outcome.tokens:
                     outcomes[name] = outcome
         duration = self.clock() - start
+        due_names = {robot.name for robot in due}
+        for name, outcome in outcomes.items():
+            if name not in due_names:   # language only: its requests still count in its window
+                self.robots[name].stats.record_ended(start, outcome.ended)
         for robot in due:
             outcome = outcomes[robot.name]
             outcome.duration_s = duration
             action = outcome.action
             robot.stats.record(start, duration, robot.period_s, outcome.latency_s,
                                action.inference_time_s if action is not None else None,
-                               outcome.tokens, outcome.act_cpu_share)
+                               outcome.tokens, outcome.act_cpu_share, outcome.ended)
             robot.advance(now_s)
         return outcomes
 

@@ -58,6 +58,8 @@ class TickOutcome:
     action: ActionOutput | None = None  # the chunk emitted (None: no action this tick)
     result: FrameResult | None = None   # the engine's frame result (None: no engine call)
     tokens: int = 0                     # tokens emitted
+    ended: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    #                                     language requests that ended, by finish reason
     duration_s: float = 0.0             # wall time of the whole tick
     latency_s: float | None = None      # tick start -> action emitted
     act_cpu_share: float | None = None  # act()'s CPU time on this thread / its wall time
@@ -115,7 +117,8 @@ class FrameLoop:
                 stats_start, duration, period_s, outcome.latency_s if outcome else None,
                 action.inference_time_s if action is not None else None,
                 outcome.tokens if outcome else 0,
-                outcome.act_cpu_share if outcome else None)
+                outcome.act_cpu_share if outcome else None,
+                outcome.ended if outcome else None)
             if missed:
                 logger.debug('tick over deadline: %.1f ms > %.1f ms', duration * 1e3,
                              period_s * 1e3)
@@ -198,6 +201,7 @@ def emit_language(result: FrameResult, sink: OutputSink, outcome: TickOutcome,
         outcome.tokens += len(delta.token_ids)
     for done in result.finished:
         finished[done.finish_reason] += 1
+        outcome.ended[done.finish_reason] += 1
         if FinishReason(done.finish_reason).completed:   # narration: whole texts only
             sink.narration(done, outcome.stamp_ns)
         elif problems is not None:

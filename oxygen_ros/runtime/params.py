@@ -33,24 +33,19 @@ from typing import Any, Callable
 
 import yaml
 
+from oxygen_ros.model.robot_spec import (BUILTIN_ROBOTS, get_robot, is_robot_path,
+                                         JOINT_POSITION, RobotSpec, RobotSpecError,
+                                         shipped_robots)
+
 NODE_NAME = 'oxygen_node'
-ROBOTS = ('libero', 'droid', 'aloha')
+ROBOTS = BUILTIN_ROBOTS
 DTYPES = ('float32', 'bfloat16')
 _DEVICE_RE = re.compile(r'^(cpu|cuda(:\d+)?|mps)$')
 
-# Robot -> (camera names, joint names). Camera names are the robot adapters' observation keys;
-# joint names are the usual JointState names of that robot (override them in the YAML).
-ROBOT_IO = {
-    'libero': (('image', 'wrist_image'),
-               ('eef_x', 'eef_y', 'eef_z', 'eef_rx', 'eef_ry', 'eef_rz',
-                'gripper_left_finger', 'gripper_right_finger')),
-    'droid': (('exterior_image_1_left', 'wrist_image_left'),
-              tuple(f'panda_joint{i}' for i in range(1, 8)) + ('panda_finger_joint1',)),
-    'aloha': (('cam_high', 'cam_left_wrist', 'cam_right_wrist'),
-              tuple(f'{side}_{joint}' for side in ('left', 'right')
-                    for joint in ('waist', 'shoulder', 'elbow', 'forearm_roll', 'wrist_angle',
-                                  'wrist_rotate', 'gripper'))),
-}
+# Shipped robot -> (camera names, joint names), read from its spec (config/robots/<name>.yaml):
+# the parameters camera_names and joint_names default to these (override them in the YAML).
+ROBOT_IO = {name: (spec.camera_names, spec.joint_names)
+            for name, spec in ((name, get_robot(name)) for name in shipped_robots())}
 
 
 def default_camera_topic(camera: str) -> str:
@@ -160,6 +155,22 @@ def _check_checkpoint(value) -> str | None:
     return None
 
 
+def _check_robot(value) -> str | None:
+    # The file is read (and its schema checked) at configure, in Settings.check.
+    def is_yaml_file(path: Path) -> bool:
+        return path.is_file() and os.access(path, os.R_OK)
+    if not isinstance(value, str) or not value:
+        return 'expected a robot name or the path of a robot YAML file'
+    if is_robot_path(value):
+        if not _usable_path(value, is_yaml_file):
+            return 'is not a readable robot YAML file (docs/robots.md)'
+        return None
+    if value not in shipped_robots():
+        return (f'unknown robot; expected one of {", ".join(sorted(shipped_robots()))} '
+                '(config/robots/) or the path of a robot YAML file')
+    return None
+
+
 def _check_tokenizer(value) -> str | None:
     def is_model_file(path: Path) -> bool:
         return path.suffix == '.model' and path.is_file() and os.access(path, os.R_OK)
@@ -211,6 +222,12 @@ def _legacy_rtc_mode(value) -> tuple[str | None, str]:
         return None, ("rtc_mode false is read as 'off' (YAML reads a bare off as false; "
                       "quote it, rtc_mode:=\"'off'\", to say so)")
     return f'expected one of {", ".join(RTC_MODES)}, got {value!r}', ''
+
+
+def _check_rate(value) -> str | None:
+    if 0 < value < 0.1:
+        return f'must be 0 (auto) or in [0.1, 1000], got {value:g}'
+    return None
 
 
 def _check_names(value) -> str | None:
@@ -277,8 +294,9 @@ PARAMS: tuple[ParamSpec, ...] = (
               "by the parameters here); each robot has the per-robot parameters under its "
               "name (<robot>.robot, <robot>.cameras.<camera>.topic, ...) and its topics in the "
               "namespace <robot>.", check=_check_robot_names),
-    ParamSpec('robot', 'libero', 'Robot adapter (cameras, state and action layout).',
-              check=_check_choice(ROBOTS)),
+    ParamSpec('robot', 'libero', 'Robot spec: a shipped robot (config/robots/<name>.yaml: '
+              'libero, droid, aloha, so101) or the path of a robot YAML file (cameras, state, '
+              'actions; docs/robots.md).', check=_check_robot),
     ParamSpec('camera_names', list(ROBOT_IO['libero'][0]),
               "Robot camera names, in the adapter's terms; each has the sub-parameters "
               'cameras.<name>.topic, .compressed and .check_camera_info.', check=_check_names),
@@ -288,8 +306,11 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('publish_trajectory', False, 'Also publish each chunk as trajectory_msgs/'
               'JointTrajectory on joint_trajectory (joint-position robots only), for '
               "ros2_control's joint_trajectory_controller."),
-    ParamSpec('control_rate_hz', 10.0, 'Control ticks per second (one action chunk each).',
-              configure_time=False, float_range=(0.1, 1000.0)),
+    ParamSpec('control_rate_hz', 10.0, 'Control ticks per second (one action chunk each); 0 '
+              '= auto: 90% of the rate this machine holds, timed at configure on a few frames '
+              '(act p50 plus the least language work of a tick: one decode step per live '
+              'request at the steady batch, k steps with a fixed decode_budget).',
+              configure_time=False, float_range=(0.0, 1000.0), check=_check_rate),
     ParamSpec('denoise_steps', 0, 'Flow-matching steps; 0 = the model config default.',
               int_range=(0, 100)),
     ParamSpec('language_prompt', '', "Template fed after the observation prefix for narration "
@@ -535,9 +556,13 @@ class Settings:
     rtc_delay: int = AUTO_DELAY
     rtc_execution_horizon: int = 0
     rtc_max_guidance_weight: float = 5.0
+    spec: RobotSpec | None = None      # the robot's spec, resolved from `robot` at check
 
     @property
     def period_s(self) -> float:
+        if not self.control_rate_hz:
+            raise ValueError('control_rate_hz 0 (auto) has no period until the rate is '
+                             'resolved (engine_setup.build_engine times it)')
         return 1.0 / self.control_rate_hz
 
     @property
@@ -547,23 +572,30 @@ class Settings:
                            self.rtc_execution_horizon, self.rtc_max_guidance_weight)
 
     @classmethod
-    def from_values(cls, values: dict[str, Any]) -> Settings:
+    def from_values(cls, values: dict[str, Any], robot_spec: RobotSpec | None = None
+                    ) -> Settings:
         """Check every value and their combinations; raise ValueError naming what is wrong."""
-        settings, problems = cls.check(values)
+        settings, problems = cls.check(values, robot_spec=robot_spec)
         if problems:
             raise ValueError('invalid parameters:\n  ' + '\n  '.join(problems))
         return settings
 
     @classmethod
-    def check(cls, values: dict[str, Any], prefix: str = '') -> tuple[Settings | None, list[str]]:
+    def check(cls, values: dict[str, Any], prefix: str = '', robot_spec: RobotSpec | None = None
+              ) -> tuple[Settings | None, list[str]]:
         """Check every value and their combinations: (settings, []) or (None, problems).
 
         prefix is put before every parameter name in the problems (a robot's 'arm_left.').
+        robot_spec: the robot's spec when it has no file (read from a dataset); `robot` is
+        then its name.
         """
         merged = {spec.name: spec.default for spec in PARAMS}
         merged.update(values)
+        if robot_spec is not None:
+            merged['robot'] = robot_spec.name
         problems = [f'{prefix}{name}: {why}' for name in PARAMS_BY_NAME
-                    if (why := check_value(name, merged[name]))]
+                    if (why := check_value(name, merged[name]))
+                    and not (name == 'robot' and robot_spec is not None)]
         unknown = sorted(f'{prefix}{n}' for n in values if param_spec(n) is None
                          and n.startswith('cameras.'))
         if unknown:
@@ -586,8 +618,14 @@ class Settings:
         topics = [c.image_topic for c in cameras]
         if len(set(topics)) != len(topics):
             problems.append(f'{prefix}cameras: two cameras subscribe the same topic: {topics}')
-        if robot in ROBOT_IO:
-            required = ROBOT_IO[robot][0]
+        spec = robot_spec
+        if spec is None and not any(p.startswith(f'{prefix}robot:') for p in problems):
+            try:
+                spec = get_robot(robot)   # the schema's errors name the file and the field
+            except RobotSpecError as err:
+                problems.append(f'{prefix}robot: {err}')
+        if spec is not None:
+            required = spec.camera_names
             missing = [c for c in required if c not in names]
             unknown = [c for c in names if c not in required]
             if missing:
@@ -596,14 +634,12 @@ class Settings:
             if unknown:
                 problems.append(f'{prefix}camera_names has {unknown}, which robot {robot!r} '
                                 f'does not use (its cameras: {list(required)})')
-            from oxygen_ros.model.robots import get_robot
-            state_dim = get_robot(robot).state_dim
+            state_dim = spec.state_dim
             if len(merged['joint_names']) != state_dim:
                 problems.append(f'{prefix}joint_names has {len(merged["joint_names"])} names '
                                 f'but robot {robot!r} has a {state_dim}-value state')
             if merged['publish_trajectory']:
-                from oxygen_ros.model.robots import JOINT_POSITION
-                space = get_robot(robot).action_space
+                space = spec.action_space
                 if space != JOINT_POSITION:
                     problems.append(f'{prefix}publish_trajectory: robot {robot!r} acts in '
                                     f'{space}, not joint positions; a JointTrajectory of its '
@@ -634,7 +670,7 @@ class Settings:
             rtc_mode=parse_rtc_mode(merged['rtc_mode']), rtc_schedule=merged['rtc_schedule'],
             rtc_delay=int(merged['rtc_delay']),
             rtc_execution_horizon=int(merged['rtc_execution_horizon']),
-            rtc_max_guidance_weight=float(merged['rtc_max_guidance_weight'])), []
+            rtc_max_guidance_weight=float(merged['rtc_max_guidance_weight']), spec=spec), []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -683,15 +719,24 @@ def robot_param_defaults(node_values: dict[str, Any], robot: str | None) -> dict
     """
     defaults = {n: v for n, v in node_values.items() if not n.startswith('cameras.')}
     node_robot = defaults.get('robot', PARAMS_BY_NAME['robot'].default)
-    if robot is not None and robot != node_robot and robot in ROBOT_IO:
-        defaults.update(robot_defaults(robot))
+    if robot is not None and robot != node_robot and check_value('robot', robot) is None:
+        try:
+            defaults.update(robot_defaults(robot))
+        except RobotSpecError:
+            pass   # configure reports the spec's problem under <robot>.robot
     return defaults
 
 
-def robot_defaults(robot: str) -> dict[str, Any]:
-    """Camera and joint parameter values matching `robot` (defaults follow the robot)."""
-    cameras, joints = ROBOT_IO[robot]
-    return {'robot': robot, 'camera_names': list(cameras), 'joint_names': list(joints)}
+def robot_defaults(robot: str | RobotSpec) -> dict[str, Any]:
+    """Camera and joint parameter values matching `robot` (defaults follow the robot).
+
+    robot: a shipped robot's name, a robot YAML's path, or a spec (then no 'robot' value).
+    Raises RobotSpecError when the spec cannot be read.
+    """
+    spec = get_robot(robot)
+    values = {} if isinstance(robot, RobotSpec) else {'robot': robot}
+    return {**values, 'camera_names': list(spec.camera_names),
+            'joint_names': list(spec.joint_names)}
 
 
 def flatten_params(params: dict[str, Any], prefix: str = '') -> dict[str, Any]:

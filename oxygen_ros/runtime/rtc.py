@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from oxygen_ros.engine.types import ActionOutput, Continuation, Observation
-from oxygen_ros.model.robots import get_robot
+from oxygen_ros.model.robot_spec import get_robot
 from oxygen_ros.runtime.params import AUTO_DELAY, GUIDED, OFF, PREFIX, RtcSettings, Settings
 
 LATENCY_WINDOW = 50              # chunks whose latency the auto delay looks at
@@ -169,7 +169,8 @@ class RtcPlanner:
 
 def planner_for(settings: Settings, **options) -> RtcPlanner:
     """Return the RtcPlanner of one robot's settings (its robot's step period)."""
-    return RtcPlanner(settings.rtc, get_robot(settings.robot).step_period_s, **options)
+    spec = settings.spec if settings.spec is not None else get_robot(settings.robot)
+    return RtcPlanner(settings.rtc, spec.step_period_s, **options)
 
 
 @dataclasses.dataclass

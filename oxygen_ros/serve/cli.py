@@ -11,7 +11,6 @@ import logging
 import sys
 
 from oxygen_ros.runtime.cli_options import add_engine_options, RTC_PARAMS
-from oxygen_ros.runtime.params import ROBOTS
 from oxygen_ros.serve.server import DEFAULT_PORT
 
 EXIT_ERROR = 2
@@ -26,7 +25,9 @@ _ENGINE_PARAMS = ('checkpoint', 'preset', 'device', 'dtype', 'tokenizer', 'seed'
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the engine's node parameters as options (serve and check-checkpoint)."""
     group = parser.add_argument_group('engine (node parameters; defaults as the node)')
-    group.add_argument('--robot', default='libero', choices=list(ROBOTS))
+    group.add_argument('--robot', default='libero',
+                       help='a shipped robot (libero, droid, aloha, so101) or the path of a '
+                            'robot YAML (docs/robots.md); default %(default)s')
     add_engine_options(group)
     group.add_argument('--threads', type=int, dest='torch_threads',
                        help='torch threads (default: every core but one)')
@@ -36,7 +37,7 @@ def settings_from_args(args: argparse.Namespace):
     """Build the node's Settings from the options (raises ValueError naming what is wrong)."""
     from oxygen_ros.runtime.params import robot_defaults, Settings
 
-    values = robot_defaults(args.robot)
+    values = robot_defaults(args.robot)   # RobotSpecError (a ValueError) names the file
     values.update({name: getattr(args, name) for name in _ENGINE_PARAMS
                    if getattr(args, name, None) is not None})
     return Settings.from_values(values)
@@ -58,6 +59,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         help="task text for requests without 'prompt' (default: required)")
     parser.add_argument('--max-pending', type=int, default=4, metavar='N',
                         help='requests one client may have waiting (default %(default)s)')
+    parser.add_argument('--observation-keys', metavar='FILE',
+                        help="YAML map of where the robot's client puts each camera and the "
+                             'state (docs/robots.md); default: openpi\'s keys for libero, droid '
+                             'and aloha, observation/<camera> and observation/state otherwise')
     add_engine_arguments(parser)
     parser.set_defaults(func=serve_main)
     return parser
@@ -66,6 +71,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 def serve_main(args: argparse.Namespace) -> int:
     """Run `oxygen-ros serve` until Ctrl-C; return the exit code."""
     from oxygen_ros.runtime.engine_setup import build_engine, SETUP_ERRORS
+    from oxygen_ros.serve.observations import load_observation_keys
     from oxygen_ros.serve.server import PolicyServer, ServerConfig
 
     logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
@@ -75,13 +81,16 @@ def serve_main(args: argparse.Namespace) -> int:
         return _error(f'max-pending {args.max_pending}; expected >= 1')
     try:
         settings = settings_from_args(args)
+        keys = (load_observation_keys(args.observation_keys, settings.spec)
+                if args.observation_keys else None)
         engine = build_engine(settings)
     except SETUP_ERRORS as err:
         return _error(err)
-    config = ServerConfig(robot=settings.robot, host=args.host, port=args.port,
-                          default_prompt=args.default_prompt, max_pending=args.max_pending,
+    config = ServerConfig(robot=settings.spec, observation_keys=keys, host=args.host,
+                          port=args.port, default_prompt=args.default_prompt,
+                          max_pending=args.max_pending,
                           max_instruction_chars=settings.max_instruction_chars,
-                          period_s=settings.period_s, rtc=settings.rtc)
+                          period_s=engine.settings.period_s, rtc=settings.rtc)
     for warning in engine.warnings:
         logging.getLogger(__name__).warning(warning)
     server = PolicyServer(engine.system, config, engine.description)
@@ -89,7 +98,7 @@ def serve_main(args: argparse.Namespace) -> int:
         port = server.start()
     except OSError as err:
         return _error(f'cannot listen on {args.host}:{args.port}: {err}')
-    print(f'oxygen-ros serve: {settings.robot} on ws://{args.host}:{port} '
+    print(f'oxygen-ros serve: {settings.spec.name} on ws://{args.host}:{port} '
           f'({engine.description.get("source", "")}); Ctrl-C stops', flush=True)
     try:
         server.wait()

@@ -13,19 +13,28 @@ The keys are those of openpi's example clients and policy transforms:
     all     prompt                                         the task text
 
 Images may be channels first or last, uint8 or float in [0, 1] (openpi accepts both); camera
-names become the robot's observation camera names (oxygen_ros.model.robots), which are
-openpi's.
+names become the robot's observation camera names (its spec, config/robots/), which are
+openpi's. Any other robot's client sends observation/<camera> for each camera and
+observation/state, unless a key map says otherwise (`serve --observation-keys FILE`):
+
+    cameras:                       # every camera of the robot's spec
+      front: observation/front     # a key of the request,
+      wrist: [images, wrist]       # or a path into nested maps
+    state: [observation/joint_position, observation/gripper_position]   # joined in order
+    optional_cameras: [cam_low]    # accepted, not used
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+import yaml
 
 from oxygen_ros.engine.types import Observation
-from oxygen_ros.model.robots import get_robot
+from oxygen_ros.model.robot_spec import get_robot, RobotSpec
 
 
 class RequestError(ValueError):
@@ -59,6 +68,63 @@ OBSERVATION_KEYS: dict[str, ObservationKeys] = {
 PROMPT_KEY = 'prompt'
 
 
+def default_keys(spec: RobotSpec) -> ObservationKeys:
+    """Return the keys of a robot without an openpi client: observation/<camera>, .../state."""
+    return ObservationKeys(cameras={cam: (f'observation/{cam}',) for cam in spec.camera_names},
+                           state=(('observation/state',),),
+                           optional_cameras=spec.ignored_cameras)
+
+
+def keys_for(robot: str | RobotSpec) -> ObservationKeys:
+    """Return the keys a robot's client sends: openpi's for its three robots, else defaults."""
+    spec = get_robot(robot)
+    if spec.name in OBSERVATION_KEYS and set(OBSERVATION_KEYS[spec.name].cameras) == set(
+            spec.camera_names):
+        return OBSERVATION_KEYS[spec.name]
+    return default_keys(spec)
+
+
+def _key_path(value, where: str) -> tuple[str, ...]:
+    if isinstance(value, str) and value:
+        return (value,)
+    if (isinstance(value, list) and value
+            and all(isinstance(part, str) and part for part in value)):
+        return tuple(value)
+    raise ValueError(f'{where}: {value!r}; expected a key, or a list of keys (a path into '
+                     'nested maps)')
+
+
+def load_observation_keys(path: str | Path, robot: str | RobotSpec) -> ObservationKeys:
+    """Read a key map file (module docstring) for `robot`; ValueError names the problem."""
+    spec = get_robot(robot)
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f'{path}: cannot read the observation key map: {err}') from None
+    if not isinstance(data, Mapping) or not isinstance(data.get('cameras'), Mapping):
+        raise ValueError(f'{path}: expected a mapping with cameras (camera -> key) and state')
+    unknown = [k for k in data if k not in ('cameras', 'state', 'optional_cameras')]
+    if unknown:
+        raise ValueError(f'{path}: {unknown[0]}: unknown field; expected cameras, state, '
+                         'optional_cameras')
+    cameras = {str(cam): _key_path(key, f'{path}: cameras.{cam}')
+               for cam, key in data['cameras'].items()}
+    expected = list(spec.camera_names)
+    if sorted(cameras) != sorted(expected):
+        raise ValueError(f'{path}: cameras: {sorted(cameras)}; expected the cameras of robot '
+                         f'{spec.name!r}: {expected}')
+    state = data.get('state', ['observation/state'])
+    if not isinstance(state, list) or not state:
+        raise ValueError(f'{path}: state: {state!r}; expected a list of keys, joined in order')
+    optional = data.get('optional_cameras') or []
+    if not isinstance(optional, list) or not all(isinstance(c, str) for c in optional):
+        raise ValueError(f'{path}: optional_cameras: expected a list of camera names')
+    return ObservationKeys(cameras=cameras,
+                           state=tuple(_key_path(k, f'{path}: state[{i}]')
+                                       for i, k in enumerate(state)),
+                           optional_cameras=tuple(optional))
+
+
 def _name(path: tuple[str, ...]) -> str:
     return '.'.join(path)
 
@@ -80,9 +146,10 @@ def _check_keys(request: Mapping, keys: ObservationKeys, robot: str) -> None:
     missing = [_name(path) for path in paths if _get(request, path) is _MISSING]
     if missing:
         have = ', '.join(sorted(map(str, request))) or 'none'
+        whose = (f"openpi's {robot} client" if keys in OBSERVATION_KEYS.values()
+                 else f"the {robot} client (the server's observation key map)")
         raise RequestError(f'{robot} observation: missing {", ".join(map(repr, missing))} '
-                           f'(request keys: {have}); expected the keys of openpi\'s {robot} '
-                           'client')
+                           f'(request keys: {have}); expected the keys of {whose}')
 
 
 def to_image(value: Any, where: str) -> np.ndarray:
@@ -113,12 +180,18 @@ def _vector(value: Any, where: str) -> np.ndarray:
     return arr.reshape(-1) if arr.ndim <= 1 else arr
 
 
-def to_observation(request: Any, robot: str, default_prompt: str = '') -> Observation:
-    """Build the engine's Observation from one openpi request dict (raises RequestError)."""
+def to_observation(request: Any, robot: str | RobotSpec, default_prompt: str = '',
+                   keys: ObservationKeys | None = None) -> Observation:
+    """Build the engine's Observation from one openpi request dict (raises RequestError).
+
+    keys: where the robot's client puts cameras and state (default: keys_for(robot)).
+    """
     if not isinstance(request, Mapping):
         raise RequestError(f'request: expected a map of observation keys, got '
                            f'{type(request).__name__}')
-    keys = OBSERVATION_KEYS[robot]
+    spec = get_robot(robot)
+    robot = spec.name
+    keys = keys or keys_for(spec)
     _check_keys(request, keys, robot)
     images = {camera: to_image(_get(request, path), _name(path))
               for camera, path in keys.cameras.items()}
@@ -127,7 +200,6 @@ def to_observation(request: Any, robot: str, default_prompt: str = '') -> Observ
     if bad:
         raise RequestError(f'{robot} observation: {bad[0]} must be a vector')
     state = np.concatenate(parts)
-    spec = get_robot(robot)
     if state.shape != (spec.state_dim,):
         names = ' + '.join(_name(p) for p in keys.state)
         raise RequestError(f'{robot} observation: {names} has {state.size} values; expected '
@@ -157,7 +229,7 @@ class CommittedRows:
     #                                 server's own estimate)
 
 
-def committed_rows(request: Mapping, robot: str) -> CommittedRows | None:
+def committed_rows(request: Mapping, robot: str | RobotSpec) -> CommittedRows | None:
     """Read the optional real-time chunking fields of a request (None when absent)."""
     value = request.get(PREV_ACTIONS_KEY)
     delay = request.get(INFERENCE_DELAY_KEY)
@@ -166,11 +238,12 @@ def committed_rows(request: Mapping, robot: str) -> CommittedRows | None:
             raise RequestError(f'{INFERENCE_DELAY_KEY} without {PREV_ACTIONS_KEY}: send the '
                                'rows of the chunk being executed too')
         return None
-    dim = get_robot(robot).action_dim
+    spec = get_robot(robot)
+    dim = spec.action_dim
     rows = _vector(value, PREV_ACTIONS_KEY)
     if rows.ndim != 2 or rows.shape[1] != dim:
         raise RequestError(f'{PREV_ACTIONS_KEY}: shape {list(rows.shape)}; expected [n, {dim}] '
-                           f'({robot} actions not yet started, in robot units)')
+                           f'({spec.name} actions not yet started, in robot units)')
     if not np.all(np.isfinite(rows)):
         raise RequestError(f'{PREV_ACTIONS_KEY}: holds NaN or inf')
     if delay is not None and (isinstance(delay, bool) or not isinstance(delay, (int, np.integer))

@@ -41,14 +41,14 @@ import websockets.asyncio.server as ws_server
 
 from oxygen_ros import __version__
 from oxygen_ros.engine.types import Observation
-from oxygen_ros.model.robots import get_robot
+from oxygen_ros.model.robot_spec import get_robot
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.inputs import ObservationResult, sanitize_instruction
 from oxygen_ros.runtime.params import RtcSettings
 from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import LoopStats
-from oxygen_ros.serve.observations import (committed_rows, CommittedRows, OBSERVATION_KEYS,
-                                           RequestError, to_observation)
+from oxygen_ros.serve.observations import (committed_rows, CommittedRows, keys_for,
+                                           ObservationKeys, RequestError, to_observation)
 from oxygen_ros.serve.queue import FairQueue
 from oxygen_ros.serve.wire import packb, unpackb, WireError
 
@@ -63,7 +63,9 @@ MAX_OWNED_FRAMES = 4096             # frames whose language output still has a k
 class ServerConfig:
     """How the server listens and reads requests."""
 
-    robot: str                      # whose openpi observation keys requests carry
+    robot: object                   # the robot: a RobotSpec, a shipped name or a YAML path
+    observation_keys: ObservationKeys | None = None   # where requests carry cameras and
+    #                                   state (None: openpi's for its robots, else defaults)
     host: str = '0.0.0.0'           # openpi's default: reachable from the robot computer
     port: int = DEFAULT_PORT        # 0: any free port (see PolicyServer.port)
     default_prompt: str = ''        # used when a request has no 'prompt' ('' = required)
@@ -254,9 +256,8 @@ class PolicyServer:
     """
 
     def __init__(self, system, config: ServerConfig, description: dict | None = None):
-        if config.robot not in OBSERVATION_KEYS:
-            raise ValueError(f'robot {config.robot!r}; expected one of '
-                             f'{sorted(OBSERVATION_KEYS)}')
+        self.spec = get_robot(config.robot)   # RobotSpecError (a ValueError) names the file
+        self.keys = config.observation_keys or keys_for(self.spec)
         self.config = config
         self.worker = EngineWorker(system, config)
         self.metadata = self._metadata(system, description or {})
@@ -269,9 +270,9 @@ class PolicyServer:
         self._thread = threading.Thread(target=self._serve, name='oxygen-serve-io', daemon=True)
 
     def _metadata(self, system, description: dict) -> dict:
-        keys = OBSERVATION_KEYS[self.config.robot]
+        keys = self.keys
         return {
-            'server': 'oxygen_ros', 'version': __version__, 'robot': self.config.robot,
+            'server': 'oxygen_ros', 'version': __version__, 'robot': self.spec.name,
             'observation_keys': {
                 'cameras': {cam: '.'.join(path) for cam, path in keys.cameras.items()},
                 'state': ['.'.join(path) for path in keys.state], 'prompt': 'prompt'},
@@ -335,7 +336,7 @@ class PolicyServer:
                                    compression=None, max_size=None,
                                    process_request=self._health) as server:
             self.port = server.sockets[0].getsockname()[1]
-            logger.info('serving %s on %s:%d', self.config.robot, self.config.host, self.port)
+            logger.info('serving %s on %s:%d', self.spec.name, self.config.host, self.port)
             self._ready.set()
             await self._stopped.wait()
 
@@ -374,8 +375,8 @@ class PolicyServer:
             if isinstance(message, str):
                 raise RequestError('expected a binary msgpack message, got text')
             request = unpackb(message)
-            obs = to_observation(request, self.config.robot, self.config.default_prompt)
-            committed = committed_rows(request, self.config.robot)
+            obs = to_observation(request, self.spec, self.config.default_prompt, self.keys)
+            committed = committed_rows(request, self.spec)
             instruction = sanitize_instruction(obs.instruction,
                                                self.config.max_instruction_chars)
             if not instruction.text:
