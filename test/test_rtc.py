@@ -14,7 +14,8 @@ import torch
 from oxygen_ros.engine import (ActionOutput, Continuation, LanguagePolicy, make_engine,
                                random_observation, random_setup, UnlimitedBudget)
 from oxygen_ros.model import get_preset, rtc
-from oxygen_ros.model.robots import get_robot, RobotAdapter
+from oxygen_ros.model.robot_spec import get_robot
+from oxygen_ros.model.robots import RobotAdapter
 from oxygen_ros.model.normalize import NormStats
 from oxygen_ros.runtime.params import AUTO_DELAY, RtcSettings
 from oxygen_ros.runtime.rtc import (CommittedChunk, delay_rows, PlayedChunk, played_path,
@@ -219,9 +220,63 @@ def test_model_inpainting_reads_the_prefix_in_place(tiny):
 
 
 # ---- the frontend: robot units -> the model's normalised space ---------------------------------
-@pytest.mark.parametrize('robot', ['libero', 'droid', 'aloha'])
-def test_committed_rows_go_back_through_the_robots_transforms(robot, tiny):
-    spec = get_robot(robot)
+# A robot of one's own (YAML): affine maps on state and actions, deltas on some columns; the
+# second also through the named aloha transform (its affine comes after it on the way out).
+YAML_ARM = """
+name: arm5
+cameras:
+  - {name: front, slot: base_0_rgb}
+state:
+  dim: 5
+  names: [j0, j1, j2, j3, grip]
+  affine: {scale: [57.3, -2.0, 0.5, 1.0, 0.04], offset: [10.0, 0.0, -0.3, 0.0, 0.01]}
+actions:
+  dim: 4
+  names: [j0, j1, j2, grip]
+  space: joint_position
+  rate_hz: 30
+  open_loop_rows: 10
+  delta_mask: [true, false, true, false]
+  affine: {scale: [57.3, -2.0, 0.5, 0.04], offset: [10.0, 1.0, -0.3, 0.01]}
+norm_stats: arm5
+"""
+YAML_ALOHA_SCALED = """
+name: aloha_scaled
+cameras:
+  - {name: cam_high, slot: base_0_rgb}
+  - {name: cam_left_wrist, slot: left_wrist_0_rgb}
+state:
+  dim: 14
+  names: [%(names)s]
+actions:
+  dim: 14
+  names: [%(names)s]
+  space: joint_position
+  rate_hz: 50
+  open_loop_rows: 25
+  delta_mask: [%(mask)s]
+  affine: {scale: [%(scale)s], offset: [%(offset)s]}
+transform: aloha_adapt_to_pi
+norm_stats: trossen
+""" % {'names': ', '.join(f'q{i}' for i in range(14)),
+       'mask': ', '.join(['true'] * 6 + ['false'] + ['true'] * 6 + ['false']),
+       'scale': ', '.join(str(0.5 + 0.1 * i) for i in range(14)),
+       'offset': ', '.join(str(0.05 * i - 0.3) for i in range(14))}
+
+
+@pytest.fixture(params=['libero', 'droid', 'aloha', 'yaml_arm', 'yaml_aloha_scaled'])
+def any_robot(request, tmp_path):
+    """A shipped robot's name, or the path of a robot YAML written here."""
+    texts = {'yaml_arm': YAML_ARM, 'yaml_aloha_scaled': YAML_ALOHA_SCALED}
+    if request.param not in texts:
+        return request.param
+    path = tmp_path / f'{request.param}.yaml'
+    path.write_text(texts[request.param])
+    return str(path)
+
+
+def test_committed_rows_go_back_through_the_robots_transforms(any_robot, tiny):
+    spec = get_robot(any_robot)
     rng = np.random.default_rng(7)
     lo = rng.uniform(-2, -1, 32)
     stats = {'state': NormStats(np.zeros(32), np.ones(32), lo, lo + 3),
@@ -235,6 +290,12 @@ def test_committed_rows_go_back_through_the_robots_transforms(robot, tiny):
     robot_rows = adapter.postprocess(normalized, inputs)
     back = adapter.model_actions(robot_rows, inputs)
     np.testing.assert_allclose(back, normalized, atol=2e-5)              # padding columns 0
+    if spec.delta_action_mask is not None:
+        # the delta base is this observation's state: another state gives other model rows
+        other = adapter.prepare(images, rng.uniform(-0.5, 0.5, spec.state_dim), 'task')
+        moved = np.abs(adapter.model_actions(robot_rows, other) - back).max(axis=0)
+        mask = np.asarray(spec.delta_action_mask)
+        assert np.all(moved[:mask.size][mask] > 1e-3) and np.all(moved[:mask.size][~mask] == 0)
     with pytest.raises(ValueError, match='committed actions'):
         adapter.model_actions(robot_rows[:, :-1], inputs)
 
