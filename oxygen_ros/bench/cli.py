@@ -122,8 +122,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     rtc = bench.add_argument_group(
         'rtc part', 'real-time chunking off / guided / prefix on the same synthetic episode: '
         'boundary jumps, total variation, act() cost, a plot of one joint')
-    rtc.add_argument('--rtc-robot', default=None, choices=['libero', 'droid', 'aloha'],
-                     help='robot of the episode (default libero)')
+    rtc.add_argument('--rtc-robot', default=None, metavar='NAME|FILE',
+                     help='robot of the episode: a shipped robot or a robot YAML (default '
+                     'libero)')
     rtc.add_argument('--rtc-frames', type=int, default=None,
                      help='measured frames per mode (default 30; quick 8)')
     rtc.add_argument('--rtc-delay', type=int, default=None, metavar='ROWS',
@@ -193,6 +194,12 @@ def options_from_args(args: argparse.Namespace):
     if (rtc_changes.get('frames', 2) < 2 or rtc_changes.get('delay', 0) < 0
             or rtc_changes.get('period_rows', 1) < 1):
         raise SystemExit('--rtc-frames must be >= 2, --rtc-delay >= 0, --rtc-period-rows >= 1')
+    if 'robot' in rtc_changes:
+        from oxygen_ros.model.robot_spec import get_robot
+        try:
+            get_robot(rtc_changes['robot'])
+        except ValueError as err:   # RobotSpecError: unknown name, unreadable file
+            raise SystemExit(f'--rtc-robot: {err}') from None
     changes['rtc'] = dataclasses.replace(base.rtc, **rtc_changes)
     changes['overload'] = overload_options_from_args(args)
     changes['out_dir'] = args.out
