@@ -34,7 +34,7 @@ class FleetFakeRunner(FakeRunner):
             self.prefill(row, slot)
         self.clock.now += self.prefill_s * len(slots)
 
-    def sample_actions_rows(self, slots, noise):
+    def sample_actions_rows(self, slots, noise, plans=None):
         return np.stack([self.sample_actions(slot, rows) for slot, rows in zip(slots, noise)])
 
 

@@ -70,7 +70,7 @@ class FakeRunner:
         self.prefix[slot] = tensors['frame']
         self.written[slot] = 0
 
-    def sample_actions(self, slot, noise):
+    def sample_actions(self, slot, noise, plan=None):
         assert noise.shape == (H, A)
         return np.full((H, A), self.prefix[slot], dtype=np.float32)
 
@@ -101,7 +101,7 @@ class FakeFrontend:
             raise ValueError('no state')
         return PreparedObservation(None, {'frame': obs.frame_index})
 
-    def robot_actions(self, normalized, prepared):
+    def robot_actions(self, normalized, prepared, held=None):
         return normalized
 
     def encode_text(self, text):

@@ -39,9 +39,9 @@ class SlowActRunner(FakeRunner):
 
     act_s = 0.0
 
-    def sample_actions(self, slot, noise):
+    def sample_actions(self, slot, noise, plan=None):
         self.clock.now += self.act_s
-        return super().sample_actions(slot, noise)
+        return super().sample_actions(slot, noise, plan)
 
 
 class StingyBudget:

@@ -21,7 +21,7 @@ import websockets.sync.client
 
 from oxygen_ros.engine import random_observation
 from oxygen_ros.runtime.engine_setup import build_engine
-from oxygen_ros.runtime.params import robot_defaults, Settings
+from oxygen_ros.runtime.params import robot_defaults, RtcSettings, Settings
 from oxygen_ros.serve import PolicyServer, RequestError, ServerConfig, to_observation
 from oxygen_ros.serve.queue import FairQueue
 from oxygen_ros.serve.wire import packb, unpackb, WireError
@@ -106,6 +106,41 @@ def test_unmodified_openpi_client_gets_actions(robot, client_python):
     assert texts and all(d['frame_index'] < requests for d in texts)
     assert out['error'] is not None and 'prompt' in out['error']
     assert out['after_error_shape'] == [horizon, ROBOT_DIMS[robot]]
+
+
+def test_unmodified_openpi_client_works_with_rtc_on(client_python):
+    """openpi's client sends no prev_actions: RTC on changes nothing it relies on."""
+    with serve('libero', rtc=RtcSettings('guided', delay=1)) as server:
+        run = subprocess.run([str(client_python), str(PROBE), str(server.port), 'libero', '3'],
+                             capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out['metadata']['rtc']['mode'] == 'guided'
+    horizon = out['metadata']['engine']['horizon']
+    for response in out['responses']:
+        assert response['shape'] == [horizon, 7] and response['finite']
+        assert {'actions', 'start_row', 'language'} <= set(response['keys'])
+    assert out['error'] is not None and 'prompt' in out['error']
+
+
+def test_rtc_continues_the_clients_chunk():
+    """prev_actions (and inference_delay) from the request: prefix mode holds those rows."""
+    with serve('libero', rtc=RtcSettings('prefix')) as server, connect(server) as ws:
+        ws.send(packb(libero_request(0)))
+        first = unpackb(ws.recv(timeout=60))
+        assert first['start_row'] == 0                       # nothing to continue
+        left = first['actions'][1:]                          # one row played since
+        ws.send(packb(libero_request(1, prev_actions=left, inference_delay=2)))
+        second = unpackb(ws.recv(timeout=60))
+        assert second['start_row'] == 2
+        np.testing.assert_array_equal(second['actions'][:2], left[:2])
+        assert not np.allclose(second['actions'][2:3], left[2:3])
+        for bad, reason in [({'prev_actions': np.zeros((2, 5))}, 'expected [n, 7]'),
+                            ({'prev_actions': left, 'inference_delay': -1}, 'integer >= 0'),
+                            ({'inference_delay': 2}, 'without prev_actions')]:
+            ws.send(packb(libero_request(2, **bad)))
+            reply = ws.recv(timeout=60)
+            assert isinstance(reply, str) and reason in reply, (reason, reply)
 
 
 # ---- the server with a plain websocket client -------------------------------------------------

@@ -16,7 +16,7 @@ import threading
 from typing import Callable
 
 from oxygen_ros.bag.errors import BagError
-from oxygen_ros.runtime.cli_options import add_engine_options
+from oxygen_ros.runtime.cli_options import add_engine_options, RTC_PARAMS
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -71,7 +71,8 @@ def _camera_topic_overrides(args: argparse.Namespace) -> dict:
 _TOPIC_PARAMS = ('robot', 'camera_names', 'joint_names', 'control_rate_hz')
 _ENGINE_PARAMS = ('checkpoint', 'preset', 'device', 'dtype', 'seed', 'decode_budget',
                   'tokens_per_request', 'request_every_n_frames', 'language_prompt',
-                  'kv_capacity', 'denoise_steps', 'stale_frame_timeout_s', 'tokenizer')
+                  'kv_capacity', 'denoise_steps', 'stale_frame_timeout_s',
+                  'tokenizer') + RTC_PARAMS
 # ReplayParams fields (not node parameters).
 _REPLAY_OPTIONS = ('namespace', 'instruction_topic', 'joint_states_topic',
                    'instruction_override', 'on_bad_input')
@@ -103,6 +104,10 @@ def add_replay_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument('--overwrite', action='store_true', help='replace an existing --out bag')
     parser.add_argument('--threads', type=int, default=0, help='torch threads (0 = default)')
     parser.add_argument('--quiet', action='store_true', help='no progress bar')
+    parser.add_argument('--rtc-compare', action='store_true',
+                        help='replay once per real-time chunking mode (off, guided, prefix) '
+                             'into OUT/<mode>; compare boundary jumps, total variation and '
+                             'act() time (OUT/rtc.csv, OUT/rtc_boundaries.png)')
     dataset = parser.add_argument_group('LeRobot datasets')
     dataset.add_argument('--camera', action='append', default=[], metavar='NAME=FEATURE',
                          help="robot camera <- dataset feature (default: a feature named "
@@ -204,12 +209,22 @@ def replay_main(args: argparse.Namespace) -> int:
             import torch
             torch.set_num_threads(args.threads)
         if is_dataset(args.bag):
-            replay = _dataset_replay(args, params, inferred.features if inferred else {})
+            camera_map = inferred.features if inferred else {}
+
+            def make_replay(out, params, **options):
+                return _dataset_replay(args, params, out, camera_map, **options)
         else:
             from oxygen_ros.bag.replay import Replay
-            replay = Replay(args.bag, args.out, params, rate=args.rate, storage=args.storage,
-                            overwrite=args.overwrite, copy=args.copy, progress=not args.quiet,
-                            node_name=args.node_name)
+
+            def make_replay(out, params, **options):
+                return Replay(args.bag, out, params, rate=args.rate, storage=args.storage,
+                              overwrite=args.overwrite, copy=args.copy,
+                              progress=not args.quiet, node_name=args.node_name, **options)
+        if args.rtc_compare:
+            from oxygen_ros.bag.rtc_compare import compare_rtc
+            compare_rtc(make_replay, args.out, params, overwrite=args.overwrite)
+            return 0
+        replay = make_replay(args.out, params)
     except BagError as err:
         return error('replay', err)
     except KeyboardInterrupt:
@@ -231,7 +246,8 @@ def replay_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dataset_replay(args: argparse.Namespace, params, camera_map: dict[str, str]):
+def _dataset_replay(args: argparse.Namespace, params, out, camera_map: dict[str, str],
+                    **options):
     """Build the DatasetReplay the options describe (a LeRobot dataset is paced by its frames).
 
     camera_map: robot camera -> dataset feature, under --camera's.
@@ -245,10 +261,10 @@ def _dataset_replay(args: argparse.Namespace, params, camera_map: dict[str, str]
             raise BagError(f'--camera {item!r}; expected NAME=FEATURE, e.g. '
                            'image=observation.images.front')
         mapping[name] = feature
-    return DatasetReplay(args.bag, args.out, params, camera_map=mapping or None,
+    return DatasetReplay(args.bag, out, params, camera_map=mapping or None,
                          state_key=args.state_key, action_key=args.action_key,
                          episodes=args.episodes, storage=args.storage,
-                         overwrite=args.overwrite, progress=not args.quiet)
+                         overwrite=args.overwrite, progress=not args.quiet, **options)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # all close the bag cleanly

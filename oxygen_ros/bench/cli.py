@@ -21,6 +21,7 @@ examples:
   oxygen-ros bench --parts overload             # shipped YAML, then 2x overload: narration
   oxygen-ros bench --parts robots               # R = 1 2 4 8 robots: one engine vs R engines
   oxygen-ros bench --quick --parts robots       # the same in miniature (tiny preset, R = 1 2)
+  oxygen-ros bench --parts rtc                  # real-time chunking off / guided / prefix
 """
 
 
@@ -109,6 +110,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                       help='fixed decode budget k of the node and the engine run (default 5)')
     node.add_argument('--node-engine-frames', type=int, default=None,
                       help='measured frames of the engine alone (default 20; quick 5)')
+    node.add_argument('--node-rtc', default='off', choices=['off', 'guided', 'prefix'],
+                      help='real-time chunking of the node and of the engine run (default off)')
     node.add_argument('--camera-rate', type=float, default=15.0,
                       help='stand-in robot camera frames/s (default 15)')
     node.add_argument('--camera-size', default='640x480', metavar='WxH',
@@ -116,6 +119,22 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     node.add_argument('--camera-format', default='jpeg', choices=['jpeg', 'raw'],
                       help='CompressedImage jpeg (default) or raw rgb8 Image; raw 640x480 '
                       'frames are 0.9 MB best-effort messages that DDS drops on a busy machine')
+    rtc = bench.add_argument_group(
+        'rtc part', 'real-time chunking off / guided / prefix on the same synthetic episode: '
+        'boundary jumps, total variation, act() cost, a plot of one joint')
+    rtc.add_argument('--rtc-robot', default=None, metavar='NAME|FILE',
+                     help='robot of the episode: a shipped robot or a robot YAML (default '
+                     'libero)')
+    rtc.add_argument('--rtc-frames', type=int, default=None,
+                     help='measured frames per mode (default 30; quick 8)')
+    rtc.add_argument('--rtc-delay', type=int, default=None, metavar='ROWS',
+                     help="d (default: from the 'off' engine's act() p95 over the warm-up)")
+    rtc.add_argument('--rtc-period-rows', type=int, default=None, metavar='ROWS',
+                     help='rows between frames of the episode (default: from --rtc-control-hz '
+                     'and the latency)')
+    rtc.add_argument('--rtc-control-hz', type=float, default=None,
+                     help='asked frame rate of the episode (default 10; frames are never '
+                     'closer than the latency)')
     overload = bench.add_argument_group(
         'overload part', 'oxygen_node with config/<--node-robot>.yaml as shipped (auto rate), '
         'then asked --overload-factor x the rate it reported; the stand-in robot as in the '
@@ -168,6 +187,20 @@ def options_from_args(args: argparse.Namespace):
     if args.plot_statistic:
         changes['plot_statistic'] = args.plot_statistic
     changes['node'] = node_options_from_args(args)
+    rtc_changes = {name: value for name, value in (
+        ('robot', args.rtc_robot), ('frames', args.rtc_frames), ('delay', args.rtc_delay),
+        ('control_hz', args.rtc_control_hz), ('period_rows', args.rtc_period_rows))
+        if value is not None}
+    if (rtc_changes.get('frames', 2) < 2 or rtc_changes.get('delay', 0) < 0
+            or rtc_changes.get('period_rows', 1) < 1):
+        raise SystemExit('--rtc-frames must be >= 2, --rtc-delay >= 0, --rtc-period-rows >= 1')
+    if 'robot' in rtc_changes:
+        from oxygen_ros.model.robot_spec import get_robot
+        try:
+            get_robot(rtc_changes['robot'])
+        except ValueError as err:   # RobotSpecError: unknown name, unreadable file
+            raise SystemExit(f'--rtc-robot: {err}') from None
+    changes['rtc'] = dataclasses.replace(base.rtc, **rtc_changes)
     changes['overload'] = overload_options_from_args(args)
     changes['out_dir'] = args.out
     return dataclasses.replace(base, **changes)
@@ -190,7 +223,7 @@ def node_options_from_args(args: argparse.Namespace):
                                k=args.node_k, rate_hz=args.node_rate,
                                camera_rate_hz=args.camera_rate, camera_width=width,
                                camera_height=height, camera_format=args.camera_format,
-                               **changes)
+                               rtc_mode=args.node_rtc, **changes)
 
 
 def overload_options_from_args(args: argparse.Namespace):

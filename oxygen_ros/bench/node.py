@@ -47,8 +47,11 @@ import time
 
 import numpy as np
 
+from oxygen_ros.model.robot_spec import get_robot
 from oxygen_ros.runtime.control import thread_cpu, THREAD_NAME
-from oxygen_ros.runtime.params import camera_param_name, load_node_params, NODE_NAME, ROBOT_IO
+from oxygen_ros.runtime.params import (camera_param_name, load_node_params, NODE_NAME,
+                                       ROBOT_IO, RtcSettings)
+from oxygen_ros.runtime.rtc import RtcPlanner
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PACKAGE_ROOT / 'config'
@@ -82,6 +85,7 @@ class NodeBenchOptions:
     # then the engine again while the stand-in robot publishes (no node): the same machine
     # load the node runs under, so the node's tail can be told from the robot's interference
     engine_loaded_frames: int = 60
+    rtc_mode: str = 'off'           # real-time chunking of the node and the engine run
     start_timeout_s: float = 300.0  # node start (model load) and first action, each
 
     @classmethod
@@ -133,7 +137,6 @@ def camera_observation(robot: str, index: int, height: int, width: int, seed: in
                        instruction: str):
     """Make an observation with camera-sized noise images (the frontend resizes them)."""
     from ..engine.types import Observation
-    from ..model.robot_spec import get_robot
 
     spec = get_robot(robot)
     rng = np.random.default_rng(np.random.SeedSequence([seed, index, 11]))
@@ -147,7 +150,7 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
                    dtype: str = 'float32', threads: int = 0, tokens: int = 10, k: int = 5,
                    seed: int = 0, frames: int = 20, camera_hw: tuple[int, int] = (480, 640),
                    instruction: str = BENCH_INSTRUCTION, loaded_frames: int = 0,
-                   load=None) -> EngineReference:
+                   load=None, rtc_mode: str = 'off') -> EngineReference:
     """Build the engine the node builds (random weights of `preset`) and time its frames.
 
     The language policy is the node's: one request per frame, N = `tokens`, EOS on, the
@@ -174,15 +177,16 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
                             seed=seed, eos_id=frontend.eos_id,
                             prompt_template=params.get('language_prompt', ''))
     system = make_system('oxygen', model, frontend, policy, k=k, seed=seed)
+    rtc = RtcPlanner(RtcSettings(rtc_mode), get_robot(robot).step_period_s)
     try:
         reference = time_engine(system, robot, k=k, warmup=math.ceil(tokens / k) + 2,
                                 frames=frames, camera_hw=camera_hw, seed=seed,
-                                instruction=instruction, close=False)
+                                instruction=instruction, close=False, rtc=rtc)
         if loaded_frames and load is not None:
             with load():
                 loaded = time_engine(system, robot, k=k, warmup=1, frames=loaded_frames,
                                      camera_hw=camera_hw, seed=seed + 1,
-                                     instruction=instruction, close=False)
+                                     instruction=instruction, close=False, rtc=rtc)
             reference.loaded_act_s = loaded.act_s
         return reference
     finally:
@@ -193,12 +197,14 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
 
 def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
                 camera_hw: tuple[int, int], seed: int = 0,
-                instruction: str = BENCH_INSTRUCTION, close: bool = True) -> EngineReference:
+                instruction: str = BENCH_INSTRUCTION, close: bool = True,
+                rtc: RtcPlanner | None = None) -> EngineReference:
     """Time act() and act() + advance_language() of a built engine over camera-sized frames.
 
     `system` is any engine System (act / advance_language); it is closed afterwards unless
     `close` is False. `warmup` frames run first, unmeasured (ceil(N/k) + 2 reach the steady
-    decode batch).
+    decode batch). rtc: each chunk continues the last one, as in the node (frames 0.1 s
+    apart, each out after its act()).
     """
     act_s, frame_s, decoded = [], [], []
     other = None
@@ -208,7 +214,11 @@ def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
                                      instruction=instruction)
             if index == warmup:
                 other = OtherLoad([0])
-            action = system.act(obs)
+            continuation = rtc.continuation(obs) if rtc is not None else None
+            action = (system.act(obs, continuation) if continuation is not None
+                      else system.act(obs))
+            if rtc is not None:
+                rtc.record(action, obs.stamp + action.inference_time_s)
             result = system.advance_language()
             if index >= warmup:
                 act_s.append(action.inference_time_s)
@@ -417,6 +427,8 @@ def node_command(opts: NodeBenchOptions, preset: str, device: str, dtype: str, t
                  'tokens_per_request': opts.tokens, 'seed': seed,
                  # Declared by nodes that pin torch's threads; an older node ignores it.
                  'torch_threads': threads}
+    if opts.rtc_mode != 'off':
+        overrides['rtc_mode'] = opts.rtc_mode
     return yaml_node_command(opts, overrides)
 
 
@@ -688,7 +700,7 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
     figures = analyze(run, rate_hz)
     act = np.array(engine.act_s)
     row = {'preset': preset, 'robot': opts.robot, 'device': device, 'dtype': dtype,
-           'threads': threads, 'n_tokens': opts.tokens, 'k': opts.k,
+           'threads': threads, 'n_tokens': opts.tokens, 'k': opts.k, 'rtc_mode': opts.rtc_mode,
            'cameras': f'{opts.camera_width}x{opts.camera_height} {opts.camera_format} '
                       f'@{opts.camera_rate_hz:g}Hz',
            'engine_frames': len(engine.act_s),
@@ -752,7 +764,8 @@ def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, 
     engine = measure_engine(preset, opts.robot, device=device, dtype=dtype, threads=threads,
                             tokens=opts.tokens, k=opts.k, seed=seed, frames=opts.engine_frames,
                             camera_hw=(opts.camera_height, opts.camera_width),
-                            loaded_frames=opts.engine_loaded_frames, load=robot_running)
+                            loaded_frames=opts.engine_loaded_frames, load=robot_running,
+                            rtc_mode=opts.rtc_mode)
     if opts.rate_hz:
         rate_hz, source = opts.rate_hz, 'given'
     else:

@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 
 from .run import BenchResult, save_result  # noqa: E402
 from .overload import overload_section, overload_targets  # noqa: E402
+from .rtc import rtc_targets  # noqa: E402
 from .serve import serve_targets  # noqa: E402
 
 SYSTEM_STYLE = {   # colour, marker per system (oxygen k=... share the oxygen colour)
@@ -72,6 +73,9 @@ def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
     if result.serve:
         paths['serve'] = out / 'serve.csv'
         write_csv(result.serve, paths['serve'])
+    if result.rtc:
+        paths['rtc'] = out / 'rtc.csv'
+        write_csv(result.rtc, paths['rtc'])
     if result.node:
         paths['node'] = out / 'node.csv'
         write_csv(result.node, paths['node'])
@@ -172,6 +176,7 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
             'met': ratio <= TARGET_MEMORY_OVER_ACTION_ONLY})
     targets += node_targets(result)
     targets += serve_targets(result.serve)
+    targets += rtc_targets(result.rtc)
     targets += overload_targets(result.overload)
     targets += robots_targets(result)
     if not result.rows:
@@ -490,9 +495,41 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
                   'probes (MKL_DISABLE_FAST_MM; it caches a GEMM buffer per row count).', '']
     parts += robots_section(result, paths)
     parts += node_section(result, paths)
+    parts += rtc_section(result, paths)
     parts += overload_section(result.overload)
     parts += ['## Files', ''] + [f'- `{p.name}`' for p in paths.values()] + ['']
     return '\n'.join(parts)
+
+
+def rtc_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
+    """Return the rtc part's section: one row per mode on the same synthetic episode."""
+    if not result.rtc:
+        return []
+    first = result.rtc[0]
+    lines = [f'## Real-time chunking ({first["robot"]}, {first["frames"]} frames per mode, '
+             f'd = {first["delay_rows"]} rows, a frame every {first["period_ms"]:.0f} ms, '
+             f'timing {first.get("timing", "measured")})', '',
+             table(['mode', 'jump mean', 'jump p95', 'jump max', 'jump / off', 'gap mean',
+                    'gap / off', 'row step', 'total variation', 'TV / off', 'act p50 ms',
+                    'act / off', 'max |frozen - committed|', 'tokens = off'],
+                   [[r['mode'], r['jump_mean'], r['jump_p95'], r['jump_max'],
+                     r['jump_mean_vs_off'], r['gap_mean'], r['gap_mean_vs_off'],
+                     r['row_step_mean'], r['total_variation'], r['total_variation_vs_off'],
+                     r['act_ms_p50'], r['act_ms_p50_vs_off'], f'{r["frozen_rows_max_diff"]:g}',
+                     r['tokens_identical_to_off']] for r in result.rtc]), '',
+             'Every mode is played from the same row of each chunk (the first past the delay '
+             'd), so a jump (L2 over the action columns, robot units, between the last row '
+             'played of the old chunk and the first of the new one) compares what the chunks '
+             'hold. The gap is the first new row against the old chunk\'s row for the same '
+             'time; the row step, the mean distance between two consecutive rows of one chunk, '
+             'is the floor of any jump (random weights give rough chunks). The episode\'s '
+             f'latency: {first["latency_ms"]:.0f} ms (act() p95 over the warm-up: '
+             f'{first["measured_act_p95_ms"]:.0f} ms; timing "assumed": that left the new '
+             'chunk no committed row past d, so d = 2 and a frame every 3 rows, as on a '
+             'robot\'s GPU).', '']
+    if 'rtc_boundaries' in paths:
+        lines += [f'![one joint across chunk boundaries]({paths["rtc_boundaries"].name})', '']
+    return lines
 
 
 def component_table(result: BenchResult) -> list[list]:
@@ -529,7 +566,7 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, Path]:
     for name, draw in (('tradeoff', plot_tradeoff), ('speedup_heatmap', plot_heatmap),
                        ('action_hz_vs_n', plot_hz_vs_n), ('memory', plot_memory),
                        ('robots_hz', plot_robots),
-                       ('node_latency', plot_node_latency)):
+                       ('node_latency', plot_node_latency), ('rtc_boundaries', plot_rtc)):
         fig = draw(result)
         if fig is None:
             continue
@@ -813,3 +850,19 @@ def plot_node_latency(result: BenchResult):
                  fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_rtc(result: BenchResult):
+    """One action column across several chunk boundaries, RTC off and on (the rtc part)."""
+    if not result.rtc_paths:
+        return None
+    from ..runtime.rtc import plot_paths, PlayedPath
+
+    paths = {p['mode']: PlayedPath(np.array(p['times_s']), np.array(p['values'])[:, None],
+                                   np.zeros(len(p['times_s']), int), np.array(p['jumps']),
+                                   np.array(p['boundary_times_s']))
+             for p in result.rtc_paths}
+    first = result.rtc[0]
+    return plot_paths(paths, 0, result.rtc_paths[0]['column'],
+                      f'real-time chunking, {first["robot"]} synthetic episode: d = '
+                      f'{first["delay_rows"]} rows; {_subtitle(result, hz=False)}')

@@ -40,6 +40,7 @@ from .overload import OverloadBenchOptions, run_overload_part
 from .phases import measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 from .robots import run_robots_part
+from .rtc import RtcBenchOptions, run_rtc_part
 
 # Deadline of oxygen-adaptive and of the deadline-miss count when no control rate is given:
 # the action path (P + D) plus this share of it for language (about k = 5 decode steps of the
@@ -66,6 +67,7 @@ class BenchOptions:
     quick: bool = False
     plot_statistic: str = 'mean'     # frame-time statistic of the plots' Hz: mean (paper) / p50
     node: NodeBenchOptions = dataclasses.field(default_factory=NodeBenchOptions)   # part 'node'
+    rtc: RtcBenchOptions = dataclasses.field(default_factory=RtcBenchOptions)      # part 'rtc'
     overload: OverloadBenchOptions = dataclasses.field(   # part 'overload'
         default_factory=OverloadBenchOptions)
     out_dir: str = 'bench-results'   # where the node part leaves its processes' logs
@@ -75,6 +77,8 @@ class BenchOptions:
         return dataclasses.replace(cls(plan=quick_options(), preset='tiny', quick=True,
                                        phase_repeats=3, memory_frames=2,
                                        node=NodeBenchOptions.quick(),
+                                       rtc=RtcBenchOptions(frames=8, warmup=3, delay=1,
+                                                           period_rows=2),
                                        overload=OverloadBenchOptions.quick()), **changes)
 
 
@@ -93,6 +97,8 @@ class BenchResult:
     robots: list[dict] = dataclasses.field(default_factory=list)      # part 'robots': (R, system)
     node_ticks: list[dict] = dataclasses.field(default_factory=list)  # its per-tick records
     serve: list[dict] = dataclasses.field(default_factory=list)       # part 'serve': one row
+    rtc: list[dict] = dataclasses.field(default_factory=list)         # part 'rtc': per mode
+    rtc_paths: list[dict] = dataclasses.field(default_factory=list)   # its plotted paths
     overload: list[dict] = dataclasses.field(default_factory=list)    # part 'overload': 2 rows
 
 
@@ -490,6 +496,8 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
             part_seconds[group.sweep] = part_seconds.get(group.sweep, 0.0) + (
                 time.perf_counter() - start)
     memory: list[dict] = []
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress else (
+        lambda line: None)   # the process parts' progress lines
     result = BenchResult(rows, memory, components, periods, part_seconds, env, opts)
     if checkpoint is not None and groups and {'memory', 'robots', 'node'} & set(opts.plan.parts):
         checkpoint(result)
@@ -508,8 +516,6 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
         if checkpoint is not None and (memory or result.robots):
             checkpoint(result)
         start = time.perf_counter()
-        say = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress else (
-            lambda line: None)
         row, ticks, _ = run_node_part(opts.node, opts.preset, opts.device, opts.dtype,
                                       opts.threads, opts.seed, Path(opts.out_dir) / 'node_logs',
                                       say)
@@ -525,10 +531,16 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
                                            opts.preset, opts.device, opts.dtype, opts.threads,
                                            opts.seed))
         part_seconds['serve'] = time.perf_counter() - start
+    if 'rtc' in opts.plan.parts:
+        start = time.perf_counter()
+        steps = opts.plan.default_steps
+        rows, paths = run_rtc_part(opts.rtc, models.model(steps),
+                                   models.frontend(steps, opts.rtc.robot), opts.seed, say)
+        result.rtc.extend(rows)
+        result.rtc_paths.extend(paths)
+        part_seconds['rtc'] = time.perf_counter() - start
     if 'overload' in opts.plan.parts:
         start = time.perf_counter()
-        say = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress else (
-            lambda line: None)
         result.overload.extend(run_overload_part(opts.node, opts.overload,
                                                  Path(opts.out_dir) / 'overload_logs', say))
         part_seconds['overload'] = time.perf_counter() - start
@@ -551,6 +563,9 @@ def load_result(path: str | Path) -> BenchResult:
                                   for key, v in opts['plan'].items()})
     if isinstance(opts.get('node'), dict):
         opts['node'] = NodeBenchOptions(**opts['node'])
+    if isinstance(opts.get('rtc'), dict):
+        opts['rtc'] = RtcBenchOptions(**{key: tuple(v) if isinstance(v, list) else v
+                                         for key, v in opts['rtc'].items()})
     if isinstance(opts.get('overload'), dict):
         opts['overload'] = OverloadBenchOptions(**opts['overload'])
     data['options'] = BenchOptions(**opts)

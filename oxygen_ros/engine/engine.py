@@ -23,11 +23,12 @@ from typing import Callable
 import torch
 
 from oxygen_ros.engine.budget import Budget, sizing_k, UnlimitedBudget
-from oxygen_ros.engine.frontend import Frontend, PreparedObservation
+from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
 from oxygen_ros.engine.scheduler import Scheduler
-from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
+from oxygen_ros.engine.types import (ActionOutput, Continuation, FrameResult, Observation,
+                                     Timings)
 from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
 from oxygen_ros.kv import KVPool
 from oxygen_ros.kv.store import slot_bytes
@@ -122,27 +123,36 @@ class Engine(FrontendClock):
 
     # ---- 1. the action path ------------------------------------------------------------------
 
-    def act(self, obs: Observation) -> ActionOutput:
+    def act(self, obs: Observation, continuation: Continuation | None = None) -> ActionOutput:
         """Prefill the observation into a pool slot and compute its actions; no language work.
 
-        Raises ValueError for a malformed observation (nothing allocated); the action path
-        always gets a slot (the scheduler's admission keeps one free for it).
+        continuation: the chunk the robot is executing, which this one continues (real-time
+        chunking, on the same prefill); the output's start_row is then its delay.
+        Raises ValueError for a malformed observation or committed chunk (nothing allocated);
+        the action path always gets a slot (the scheduler's admission keeps one free for it).
         """
         frame = self._begin_frame(obs)
+        plan = None
+        if continuation is not None:
+            with self._frontend_clock():   # may raise: nothing is held yet
+                plan = self.frontend.row_plan(continuation, frame.prepared,
+                                              self.runner.action_shape[0])
         slot = self.scheduler.allocate_frame_slot(frame.index)
         try:
             self.runner.prefill(frame.prepared.tensors, slot)
             noise = frame_noise(self.seed, frame.index, *self.runner.action_shape)
-            normalized = self.runner.sample_actions(slot, noise)            # [H, A]
+            normalized = self.runner.sample_actions(slot, noise, plan)      # [H, A]
             with self._frontend_clock():
-                actions = self.frontend.robot_actions(normalized, frame.prepared)
+                actions = self.frontend.robot_actions(normalized, frame.prepared,
+                                                      held_rows(continuation, plan))
         except BaseException:
             self.scheduler.drop_frame()
             raise
         self.scheduler.after_actions()
         frame.act_s = self.clock() - frame.started
         self.budget.observe_action(frame.act_s)
-        frame.action = ActionOutput(frame.index, actions, normalized, frame.act_s, obs.stamp)
+        frame.action = ActionOutput(frame.index, actions, normalized, frame.act_s, obs.stamp,
+                                    plan.delay if plan is not None else 0)
         self._frame = frame
         return frame.action
 

@@ -42,14 +42,16 @@ import numpy as np
 
 from oxygen_ros.engine.budget import Budget, sizing_k, UnlimitedBudget
 from oxygen_ros.engine.engine import DEFAULT_MAX_FORCED_TOKENS, FrontendClock
-from oxygen_ros.engine.frontend import Frontend, PreparedObservation
+from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
 from oxygen_ros.engine.scheduler import Scheduler, StepPlan
-from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
+from oxygen_ros.engine.types import (ActionOutput, Continuation, FrameResult, Observation,
+                                     Timings)
 from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
 from oxygen_ros.kv import KVPool
 from oxygen_ros.model.pi05 import Pi05Model
+from oxygen_ros.model.rtc import RowPlan
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,8 @@ class _Frame:
     index: int
     obs: Observation
     prepared: PreparedObservation
+    plan: RowPlan | None = None   # real-time chunking of this robot's row (None: free)
+    held: np.ndarray | None = None   # the committed rows it holds, robot units (prefix mode)
     slot: int = -1
     action: ActionOutput | None = None
 
@@ -182,13 +186,17 @@ class FleetEngine(FrontendClock):
 
     # ---- 1. the action path of every robot with a frame ------------------------------------
 
-    def act(self, observations: Mapping[str, Observation]) -> FleetActions:
+    def act(self, observations: Mapping[str, Observation],
+            continuations: Mapping[str, Continuation] | None = None) -> FleetActions:
         """Prefill every robot's observation in one call, denoise them in one call.
 
         observations: robot name -> this tick's observation (robots without a frame absent).
-        A robot whose observation the frontend rejects gets no actions (reason in `rejected`)
-        and holds nothing; the others are not affected. Raises ValueError for an unknown robot
-        name (nothing done), and re-raises a failing model call after releasing every frame.
+        continuations: robot name -> the chunk it is executing, which its new chunk continues
+        (real-time chunking, rows of one denoise call; robots absent: plain flow matching).
+        A robot whose observation (or committed chunk) the frontend rejects gets no actions
+        (reason in `rejected`) and holds nothing; the others are not affected. Raises
+        ValueError for an unknown robot name (nothing done), and re-raises a failing model
+        call after releasing every frame.
         """
         for name in observations:
             self._robot(name)
@@ -196,8 +204,10 @@ class FleetEngine(FrontendClock):
         self.runner.reset_times()
         self._frontend_s = 0.0
         frames, rejected = [], {}
+        continuations = continuations or {}
         for name, obs in observations.items():
-            frame = self._begin_frame(self.robots[name], obs, rejected)
+            frame = self._begin_frame(self.robots[name], obs, continuations.get(name),
+                                      rejected)
             if frame is not None:
                 frames.append(frame)
         if frames:
@@ -217,6 +227,7 @@ class FleetEngine(FrontendClock):
         return self._act
 
     def _begin_frame(self, robot: FleetMember, obs: Observation,
+                     continuation: Continuation | None,
                      rejected: dict[str, str]) -> _Frame | None:
         if robot.frame is not None:
             # act() twice without advance_language(): the earlier frame gets no language.
@@ -228,12 +239,15 @@ class FleetEngine(FrontendClock):
         try:
             with self._frontend_clock():
                 prepared = robot.frontend.prepare(obs)
+                plan = (robot.frontend.row_plan(continuation, prepared,
+                                                self.runner.action_shape[0])
+                        if continuation is not None else None)
         except ValueError as err:   # this robot's observation only: nothing is held yet
             rejected[robot.name] = str(err)
             return None
         robot.next_frame_index = index + 1
         robot.last_frame_index = index
-        return _Frame(robot, index, obs, prepared)
+        return _Frame(robot, index, obs, prepared, plan, held_rows(continuation, plan))
 
     def _run_action_path(self, frames: list[_Frame], rejected: dict[str, str]) -> None:
         """Slots from each robot's quota, then one prefill and one denoise over all rows."""
@@ -249,7 +263,9 @@ class FleetEngine(FrontendClock):
                                          slots[first:first + step])
             H, A = self.runner.action_shape
             noise = np.stack([frame_noise(f.robot.seed, f.index, H, A) for f in frames])
-            normalized = self.runner.sample_actions_rows(slots, noise)        # [B, H, A]
+            plans = [f.plan for f in frames]
+            normalized = self.runner.sample_actions_rows(
+                slots, noise, plans if any(plans) else None)                  # [B, H, A]
         except BaseException:
             for frame in frames:
                 frame.robot.scheduler.drop_frame()
@@ -257,12 +273,14 @@ class FleetEngine(FrontendClock):
         for frame, rows in zip(frames, normalized):
             try:
                 with self._frontend_clock():
-                    actions = frame.robot.frontend.robot_actions(rows, frame.prepared)
+                    actions = frame.robot.frontend.robot_actions(rows, frame.prepared,
+                                                                 frame.held)
             except ValueError as err:   # e.g. non-finite actions: this robot only
                 rejected[frame.robot.name] = f'actions: {err}'
                 frame.robot.scheduler.drop_frame()
                 continue
-            frame.action = ActionOutput(frame.index, actions, rows, 0.0, frame.obs.stamp)
+            frame.action = ActionOutput(frame.index, actions, rows, 0.0, frame.obs.stamp,
+                                        frame.plan.delay if frame.plan is not None else 0)
 
     # ---- 2. the language path of every robot, in shared decode steps -------------------------
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oxygen_ros.engine.types import Observation
+from oxygen_ros.engine.types import Continuation, Observation
+from oxygen_ros.model import rtc
 from oxygen_ros.model.config import Pi05Config
 from oxygen_ros.model.normalize import NormStats
 from oxygen_ros.model.pi05 import Pi05Model
@@ -63,9 +64,33 @@ class Frontend:
         inputs = self.adapter.prepare(obs.images, obs.state, obs.instruction)
         return PreparedObservation(inputs, collate([inputs], self.device))
 
-    def robot_actions(self, normalized: np.ndarray, prepared: PreparedObservation) -> np.ndarray:
-        """Model actions float32 [H, A] (normalised) -> robot actions float32 [H, robot dim]."""
-        return self.adapter.postprocess(normalized, prepared.inputs)
+    def robot_actions(self, normalized: np.ndarray, prepared: PreparedObservation,
+                      held: np.ndarray | None = None) -> np.ndarray:
+        """Model actions float32 [H, A] (normalised) -> robot actions float32 [H, robot dim].
+
+        held: robot rows [d, robot dim] the first rows are (RTC prefix mode: the committed
+        rows bit for bit, not their round trip through the normalisation).
+        """
+        actions = self.adapter.postprocess(normalized, prepared.inputs)
+        if held is not None:
+            actions[:len(held)] = held
+        return actions
+
+    def row_plan(self, continuation: Continuation | None, prepared: PreparedObservation,
+                 horizon: int) -> rtc.RowPlan | None:
+        """Return what the denoise loop inpaints for `continuation` (None: nothing).
+
+        The committed rows arrive in robot units; they go through the inverse of
+        robot_actions for this observation (its state for delta actions), so the guidance
+        target lives in the model's normalised space. Raises ValueError for a bad chunk.
+        """
+        if continuation is None or len(continuation.rows) == 0:
+            return None
+        target = self.adapter.model_actions(continuation.rows[:horizon], prepared.inputs)
+        c = continuation
+        return rtc.row_plan(c.mode, target, horizon, c.delay, c.overlap_end or horizon,
+                            c.schedule, c.max_guidance_weight,
+                            columns=self.adapter.spec.action_dim)
 
     # ---- text side ---------------------------------------------------------------------------
 
@@ -81,6 +106,13 @@ class Frontend:
     def next_delta(self, ids: list[int], shown: str, final: bool) -> tuple[str, str]:
         """(delta, text) after `shown`, the text of the stream's previous ids (see tokenizer)."""
         return self.tokenizer.next_delta(ids, shown, final=final)
+
+
+def held_rows(continuation: Continuation | None, plan: rtc.RowPlan | None) -> np.ndarray | None:
+    """Return the committed rows a plan holds, robot units [d, A] (None: it holds none)."""
+    if plan is None or not plan.hold:
+        return None
+    return continuation.rows[:plan.delay]
 
 
 def identity_norm_stats(robot: str | RobotSpec) -> dict[str, NormStats]:

@@ -45,10 +45,15 @@ class AdaRMSNorm(nn.Module):
         self.dense = nn.Linear(cond_dim, 3 * dim)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor):
-        """Normalize x [B, Q, W] under cond [B, Wc] -> (y [B, Q, W], gate [B, 1, W])."""
+        """Normalize x [B, Q, W] under cond [B, Wc] (or per token [B, Q, Wc]) -> y, gate.
+
+        y [B, Q, W]; gate [B, 1, W] (or [B, Q, W]).
+        """
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + RMS_EPS)
-        mod = self.dense(cond.to(self.dense.weight.dtype)).float()[:, None, :]  # [B, 1, 3W]
+        mod = self.dense(cond.to(self.dense.weight.dtype)).float()
+        if mod.dim() == 2:
+            mod = mod[:, None, :]                                               # [B, 1, 3W]
         scale, shift, gate = mod.chunk(3, dim=-1)
         return (normed * (1.0 + scale) + shift).to(x.dtype), gate.to(x.dtype)
 

@@ -38,6 +38,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import Pi05Config
+from . import rtc
 from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, rope_table
 from .siglip import MultiModalProjector, SiglipVisionTower
 
@@ -130,10 +131,13 @@ def attend_bucket(needed: int, limit: int) -> int:
 
 
 def time_embedding(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Sine-cosine embedding of flow time t [B] -> [B, width], periods 4e-3 .. 4."""
+    """Sine-cosine embedding of flow time t [B] (or per token [B, H]) -> [..., width].
+
+    Periods 4e-3 .. 4.
+    """
     fraction = torch.linspace(0.0, 1.0, width // 2, dtype=torch.float64, device=t.device)
     period = 4e-3 * (4.0 / 4e-3) ** fraction
-    angle = (2 * math.pi / period)[None, :] * t.double()[:, None]          # [B, W/2]
+    angle = (2 * math.pi / period) * t.double()[..., None]                 # [..., W/2]
     return torch.cat([angle.sin(), angle.cos()], dim=-1).float()
 
 
@@ -331,11 +335,14 @@ class Pi05Model(nn.Module):
     # ----------------------------------------------------------------- actions
     @torch.no_grad()
     def sample_actions(self, prefix: PrefixCache, noise: torch.Tensor,
-                       num_steps: int | None = None) -> torch.Tensor:
+                       num_steps: int | None = None,
+                       inpaint: rtc.Inpainting | None = None) -> torch.Tensor:
         """Flow matching: Euler from t=1 (noise) to t=0. noise [B, H, A] -> actions [B, H, A].
 
         The prefix K/V are read where prefill wrote them: views for host slot ids that form a
         run (one frame: B = 1), else one gather per layer per call. The pool is never written.
+        inpaint: real-time chunking (model/rtc.py): the same steps over the same prefix K/V,
+        continuing a committed chunk (guided, or its frozen rows held clean).
         """
         steps = num_steps or self.config.num_steps
         B, H, _ = noise.shape
@@ -352,6 +359,9 @@ class Pi05Model(nn.Module):
         cos, sin = self.rope_tables(P + H, device)
         cos, sin = cos[positions], sin[positions]                           # [B, H, D]
         velocity = self._velocity_fn or self.denoise_velocity
+        if inpaint is not None:
+            return rtc.sample(lambda x, t: velocity(prefix_kv, prefix_bias, cos, sin, x, t),
+                              noise, steps, inpaint)
         x_t = noise.float()
         dt = -1.0 / steps
         for step in range(steps):
@@ -366,12 +376,12 @@ class Pi05Model(nn.Module):
 
         prefix_kv: per layer (K, V) [B, P, G, D] of the prefix (read only); prefix_bias [B, P]
         (key_bias of the valid mask); cos, sin [B, H, D] at the action tokens' positions;
-        x_t [B, H, A]; t [B].
+        x_t [B, H, A]; t [B], or [B, H] for a flow time per action token (RTC's clean rows).
         The H action tokens attend to the valid prefix and to each other (bidirectionally).
         """
         width = self.config.expert.width
         cond = F.silu(self.time_mlp_in(time_embedding(t, width).to(self.time_mlp_in.weight.dtype)))
-        cond = F.silu(self.time_mlp_out(cond))                                   # [B, We]
+        cond = F.silu(self.time_mlp_out(cond))                          # [B, We] or [B, H, We]
         x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
         for layer, (k_prefix, v_prefix) in zip(self.expert.layers, prefix_kv):
             def attend(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix):

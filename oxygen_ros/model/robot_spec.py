@@ -115,6 +115,13 @@ class RobotSpec:
         return _chain(named and named.actions_from_model,
                       self.action_affine and self.action_affine.to_robot)
 
+    @property
+    def actions_to_model(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """Robot actions [n, A] -> model joint space (actions_from_model inverted); None: same."""
+        named = TRANSFORMS[self.transform] if self.transform else None
+        return _chain(self.action_affine and self.action_affine.to_model,
+                      named and named.actions_to_model)
+
 
 def _chain(*steps: Callable | None) -> Callable | None:
     """Compose the given steps in order (None: no step; one step: that function itself)."""

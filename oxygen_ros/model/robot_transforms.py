@@ -81,6 +81,11 @@ def _aloha_gripper_from_pi(value: np.ndarray) -> np.ndarray:
     return (value + 0.5476 - (-0.6213)) / (1.4910 - (-0.6213))
 
 
+def _aloha_gripper_to_pi_output(value: np.ndarray) -> np.ndarray:
+    """Inverse of _aloha_gripper_from_pi: Aloha's gripper command -> pi's gripper output."""
+    return value * (1.4910 - (-0.6213)) - 0.5476 + (-0.6213)
+
+
 def aloha_state_to_pi(state: np.ndarray) -> np.ndarray:
     """Aloha state [14] -> the joint space the π models were trained in."""
     state = _ALOHA_JOINT_FLIP * state
@@ -95,6 +100,13 @@ def aloha_actions_from_pi(actions: np.ndarray) -> np.ndarray:
     return actions
 
 
+def aloha_actions_to_pi(actions: np.ndarray) -> np.ndarray:
+    """Aloha joint commands [H, 14] -> model-space actions [H, 14] (aloha_actions_from_pi⁻¹)."""
+    actions = _ALOHA_JOINT_FLIP * actions
+    actions[:, _ALOHA_GRIPPERS] = _aloha_gripper_to_pi_output(actions[:, _ALOHA_GRIPPERS])
+    return actions
+
+
 # --- named transforms (what a robot YAML's `transform:` refers to) -----------------------------
 @dataclasses.dataclass(frozen=True)
 class NamedTransform:
@@ -103,13 +115,15 @@ class NamedTransform:
     name: str
     state_to_model: Callable[[np.ndarray], np.ndarray]     # robot state [S] -> model [S]
     actions_from_model: Callable[[np.ndarray], np.ndarray]  # model [H, A] -> robot [H, A]
+    actions_to_model: Callable[[np.ndarray], np.ndarray]    # its inverse (real-time chunking)
     state_dim: int                                         # the dims it is written for
     action_dim: int
     about: str
 
 
 TRANSFORMS: dict[str, NamedTransform] = {t.name: t for t in (
-    NamedTransform('aloha_adapt_to_pi', aloha_state_to_pi, aloha_actions_from_pi, 14, 14,
+    NamedTransform('aloha_adapt_to_pi', aloha_state_to_pi, aloha_actions_from_pi,
+                   aloha_actions_to_pi, 14, 14,
                    "openpi's ALOHA adapt_to_pi: joint flips and the gripper's linear <-> "
                    'angular conversion (AlohaInputs / AlohaOutputs)'),
 )}

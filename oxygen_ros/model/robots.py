@@ -18,7 +18,8 @@ import torch
 from .normalize import normalize, NormStats, unnormalize
 from .robot_spec import (ACTION_SPACES, BUILTIN_ROBOTS, check_fits_model, END_EFFECTOR_DELTA,
                          get_robot, JOINT_POSITION, JOINT_VELOCITY, RobotSpec, SLOT_NAMES)
-from .robot_transforms import absolute_actions, aloha_actions_from_pi, aloha_state_to_pi
+from .robot_transforms import (absolute_actions, aloha_actions_from_pi, aloha_state_to_pi,
+                               delta_actions)
 from .tokenizer import PaligemmaTokenizer
 
 __all__ = ['ACTION_SPACES', 'aloha_actions_from_pi', 'aloha_state_to_pi', 'collate',
@@ -196,6 +197,29 @@ class RobotAdapter:
                            token_masks=token_masks, state=padded, model_state=model_state)
 
     # -- output side --
+    def _matrix(self, actions, width: int, what: str, rows: str) -> np.ndarray:
+        """Return `actions` as float64 [rows, width]; ValueError naming what is wrong."""
+        actions = np.asarray(actions, dtype=np.float64)
+        if actions.ndim != 2 or actions.shape[1] != width:
+            raise ValueError(f'{self.spec.name}: {what}: expected [{rows}, {width}], '
+                             f'got {tuple(actions.shape)}')
+        if not np.all(np.isfinite(actions)):
+            raise ValueError(f'{self.spec.name}: {what} contain NaN or inf')
+        return actions
+
+    def _delta_base(self, inputs: ModelInputs | None) -> np.ndarray | None:
+        """Return the state deltas are relative to (float64 [action_dim]; None: no deltas).
+
+        openpi's delta base is the padded state in the model's joint space, unnormalised.
+        """
+        if self.spec.delta_action_mask is None:
+            return None
+        if inputs is None:
+            raise ValueError(f'{self.spec.name}: delta actions need the ModelInputs of the row')
+        state = np.zeros(self.action_dim)
+        state[:self.spec.state_dim] = inputs.model_state
+        return state
+
     def postprocess(self, actions, inputs: ModelInputs | None = None) -> np.ndarray:
         """Model actions [H, action_dim] (normalised) -> robot actions float32 [H, robot dim].
 
@@ -204,23 +228,34 @@ class RobotAdapter:
         spec = self.spec
         if isinstance(actions, torch.Tensor):
             actions = actions.detach().to('cpu', torch.float32).numpy()
-        actions = np.asarray(actions, dtype=np.float64)
-        if actions.ndim != 2 or actions.shape[1] != self.action_dim:
-            raise ValueError(f'{spec.name}: actions: expected [H, {self.action_dim}], '
-                             f'got {actions.shape}')
-        if not np.all(np.isfinite(actions)):
-            raise ValueError(f'{spec.name}: actions contain NaN or inf')
+        actions = self._matrix(actions, self.action_dim, 'actions', 'H')
         # openpi order: unnormalise the full width, make deltas absolute, slice, convert.
         out = unnormalize(actions, self.action_stats, self.use_quantiles,
                           what=f'{spec.name} actions', dtype=np.float64)  # [H, action_dim]
-        if spec.delta_action_mask is not None:
-            if inputs is None:
-                raise ValueError(f'{spec.name}: delta actions need the ModelInputs of the row')
-            # openpi adds the padded state (delta base: model joint space, unnormalised).
-            state = np.zeros(self.action_dim)
-            state[:spec.state_dim] = inputs.model_state
-            out = absolute_actions(out, state, spec.delta_action_mask)
+        base = self._delta_base(inputs)                                   # [action_dim]|None
+        if base is not None:
+            out = absolute_actions(out, base, spec.delta_action_mask)
         out = out[:, :spec.action_dim]
         if spec.actions_from_model is not None:
             out = spec.actions_from_model(out)
         return out.astype(np.float32)
+
+    def model_actions(self, actions, inputs: ModelInputs | None = None) -> np.ndarray:
+        """Robot actions [n, robot dim] -> normalised model actions float32 [n, action_dim].
+
+        The inverse of postprocess (a chunk the robot executes, as the model would have
+        written it for the observation `inputs`): joint-space conversion undone, deltas taken
+        w.r.t. this observation's state, normalised; the padding columns are 0, as in
+        training (openpi pads normalised actions with zeros).
+        """
+        spec = self.spec
+        actions = self._matrix(actions, spec.action_dim, 'committed actions', 'n').copy()
+        if spec.actions_to_model is not None:
+            actions = spec.actions_to_model(actions)
+        base = self._delta_base(inputs)                                   # [action_dim]|None
+        if base is not None:
+            actions = delta_actions(actions, base, spec.delta_action_mask)
+        out = np.zeros((actions.shape[0], self.action_dim), np.float32)
+        out[:, :spec.action_dim] = normalize(actions, self.action_stats, self.use_quantiles,
+                                             what=f'{spec.name} committed actions')
+        return out

@@ -74,11 +74,12 @@ from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.params import (camera_param_name, camera_param_specs, check_value,
                                        deprecation_warning, FleetSettings, NODE_NAME,
                                        param_spec, PARAMS,
-                                       PARAMS_BY_NAME, parse_decode_budget, robot_defaults,
-                                       robot_param_defaults, robot_param_name,
+                                       PARAMS_BY_NAME, parse_decode_budget, parse_rtc_mode,
+                                       robot_defaults, robot_param_defaults, robot_param_name,
                                        RobotSpecError,
                                        robot_param_specs, ROBOT_PARAMS, SAFETY_LIMITS, Settings,
                                        split_param_name)
+from oxygen_ros.runtime.rtc import planner_for
 from oxygen_ros.runtime.status import build_statuses, ERROR, LoopStats, OK, ProblemLog, WARN
 
 try:
@@ -441,7 +442,8 @@ class OxygenNode(LifecycleNode):
             f'{k}={v}' for k, v in changes.items()))
 
     def _replace_settings(self, robot: str, base: str, value) -> None:
-        value = parse_decode_budget(value) if base == 'decode_budget' else value
+        value = (parse_decode_budget(value) if base == 'decode_budget'
+                 else parse_rtc_mode(value) if base == 'rtc_mode' else value)
         if base == 'control_rate_hz':
             capacity = self._engine.capacity if self._engine is not None else None
             value = resolve_rate(value, capacity)   # 0: auto, from the configure-time timing
@@ -494,6 +496,9 @@ class OxygenNode(LifecycleNode):
                 scheduler.budget.frame_period_s = settings.period_s
             if robot and 'control_rate_hz' in bases:
                 self._fleet_loop.robots[robot].period_s = settings.period_s
+            if any(base.startswith('rtc_') for base in bases):
+                loop = self._fleet_loop.robots[robot] if robot else self._loop
+                loop.rtc.settings = settings.rtc
         if self._fleet_loop is not None:
             self._fleet_loop.gather_s = 0.5 * self._period_s
 
@@ -577,7 +582,7 @@ class OxygenNode(LifecycleNode):
         self._inputs, self._outputs = io.inputs, io.outputs
         self._stats = LoopStats()
         self._loop = FrameLoop(engine.system, io.inputs, problems=self._problems,
-                               stats=self._stats)
+                               stats=self._stats, rtc=planner_for(settings))
         return engine
 
     def _configure_fleet(self, values: dict):
@@ -599,7 +604,8 @@ class OxygenNode(LifecycleNode):
                 lambda level, message, name=name: self._problems.note(level, f'{name}: {message}'))
             io = self._ios[name] = RobotIO(self, settings, problems,
                                            lambda: self._max_instruction_chars, namespace=name)
-            loops.append(RobotLoop(name, io.inputs, io.outputs, settings.period_s, problems))
+            loops.append(RobotLoop(name, io.inputs, io.outputs, settings.period_s, problems,
+                                   rtc=planner_for(settings)))
         period = wake_period_s([s.period_s for s in fleet_settings.robots.values()])
         # Half a wake-up of slack: a robot due at a wake-up the timer fires a little early or
         # late for is served at that wake-up, not one later.

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fractions
+import functools
 import logging
 import math
 import time
@@ -33,6 +34,7 @@ from oxygen_ros.engine import FleetEngine
 from oxygen_ros.runtime.frame_loop import (act_with_cpu_share, emit_language, engine_summary,
                                            OutputSink, TickOutcome)
 from oxygen_ros.runtime.inputs import InputSet, ObservationResult
+from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import LoopStats, ProblemLog
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class RobotLoop:
     skipped_ticks: int = 0             # grid ticks that passed while the fleet was busy
     finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     last_inputs: ObservationResult | None = None   # its inputs at its last tick (diagnostics)
+    rtc: RtcPlanner | None = None      # real-time chunking: what its chunks continue
 
     def __post_init__(self):
         if not self.period_s > 0:
@@ -128,14 +131,22 @@ class FleetLoop:
                                                built.stamp_ns if built.observation else now_ns)
             if built.observation is not None:
                 observations[robot.name] = built.observation
-        act, cpu_share = (act_with_cpu_share(self.fleet.act, observations) if observations
+        continuations = {name: c for name, obs in observations.items()
+                         if (rtc := self.robots[name].rtc) is not None
+                         and (c := rtc.continuation(obs)) is not None}
+        fleet_act = (functools.partial(self.fleet.act, continuations=continuations)
+                     if continuations else self.fleet.act)
+        act, cpu_share = (act_with_cpu_share(fleet_act, observations) if observations
                           else (None, None))                                  # 2. act
         for name, action in (act.actions.items() if act else ()):   # 3. emit at once
             outcome = outcomes[name]
-            self.robots[name].sink.action(action, outcome.stamp_ns)
+            robot = self.robots[name]
+            robot.sink.action(action, outcome.stamp_ns)
             outcome.action = action
             outcome.latency_s = self.clock() - start
             outcome.act_cpu_share = cpu_share
+            if robot.rtc is not None:   # the chunk the robot now executes
+                robot.rtc.record(action, now_s + outcome.latency_s)
         for name, why in (act.rejected.items() if act else ()):
             outcomes[name].problems['observation'] = f'observation rejected: {why}'
             outcomes[name].stamp_ns = now_ns

@@ -8,7 +8,8 @@ comes from, so a replay reproduces what the node would have done with the same i
 One tick, in the order the work happens:
 
     1. build       the observation from the newest inputs (or the reasons there is none)
-    2. act         prefill + denoise -> ActionOutput               (only with an observation)
+    2. act         prefill + denoise -> ActionOutput               (only with an observation;
+                   with real-time chunking it continues the committed chunk, runtime/rtc.py)
     3. emit        sink.action(...) at once: nothing below can delay an action
     4. language    system.advance_language(): k tokens per live request, one batched decode
                    step per token step (also without a new frame, so no request stalls
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Protocol
@@ -27,6 +29,7 @@ from typing import Callable, Protocol
 from oxygen_ros.engine import FinishReason
 from oxygen_ros.engine.types import ActionOutput, FinishedRequest, FrameResult, TokenDelta
 from oxygen_ros.runtime.inputs import InputSet, ObservationResult
+from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import LoopStats, ProblemLog, WARN
 
 logger = logging.getLogger(__name__)
@@ -77,9 +80,11 @@ class FrameLoop:
     """
 
     def __init__(self, system, inputs: InputSet, *, problems: ProblemLog | None = None,
-                 stats: LoopStats | None = None, clock: Callable[[], float] = time.monotonic):
+                 stats: LoopStats | None = None, clock: Callable[[], float] = time.monotonic,
+                 rtc: RtcPlanner | None = None):
         self.system = system
         self.inputs = inputs
+        self.rtc = rtc      # real-time chunking: what each chunk continues (None: nothing)
         self.problems = problems
         self.stats = stats if stats is not None else LoopStats()
         self.clock = clock
@@ -131,7 +136,8 @@ class FrameLoop:
         # 2-3. the action path, emitted before any language work
         if obs is not None:
             try:
-                action, outcome.act_cpu_share = act_with_cpu_share(system.act, obs)
+                action, outcome.act_cpu_share = act_with_cpu_share(
+                    continuing(system.act, self.rtc, obs), obs)
             except ValueError as err:   # the robot adapter rejected the observation
                 problems['observation'] = f'observation rejected: {err}'
                 obs = None
@@ -140,6 +146,8 @@ class FrameLoop:
                 sink.action(action, outcome.stamp_ns)
                 outcome.action = action
                 outcome.latency_s = self.clock() - start
+                if self.rtc is not None:   # the chunk the robot now executes
+                    self.rtc.record(action, now_s + outcome.latency_s)
         if self.problems is not None:
             self.problems.update('inputs', problems)
         # 4-5. language: this frame's request joins the live ones, k tokens each
@@ -159,6 +167,12 @@ class FrameLoop:
     def engine_summary(self) -> dict | None:
         """Return the engine part of the diagnostics (None before the first language step)."""
         return engine_summary(self.last_result, self.finished, self.system.budget)
+
+
+def continuing(act: Callable, rtc: RtcPlanner | None, obs) -> Callable:
+    """Return `act` with the continuation of the committed chunk bound (when RTC has one)."""
+    continuation = rtc.continuation(obs) if rtc is not None else None
+    return act if continuation is None else functools.partial(act, continuation=continuation)
 
 
 def act_with_cpu_share(act: Callable, observation) -> tuple:

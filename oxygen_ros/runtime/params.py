@@ -19,7 +19,7 @@ Two kinds of parameters:
   configure-time  shape the model, the KV pool or the subscriptions; changeable only while
                   the node is unconfigured (cleanup, set, configure again).
   runtime         applied while active (control rate, decode budget, request period, stale
-                  timeout, instruction length).
+                  timeout, instruction length, real-time chunking rtc_*).
 """
 
 from __future__ import annotations
@@ -80,6 +80,33 @@ class ParamSpec:
     # (reason it is bad or None, the warning). The node declares such a parameter with
     # dynamic typing.
     legacy: Callable[[Any], tuple[str | None, str]] | None = None
+
+
+# ---- real-time chunking (oxygen_ros.runtime.rtc uses these; docs/rtc.md) ----
+OFF, GUIDED, PREFIX = 'off', 'guided', 'prefix'
+RTC_MODES = (OFF, GUIDED, PREFIX)
+RTC_SCHEDULES = ('linear', 'exp')
+AUTO_DELAY = -1                  # rtc_delay: take d from the measured latency p95
+
+
+@dataclasses.dataclass(frozen=True)
+class RtcSettings:
+    """How a robot's chunks continue each other (the node's rtc_* parameters)."""
+
+    mode: str = OFF                  # off | guided | prefix (checkpoints trained with delays)
+    schedule: str = 'exp'            # weight decay over the overlap: linear | exp
+    delay: int = AUTO_DELAY          # d in rows; AUTO_DELAY: from the latency p95
+    execution_horizon: int = 0       # rows >= this are free (0: every committed row guided)
+    max_guidance_weight: float = 5.0   # β, the cap of the guidance weight (the paper's 5)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != OFF
+
+    def problems(self) -> list[str]:
+        """Return why these settings are not usable ([] when they are): the rtc_* checks."""
+        return [f'rtc_{name}: {why}' for name, value in dataclasses.asdict(self).items()
+                if (why := check_value(f'rtc_{name}', value))]
 
 
 def _check_choice(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
@@ -183,6 +210,18 @@ def _legacy_decode_budget(value) -> tuple[str | None, str]:
         return str(err), ''
     return None, (f'decode_budget as a string ({value!r}) is deprecated: use the integer '
                   f'{k or 0} (0 = adaptive), e.g. `-p decode_budget:={k or 0}`')
+
+
+def parse_rtc_mode(value: str | bool) -> str:
+    """Read rtc_mode: a mode name, or false (what YAML makes of a bare `off`) for 'off'."""
+    return OFF if value is False else value
+
+
+def _legacy_rtc_mode(value) -> tuple[str | None, str]:
+    if value is False:   # `-p rtc_mode:=off` and `ros2 param set ... rtc_mode off` send false
+        return None, ("rtc_mode false is read as 'off' (YAML reads a bare off as false; "
+                      "quote it, rtc_mode:=\"'off'\", to say so)")
+    return f'expected one of {", ".join(RTC_MODES)}, got {value!r}', ''
 
 
 def _check_rate(value) -> str | None:
@@ -299,6 +338,24 @@ PARAMS: tuple[ParamSpec, ...] = (
               float_range=(0.05, 60.0)),
     ParamSpec('seed', 0, 'Seed of random weights, flow-matching noise and request arrivals.',
               int_range=(0, 2**31 - 1)),
+    # Real-time chunking (docs/rtc.md): each chunk continues the one the robot executes.
+    ParamSpec('rtc_mode', OFF, "Real-time chunking: 'off'; 'guided' (each chunk is guided "
+              "toward the committed one; act() pays a backward pass per denoise step); "
+              "'prefix' (the delay's rows held to the committed ones, for checkpoints trained "
+              'with delays).', configure_time=False, check=_check_choice(RTC_MODES),
+              legacy=_legacy_rtc_mode),
+    ParamSpec('rtc_schedule', 'exp', "Decay of the guidance weights over the overlap: 'exp' "
+              "(the paper's) or 'linear'.", configure_time=False,
+              check=_check_choice(RTC_SCHEDULES)),
+    ParamSpec('rtc_delay', AUTO_DELAY, 'd: rows of a chunk that play before it is out (frozen '
+              f'to the committed chunk, and ActionChunk.start_row); {AUTO_DELAY} = auto, from '
+              'the p95 of observation-to-chunk latency and the step period.',
+              configure_time=False, int_range=(AUTO_DELAY, 1000)),
+    ParamSpec('rtc_execution_horizon', 0, 'Rows of a chunk guided toward the committed one '
+              "(the overlap's end, the paper's H - s); 0 = every row the committed chunk still "
+              'covers.', configure_time=False, int_range=(0, 1000)),
+    ParamSpec('rtc_max_guidance_weight', 5.0, 'β: cap of the guidance weight (guided mode).',
+              configure_time=False, float_range=(0.01, 100.0)),
     ParamSpec('tokenizer', '', "SentencePiece model; '' = the checkpoint's tokenizer.model, or "
               'a tiny tokenizer trained offline (random weights).',
               check=_check_tokenizer),
@@ -308,7 +365,9 @@ PARAMS_BY_NAME = {spec.name: spec for spec in PARAMS}
 # the node's and shared by every robot (one model, one device, one control thread).
 ROBOT_PARAMS = ('robot', 'camera_names', 'joint_names', 'frame_id', 'publish_trajectory',
                 'control_rate_hz', 'language_prompt', 'tokens_per_request', 'decode_budget',
-                'request_every_n_frames', 'kv_capacity', 'stale_frame_timeout_s', 'seed')
+                'request_every_n_frames', 'kv_capacity', 'stale_frame_timeout_s', 'seed',
+                'rtc_mode', 'rtc_schedule', 'rtc_delay', 'rtc_execution_horizon',
+                'rtc_max_guidance_weight')
 
 # Per-camera sub-parameters: cameras.<name>.<field>.
 CAMERA_PARAMS: tuple[ParamSpec, ...] = (
@@ -426,7 +485,7 @@ def check_value(name: str, value: Any) -> str | None:
     if spec is None:
         return None
     why = _type_problem(spec.default, value)
-    if why and spec.legacy is not None and isinstance(value, str):
+    if why and spec.legacy is not None and isinstance(value, (str, bool)):
         return spec.legacy(value)[0]
     if why:
         return why
@@ -492,6 +551,11 @@ class Settings:
     diagnostics_period_s: float
     seed: int
     tokenizer: str
+    rtc_mode: str = OFF
+    rtc_schedule: str = 'exp'
+    rtc_delay: int = AUTO_DELAY
+    rtc_execution_horizon: int = 0
+    rtc_max_guidance_weight: float = 5.0
     spec: RobotSpec | None = None      # the robot's spec, resolved from `robot` at check
 
     @property
@@ -500,6 +564,12 @@ class Settings:
             raise ValueError('control_rate_hz 0 (auto) has no period until the rate is '
                              'resolved (engine_setup.build_engine times it)')
         return 1.0 / self.control_rate_hz
+
+    @property
+    def rtc(self) -> RtcSettings:
+        """The real-time chunking settings of the rtc_* parameters."""
+        return RtcSettings(self.rtc_mode, self.rtc_schedule, self.rtc_delay,
+                           self.rtc_execution_horizon, self.rtc_max_guidance_weight)
 
     @classmethod
     def from_values(cls, values: dict[str, Any], robot_spec: RobotSpec | None = None
@@ -596,7 +666,11 @@ class Settings:
             stale_frame_timeout_s=float(merged['stale_frame_timeout_s']),
             max_instruction_chars=int(merged['max_instruction_chars']),
             diagnostics_period_s=float(merged['diagnostics_period_s']),
-            seed=int(merged['seed']), tokenizer=merged['tokenizer'], spec=spec), []
+            seed=int(merged['seed']), tokenizer=merged['tokenizer'],
+            rtc_mode=parse_rtc_mode(merged['rtc_mode']), rtc_schedule=merged['rtc_schedule'],
+            rtc_delay=int(merged['rtc_delay']),
+            rtc_execution_horizon=int(merged['rtc_execution_horizon']),
+            rtc_max_guidance_weight=float(merged['rtc_max_guidance_weight']), spec=spec), []
 
 
 @dataclasses.dataclass(frozen=True)

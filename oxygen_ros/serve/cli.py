@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from oxygen_ros.runtime.cli_options import add_engine_options
+from oxygen_ros.runtime.cli_options import add_engine_options, RTC_PARAMS
 from oxygen_ros.serve.server import DEFAULT_PORT
 
 EXIT_ERROR = 2
@@ -19,7 +19,7 @@ EXIT_ERROR = 2
 _ENGINE_PARAMS = ('checkpoint', 'preset', 'device', 'dtype', 'tokenizer', 'seed',
                   'decode_budget', 'tokens_per_request', 'request_every_n_frames',
                   'language_prompt', 'kv_capacity', 'denoise_steps', 'torch_threads',
-                  'control_rate_hz')
+                  'control_rate_hz') + RTC_PARAMS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +90,7 @@ def serve_main(args: argparse.Namespace) -> int:
                           port=args.port, default_prompt=args.default_prompt,
                           max_pending=args.max_pending,
                           max_instruction_chars=settings.max_instruction_chars,
-                          period_s=engine.settings.period_s)
+                          period_s=engine.settings.period_s, rtc=settings.rtc)
     for warning in engine.warnings:
         logging.getLogger(__name__).warning(warning)
     server = PolicyServer(engine.system, config, engine.description)

@@ -213,3 +213,40 @@ def to_observation(request: Any, robot: str | RobotSpec, default_prompt: str = '
         raise RequestError("prompt: missing or empty; send 'prompt' with the task text (or "
                            'start the server with --default-prompt)')
     return Observation(images=images, state=state, instruction=prompt)
+
+
+PREV_ACTIONS_KEY = 'prev_actions'         # optional: the client's chunk to continue (RTC)
+INFERENCE_DELAY_KEY = 'inference_delay'   # optional: rows that play while this one computes
+
+
+@dataclasses.dataclass(frozen=True)
+class CommittedRows:
+    """The rows a client's next chunk continues (real-time chunking), from its request."""
+
+    rows: np.ndarray                # float [n, robot action dim]: not started at the
+    #                                 observation, in order (row 0 plays next)
+    delay: int | None = None        # rows that play while the chunk is computed (None: the
+    #                                 server's own estimate)
+
+
+def committed_rows(request: Mapping, robot: str | RobotSpec) -> CommittedRows | None:
+    """Read the optional real-time chunking fields of a request (None when absent)."""
+    value = request.get(PREV_ACTIONS_KEY)
+    delay = request.get(INFERENCE_DELAY_KEY)
+    if value is None:
+        if delay is not None:
+            raise RequestError(f'{INFERENCE_DELAY_KEY} without {PREV_ACTIONS_KEY}: send the '
+                               'rows of the chunk being executed too')
+        return None
+    spec = get_robot(robot)
+    dim = spec.action_dim
+    rows = _vector(value, PREV_ACTIONS_KEY)
+    if rows.ndim != 2 or rows.shape[1] != dim:
+        raise RequestError(f'{PREV_ACTIONS_KEY}: shape {list(rows.shape)}; expected [n, {dim}] '
+                           f'({spec.name} actions not yet started, in robot units)')
+    if not np.all(np.isfinite(rows)):
+        raise RequestError(f'{PREV_ACTIONS_KEY}: holds NaN or inf')
+    if delay is not None and (isinstance(delay, bool) or not isinstance(delay, (int, np.integer))
+                              or delay < 0):
+        raise RequestError(f'{INFERENCE_DELAY_KEY}: {delay!r}; expected an integer >= 0 (rows)')
+    return CommittedRows(rows, None if delay is None else int(delay))

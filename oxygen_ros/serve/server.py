@@ -3,9 +3,13 @@
 Protocol (what openpi-client's WebsocketClientPolicy expects, unchanged):
 
     connect      server sends one metadata message (msgpack map)
-    request      client sends a msgpack map: the observation keys of its robot + 'prompt'
+    request      client sends a msgpack map: the observation keys of its robot + 'prompt';
+                 optional (real-time chunking, docs/rtc.md): 'prev_actions' float [n, A],
+                 the rows of the chunk it executes not yet started at this observation, and
+                 'inference_delay' int, the rows that will play while this one is computed
     response     msgpack map {'actions': float32 [H, A], 'server_timing': {...},
-                 'policy_timing': {...}, 'language': {...}, 'frame_index': int}
+                 'policy_timing': {...}, 'language': {...}, 'frame_index': int,
+                 'start_row': int (the first row past the delay; 0 without RTC)}
     error        a text message (the client raises RuntimeError with it); the connection stays
     GET /healthz 200 'OK' while the engine thread runs, 503 after it died
 
@@ -37,12 +41,14 @@ import websockets.asyncio.server as ws_server
 
 from oxygen_ros import __version__
 from oxygen_ros.engine.types import Observation
+from oxygen_ros.model.robot_spec import get_robot
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.inputs import ObservationResult, sanitize_instruction
+from oxygen_ros.runtime.params import RtcSettings
+from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import LoopStats
-from oxygen_ros.model.robot_spec import get_robot
-from oxygen_ros.serve.observations import (keys_for, ObservationKeys, RequestError,
-                                           to_observation)
+from oxygen_ros.serve.observations import (committed_rows, CommittedRows, keys_for,
+                                           ObservationKeys, RequestError, to_observation)
 from oxygen_ros.serve.queue import FairQueue
 from oxygen_ros.serve.wire import packb, unpackb, WireError
 
@@ -66,6 +72,7 @@ class ServerConfig:
     max_pending: int = 4            # requests one client may have waiting; more are refused
     max_instruction_chars: int = 500
     period_s: float = 0.1           # the frame loop's nominal period (deadline statistics)
+    rtc: RtcSettings = RtcSettings()   # real-time chunking of requests with 'prev_actions'
 
 
 @dataclasses.dataclass
@@ -75,6 +82,26 @@ class _Request:
     received_s: float               # perf_counter() when the message arrived
     future: concurrent.futures.Future
     started_s: float = 0.0          # perf_counter() when the engine thread took it
+    committed: CommittedRows | None = None   # the client's chunk to continue (RTC)
+
+
+class _ClientChunks(RtcPlanner):
+    """Real-time chunking of a server: the committed rows are the request's, not a record.
+
+    The auto delay reads the engine's act() time (the server does not know the client's
+    clock); a client that knows better sends 'inference_delay'.
+    """
+
+    request: _Request | None = None   # the request of the running tick
+
+    def continuation(self, obs):
+        committed = self.request.committed if self.request is not None else None
+        if committed is None:
+            return None
+        return self.continue_rows(committed.rows, committed.delay)
+
+    def record(self, action, out_s: float) -> None:
+        self.latency.observe(action.inference_time_s)
 
 
 class _RequestInputs:
@@ -121,7 +148,9 @@ class EngineWorker:
         self.config = config
         self.queue = FairQueue(config.max_pending)
         self.inputs = _RequestInputs()
-        self.loop = FrameLoop(system, self.inputs, stats=LoopStats())
+        self.rtc = (_ClientChunks(config.rtc, get_robot(config.robot).step_period_s)
+                    if config.rtc.enabled else None)
+        self.loop = FrameLoop(system, self.inputs, stats=LoopStats(), rtc=self.rtc)
         self.replies = _Replies(self)
         self._lock = threading.Lock()             # outboxes and owners: engine + I/O threads
         self._outboxes: dict[int, dict[str, list]] = {}
@@ -142,11 +171,12 @@ class EngineWorker:
         with self._lock:
             self._outboxes[client] = {'deltas': [], 'finished': []}
 
-    def submit(self, client: int, obs: Observation, received_s: float
-               ) -> concurrent.futures.Future:
+    def submit(self, client: int, obs: Observation, received_s: float,
+               committed: CommittedRows | None = None) -> concurrent.futures.Future:
         """Queue one observation; the future gets the response dict or a RequestError."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.queue.put(client, _Request(client, obs, received_s, future)):
+        request = _Request(client, obs, received_s, future, committed=committed)
+        if not self.queue.put(client, request):
             future.set_exception(RequestError(
                 f'too many requests waiting: at most {self.config.max_pending} per client; '
                 'wait for the replies'))
@@ -172,6 +202,8 @@ class EngineWorker:
             request.started_s = time.perf_counter()
             self.inputs.observation = request.obs
             self.replies.request = request
+            if self.rtc is not None:
+                self.rtc.request = request
             try:
                 outcome = self.loop.tick(time.monotonic(), self.config.period_s, self.replies)
             except Exception as err:   # noqa: BLE001 - one bad frame must not end the server
@@ -200,6 +232,7 @@ class EngineWorker:
         request.future.set_result({
             'actions': action.actions,                              # float32 [H, robot dim]
             'frame_index': action.frame_index,
+            'start_row': action.start_row,                          # first row past the delay
             'policy_timing': {'infer_ms': act_ms},
             'server_timing': {'infer_ms': act_ms,
                               'queue_ms': (request.started_s - request.received_s) * 1e3},
@@ -244,6 +277,10 @@ class PolicyServer:
                 'cameras': {cam: '.'.join(path) for cam, path in keys.cameras.items()},
                 'state': ['.'.join(path) for path in keys.state], 'prompt': 'prompt'},
             'language': 'responses carry language output of earlier frames under "language"',
+            'rtc': {'mode': self.config.rtc.mode,
+                    'request': 'optional prev_actions [n, A] (rows of the executing chunk not '
+                               'started at the observation) and inference_delay (rows)',
+                    'response': 'start_row: the first row to play'},
             'engine': {k: v for k, v in description.items()
                        if isinstance(v, (str, int, float, bool))},
         }
@@ -337,15 +374,16 @@ class PolicyServer:
         try:
             if isinstance(message, str):
                 raise RequestError('expected a binary msgpack message, got text')
-            obs = to_observation(unpackb(message), self.spec, self.config.default_prompt,
-                                 self.keys)
+            request = unpackb(message)
+            obs = to_observation(request, self.spec, self.config.default_prompt, self.keys)
+            committed = committed_rows(request, self.spec)
             instruction = sanitize_instruction(obs.instruction,
                                                self.config.max_instruction_chars)
             if not instruction.text:
                 raise RequestError('prompt: nothing left after removing control characters')
             obs.instruction = instruction.text
             obs.stamp = time.time()
-            return await asyncio.wrap_future(self.worker.submit(client, obs, start))
+            return await asyncio.wrap_future(self.worker.submit(client, obs, start, committed))
         except (WireError, RequestError) as err:
             return f'bad request: {err}'
         except Exception as err:   # noqa: BLE001 - the client gets the reason, the server lives
