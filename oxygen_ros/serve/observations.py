@@ -15,6 +15,10 @@ The keys are those of openpi's example clients and policy transforms:
 Images may be channels first or last, uint8 or float in [0, 1] (openpi accepts both); camera
 names become the robot's observation camera names (oxygen_ros.model.robots), which are
 openpi's.
+
+The server reads no message larger than `max_request_bytes(robot)`: the robot's largest valid
+observation (every camera, optional ones too, at 1920 x 1080 as float32, openpi's float
+images; 4x the uint8 frames openpi's clients send) with a 25% margin.
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ OBSERVATION_KEYS: dict[str, ObservationKeys] = {
         state=(('state',),), optional_cameras=('cam_low',)),
 }
 PROMPT_KEY = 'prompt'
+LARGEST_IMAGE = (1080, 1920, 3)    # [H, W, C] the request bound is sized for (1080p cameras)
+LARGEST_IMAGE_ITEMSIZE = 4         # float32: openpi's float images; uint8 ones are 4x smaller
+REQUEST_MARGIN = 1.25              # the bound over the largest valid observation
+ARRAY_OVERHEAD_BYTES = 128         # msgpack map of one array (keys, dtype, shape)
 
 
 def _name(path: tuple[str, ...]) -> str:
@@ -83,6 +91,21 @@ def _check_keys(request: Mapping, keys: ObservationKeys, robot: str) -> None:
         raise RequestError(f'{robot} observation: missing {", ".join(map(repr, missing))} '
                            f'(request keys: {have}); expected the keys of openpi\'s {robot} '
                            'client')
+
+
+def largest_observation_bytes(robot: str, max_instruction_chars: int = 500) -> int:
+    """Return the msgpack size of `robot`'s largest valid observation (see the module doc)."""
+    keys = OBSERVATION_KEYS[robot]
+    cameras = len(keys.cameras) + len(keys.optional_cameras)
+    image = int(np.prod(LARGEST_IMAGE)) * LARGEST_IMAGE_ITEMSIZE + ARRAY_OVERHEAD_BYTES
+    state = 8 * get_robot(robot).state_dim + ARRAY_OVERHEAD_BYTES * len(keys.state)
+    prompt = 4 * max_instruction_chars + 64          # UTF-8: at most 4 bytes a character
+    return cameras * image + state + prompt
+
+
+def max_request_bytes(robot: str, max_instruction_chars: int = 500) -> int:
+    """Return the default bound on one request message: the largest valid observation + 25%."""
+    return int(REQUEST_MARGIN * largest_observation_bytes(robot, max_instruction_chars))
 
 
 def to_image(value: Any, where: str) -> np.ndarray:
