@@ -19,7 +19,7 @@ from oxygen_ros.msg import ActionChunk, LanguageChunk
 from oxygen_ros.ros import qos
 
 # Subscription callbacks taking (msg, info) get DDS timestamps since rclpy 4 (Iron).
-_HAS_MESSAGE_INFO = hasattr(rclpy.subscription, 'MessageInfo')
+HAS_MESSAGE_INFO = hasattr(rclpy.subscription, 'MessageInfo')
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
@@ -96,7 +96,7 @@ class Collector(Node):
             target.append(item)
 
     def _on(self, target: list):
-        if not _HAS_MESSAGE_INFO:   # Humble: no message info, source timestamps unknown (0)
+        if not HAS_MESSAGE_INFO:   # Humble: no message info, source timestamps unknown (0)
             return lambda msg: self._append(target, (msg, 0, time.monotonic()))
 
         def callback(msg, info):   # two parameters: rclpy then passes the message info
