@@ -20,6 +20,9 @@ Arguments:
   autostart      true: this launch file configures, then activates the node; false: leave it
                  unconfigured for `ros2 lifecycle set` or a lifecycle manager
   log_level      debug | info | warn | error
+  dds_profile    Fast DDS profile of the processes started here: '' = the shipped
+                 config/fastdds_large_frames.xml (raw camera frames; docs/cameras.md) unless
+                 the environment names one; a path; 'none' = Fast DDS's defaults
 
 The node's own self-activation is switched off (autostart:=false as a node parameter): the
 launch file requests configure, and activate once the node reports "inactive", through
@@ -33,7 +36,7 @@ import os
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
 from launch.actions import (DeclareLaunchArgument, EmitEvent, LogInfo, OpaqueFunction,
-                            RegisterEventHandler)
+                            RegisterEventHandler, SetEnvironmentVariable)
 from launch.events import matches_action
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
@@ -54,7 +57,10 @@ ARGUMENTS = (
     ('use_sim_time', 'false', 'follow /clock (bag replay)'),
     ('autostart', 'true', 'configure and activate the lifecycle node from this launch file'),
     ('log_level', 'info', 'debug, info, warn or error'),
+    ('dds_profile', '', "Fast DDS profile: '' = the shipped one for raw camera frames (unless "
+                        "the environment names one), a path, or 'none'"),
 )
+PROFILE_NAME = 'fastdds_large_frames.xml'
 
 
 def _config_path(config: str, robot: str) -> str:
@@ -79,6 +85,23 @@ def _robot_names(text: str) -> list:
     if len(set(names)) != len(names):
         raise RuntimeError(f'robots: names must be unique, got {names}')
     return names
+
+
+def _dds_profile(choice: str) -> list:
+    """Set the Fast DDS profile for the processes this file starts (ros2 launch's own env)."""
+    from oxygen_ros.runtime.dds_profile import profile_environment
+
+    if choice == 'none':
+        return []
+    path = os.path.expanduser(choice) if choice else os.path.join(
+        get_package_share_directory(PACKAGE), 'config', PROFILE_NAME)
+    if not os.path.isfile(path):
+        raise RuntimeError(f'dds_profile: no file {path}')
+    # A profile the environment names is kept unless one is given here.
+    variables = profile_environment(path, keep_existing=not choice)
+    return [action for name, value in variables.items() for action in (
+        SetEnvironmentVariable(name, value),
+        LogInfo(msg=f'{name}={value} (Fast DDS profile for raw camera frames)'))]
 
 
 def _change_state(node, transition_id: int) -> EmitEvent:
@@ -107,7 +130,7 @@ def _launch_node(context):
         parameters=[path, overrides], remappings=_remappings(arg('camera_remaps')),
         arguments=['--ros-args', '--log-level', arg('log_level')],
         output='screen', emulate_tty=True)
-    actions = [
+    actions = _dds_profile(arg('dds_profile')) + [
         node,
         RegisterEventHandler(OnStateTransition(
             target_lifecycle_node=node, goal_state='active',

@@ -102,3 +102,12 @@ def test_rate_is_picked_from_the_engine_frame_time():
     assert pick_rate(0.01, max_hz=10.0) == 10.0       # at most the camera rate
     assert pick_rate(100.0, max_hz=10.0) == 0.1       # never below the node's minimum
     assert reference_k('adaptive') == 1 and reference_k('4') == 4
+
+
+def test_cameras_send_raw_frames_unless_jpeg_is_asked():
+    from oxygen_ros.demo import node_command, parse_args
+
+    raw, jpeg = (' '.join(node_command(parse_args(argv), 2.0)) for argv in ([], ['--jpeg']))
+    assert 'compressed' not in raw
+    assert 'cameras.image.compressed:=true' in jpeg
+    assert 'cameras.wrist_image.compressed:=true' in jpeg

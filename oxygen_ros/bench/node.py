@@ -48,6 +48,8 @@ import time
 import numpy as np
 
 from oxygen_ros.runtime.control import thread_cpu, THREAD_NAME
+from oxygen_ros.runtime.dds_profile import profile_environment
+from oxygen_ros.runtime.inputs import LOSS_WINDOW_S
 from oxygen_ros.runtime.params import camera_param_name, load_node_params, NODE_NAME
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -73,11 +75,11 @@ class NodeBenchOptions:
     camera_rate_hz: float = 15.0
     camera_width: int = 640
     camera_height: int = 480
-    # 'jpeg' (sensor_msgs/CompressedImage) or 'raw' (rgb8 sensor_msgs/Image). jpeg by default:
-    # raw 640x480 frames are 0.9 MB best-effort messages, which Fast DDS's default transport
-    # drops on a busy machine (publisher at 15 Hz, subscriber at 4-11 Hz with gaps of 0.6-3 s
-    # and no node running, here): a raw run measures the middleware as much as the node.
-    camera_format: str = 'jpeg'
+    # 'raw' (rgb8 sensor_msgs/Image, as a camera driver sends) or 'jpeg' (CompressedImage).
+    # Raw 640x480 frames are 0.9 MB: every child runs with the Fast DDS profile for large
+    # frames (config/fastdds_large_frames.xml), without which Fast DDS's 512 KB shared-memory
+    # segment drops most of them (publisher at 15 Hz, received at 2-14 Hz here).
+    camera_format: str = 'raw'
     engine_frames: int = 20         # measured engine frames (after ceil(N/k) + 2 warm-up)
     # then the engine again while the stand-in robot publishes (no node): the same machine
     # load the node runs under, so the node's tail can be told from the robot's interference
@@ -325,10 +327,14 @@ class OtherLoad:
 # ---- 2./3. the processes ------------------------------------------------------------------
 
 def child_environment() -> dict[str, str]:
-    """Return the environment of ROS children: DDS on this machine, this source tree."""
+    """Return the environment of ROS children: DDS on this machine, this source tree.
+
+    The children use the Fast DDS profile for large frames unless the environment names one.
+    """
     env = dict(os.environ)
     env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
     env.setdefault('ROS_DOMAIN_ID', str(1 + os.getpid() % 100))
+    env.update(profile_environment(environ=env))   # raw camera frames arrive whole
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT),
                                                       env.get('PYTHONPATH')]))
     env['PYTHONUNBUFFERED'] = '1'
@@ -626,6 +632,7 @@ def analyze(run: NodeRun, rate_hz: float) -> dict:
         # missing tick with this count up means the camera frames did not arrive in time.
         'node_skipped_ticks': counted('skipped_total'),
         'camera_msgs_per_s': camera_rate(run.monitor['diagnostics'], t0, t1),
+        **camera_arrival(run.monitor['diagnostics'], t0, t1),
         'frames_lost': frames_lost,
         'tick_interval_ms_p99': 1e3 * float(np.percentile(gaps, 99)) if gaps else math.nan,
         'tokens_per_s': sum(c['n'] for c in tokens) / window,
@@ -652,6 +659,25 @@ def camera_rate(diagnostics: list[dict], t0: float, t1: float) -> float:
     start, end = counts(t0), counts(t1)
     rates = [(end[key] - start[key]) / (t1 - t0) for key in end if key in start]
     return min(rates) if rates else math.nan
+
+
+def camera_arrival(diagnostics: list[dict], t0: float, t1: float) -> dict:
+    """The slowest camera's frames/s that arrived whole, and the largest share lost, or nan.
+
+    From the node's inputs status at the end of the window: '..., <lost> of <sent> sent lost
+    in transport' per camera over the node's loss window (publication sequence numbers and
+    the middleware's lost count; runtime.inputs.TransportLoss). Needs a window at least as
+    long as that one.
+    """
+    known = [d['inputs'] for d in diagnostics if t0 <= d['t'] < t1 and 'inputs' in d]
+    found = []
+    for key, value in (known[-1] if known and t1 - t0 >= LOSS_WINDOW_S else {}).items():
+        match = re.search(r'(\d+) of (\d+) sent lost', value)
+        if key.startswith('camera') and match and int(match.group(2)):
+            lost, sent = int(match.group(1)), int(match.group(2))
+            found.append(((sent - lost) / LOSS_WINDOW_S, 100 * lost / sent))
+    return {'camera_arrived_hz_min': min((hz for hz, _ in found), default=math.nan),
+            'camera_lost_pct_max': max((pct for _, pct in found), default=math.nan)}
 
 
 def tick_records(run: NodeRun, rate_hz: float) -> list[dict]:

@@ -366,12 +366,15 @@ def node_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
              ]), '',
              table(['rate asked Hz', 'rate held Hz', 'held / asked', 'deadline miss %',
                     'late', 'missing', 'skipped (inputs stale)', 'camera frames taken/s',
-                    'tok/s', 'tok/s min 5 s window', 'k',
+                    'camera frames arrived/s (slowest)', 'camera frames lost %', 'tok/s',
+                    'tok/s min 5 s window', 'k',
                     'CPU outside control active %', 'idle %', 'node CPU active %',
                     'robot CPU %'],
                    [[r['rate_asked_hz'], r['rate_held_hz'], r['rate_held_over_asked'],
                      r['deadline_miss_pct'], r['late_ticks'], r['missing_ticks'],
-                     r['node_skipped_ticks'], r['camera_msgs_per_s'], r['tokens_per_s'],
+                     r['node_skipped_ticks'], r['camera_msgs_per_s'],
+                     r.get('camera_arrived_hz_min', math.nan),
+                     r.get('camera_lost_pct_max', math.nan), r['tokens_per_s'],
                      r['tokens_per_s_min_window'],
                      f'{fmt(r["k_min"], 0)}–{fmt(r["k_max"], 0)}',
                      r['cpu_outside_control_active_pct'], r['cpu_outside_control_idle_pct'],
@@ -383,7 +386,10 @@ def node_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
              'asked ticks that sent no action chunk; skipped = ticks the node ran without a '
              'fresh camera frame or joint state (the inputs, not the node, were late); camera '
              'frames taken = frames the node took from DDS at its ticks (it takes only the '
-             'newest, so at most one per tick). The engine next to the robot shows what the '
+             'newest, so at most one per tick); arrived = frames the node\'s middleware got '
+             'whole over its last 10 s (published by sequence numbers, less those it counted '
+             'lost; raw frames need the Fast DDS profile, docs/cameras.md). The engine next to '
+             'the robot shows what the '
              'stand-in robot process alone does to act() on this machine. CPU in '
              '% of one core; per thread name: '
              f'{r["cpu_threads_active"] or "–"}.', '']

@@ -50,12 +50,13 @@ def profile_variable(environ=os.environ) -> str:
     return FASTRTPS_VARIABLE if uses_fast_dds_2(environ) else FASTDDS_VARIABLE
 
 
-def profile_environment(path: Path | str | None = None, environ=os.environ) -> dict[str, str]:
+def profile_environment(path: Path | str | None = None, environ=os.environ,
+                        keep_existing: bool = True) -> dict[str, str]:
     """Return the variables that give a process the profile (this machine's one only).
 
-    Empty when the environment already names a profile (a team's own profile is kept: merge
-    the segment size into it, docs/cameras.md).
+    keep_existing: empty when the environment already names a profile (a team's own profile
+    is kept: merge the segment size into it, docs/cameras.md).
     """
-    if environ.get(FASTDDS_VARIABLE) or environ.get(FASTRTPS_VARIABLE):
+    if keep_existing and (environ.get(FASTDDS_VARIABLE) or environ.get(FASTRTPS_VARIABLE)):
         return {}
     return {profile_variable(environ): str(path or profile_path())}
