@@ -662,7 +662,7 @@ def camera_rate(diagnostics: list[dict], t0: float, t1: float) -> float:
 
 
 def camera_arrival(diagnostics: list[dict], t0: float, t1: float) -> dict:
-    """The slowest camera's frames/s that arrived whole, and the largest share lost, or nan.
+    """Return the slowest camera's frames/s that arrived whole and the largest share lost.
 
     From the node's inputs status at the end of the window: '..., <lost> of <sent> sent lost
     in transport' per camera over the node's loss window (publication sequence numbers and
