@@ -292,7 +292,7 @@ def test_the_default_bound_fits_the_largest_valid_observation(robot):
             request[path[0]] = np.zeros(get_robot(robot).state_dim)
         return len(packb(request))
 
-    bound = max_request_bytes(robot)
+    bound = max_request_bytes(OBSERVATION_KEYS[robot], get_robot(robot).state_dim)
     assert message(LARGEST_IMAGE[0]) <= bound < message(2 * LARGEST_IMAGE[0])
 
 

@@ -93,19 +93,24 @@ def _check_keys(request: Mapping, keys: ObservationKeys, robot: str) -> None:
                            'client')
 
 
-def largest_observation_bytes(robot: str, max_instruction_chars: int = 500) -> int:
-    """Return the msgpack size of `robot`'s largest valid observation (see the module doc)."""
-    keys = OBSERVATION_KEYS[robot]
+def largest_observation_bytes(keys: ObservationKeys, state_dim: int,
+                              max_instruction_chars: int = 500) -> int:
+    """Return the msgpack size of a robot's largest valid observation (module docstring).
+
+    keys: where its client puts cameras and state; state_dim: its state's length.
+    """
     cameras = len(keys.cameras) + len(keys.optional_cameras)
     image = int(np.prod(LARGEST_IMAGE)) * LARGEST_IMAGE_ITEMSIZE + ARRAY_OVERHEAD_BYTES
-    state = 8 * get_robot(robot).state_dim + ARRAY_OVERHEAD_BYTES * len(keys.state)
+    state = 8 * state_dim + ARRAY_OVERHEAD_BYTES * len(keys.state)
     prompt = 4 * max_instruction_chars + 64          # UTF-8: at most 4 bytes a character
     return cameras * image + state + prompt
 
 
-def max_request_bytes(robot: str, max_instruction_chars: int = 500) -> int:
+def max_request_bytes(keys: ObservationKeys, state_dim: int,
+                      max_instruction_chars: int = 500) -> int:
     """Return the default bound on one request message: the largest valid observation + 25%."""
-    return int(REQUEST_MARGIN * largest_observation_bytes(robot, max_instruction_chars))
+    return int(REQUEST_MARGIN * largest_observation_bytes(keys, state_dim,
+                                                          max_instruction_chars))
 
 
 def to_image(value: Any, where: str) -> np.ndarray:

@@ -47,6 +47,7 @@ from websockets.frames import CloseCode
 
 from oxygen_ros import __version__
 from oxygen_ros.engine.types import Observation
+from oxygen_ros.model.robots import get_robot
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.inputs import ObservationResult, sanitize_instruction
 from oxygen_ros.runtime.status import LoopStats
@@ -270,7 +271,8 @@ class PolicyServer:
                              f'{sorted(OBSERVATION_KEYS)}')
         self.config = config
         self.max_message_bytes = config.max_message_bytes or max_request_bytes(
-            config.robot, config.max_instruction_chars)
+            OBSERVATION_KEYS[config.robot], get_robot(config.robot).state_dim,
+            config.max_instruction_chars)
         self.worker = EngineWorker(system, config)
         self.metadata = self._metadata(system, description or {})
         self.port: int | None = None             # the bound port once started
