@@ -232,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.executors import SingleThreadedExecutor
 
     # Before the first participant: Fast DDS reads its profile then.
-    if args.dds_profile != 'none':
-        os.environ.update(profile_environment(args.dds_profile or None))
+    if args.dds_profile != 'none':   # a path given here wins over one in the environment
+        os.environ.update(profile_environment(args.dds_profile or None,
+                                              keep_existing=not args.dds_profile))
     rclpy.init(args=ros_args)
     height = args.height or args.size
     width = args.width or height
