@@ -130,7 +130,9 @@ def test_the_node_reports_lost_frames_and_names_the_profile(context, stand_in_ro
             assert wait_for(lambda: 'lost in transport' in inputs().message, 60), (
                 inputs().message, inputs().values)
             assert PROFILE.name in inputs().message
-            assert any(PROFILE.name in line for _, line in node.problem_history), (
+            # logged by the tick that found it, after that tick's act()
+            assert wait_for(lambda: any(PROFILE.name in line
+                                        for _, line in node.problem_history), 10), (
                 'the loss is logged too')
             return
         # With the profile: a whole window of frames flowing, nothing lost, no warning.
