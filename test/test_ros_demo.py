@@ -18,11 +18,21 @@ REPO = Path(__file__).resolve().parents[1]
 ARGS = ['--preset', 'tiny', '--rate', '5', '--plain', '--decode-budget', '2']
 
 
+def _terminal_signals():
+    """In the demo's process, before exec: Ctrl-C as a terminal delivers it.
+
+    A test run started in the background (`make test &`, nohup, a CI step) has SIGINT
+    ignored, and a child inherits that: its Python then never raises KeyboardInterrupt.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _demo(tmp_path, *extra):
     return subprocess.Popen(
         [sys.executable, '-m', 'oxygen_ros.demo', *ARGS, '--log-dir', str(tmp_path), *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED='1'), start_new_session=True)
+        env=dict(os.environ, PYTHONUNBUFFERED='1'), start_new_session=True,
+        preexec_fn=_terminal_signals)
 
 
 def _run_demo(tmp_path, *extra, timeout=120):
