@@ -89,7 +89,8 @@ def _robot_names(text: str) -> list:
 
 def _dds_profile(choice: str) -> list:
     """Set the Fast DDS profile for the processes this file starts (ros2 launch's own env)."""
-    from oxygen_ros.runtime.dds_profile import profile_environment
+    from oxygen_ros.runtime.dds_profile import (FASTDDS_VARIABLE, FASTRTPS_VARIABLE,
+                                                profile_environment)
 
     if choice == 'none':
         return []
@@ -99,6 +100,12 @@ def _dds_profile(choice: str) -> list:
         raise RuntimeError(f'dds_profile: no file {path}')
     # A profile the environment names is kept unless one is given here.
     variables = profile_environment(path, keep_existing=not choice)
+    if not variables:
+        named = [f'{k}={os.environ[k]}' for k in (FASTDDS_VARIABLE, FASTRTPS_VARIABLE)
+                 if os.environ.get(k)]
+        return [LogInfo(msg=f'Fast DDS profile from the environment: {", ".join(named)} '
+                            f'(raw camera frames need a large shared-memory segment, as in '
+                            f'{path})')]
     return [action for name, value in variables.items() for action in (
         SetEnvironmentVariable(name, value),
         LogInfo(msg=f'{name}={value} (Fast DDS profile for raw camera frames)'))]

@@ -278,7 +278,9 @@ def test_the_processes_it_starts_get_the_large_frames_profile(launch_module, mon
     assert all(isinstance(a, (SetEnvironmentVariable, LogInfo)) for a in actions[:first_node])
     # a team's own profile in the environment is kept; one given here wins; 'none' sets none
     monkeypatch.setenv(FASTDDS_VARIABLE, '/etc/team_profile.xml')
-    assert _profile_settings(launch_module._launch_node(_context())) == {}
+    kept = launch_module._launch_node(_context())
+    assert _profile_settings(kept) == {}
+    assert any(isinstance(a, LogInfo) and '/etc/team_profile.xml' in a.msg for a in kept)
     own = tmp_path / 'profile.xml'
     own.write_text('<profiles/>')
     assert _profile_settings(launch_module._launch_node(_context(dds_profile=str(own)))) == {
