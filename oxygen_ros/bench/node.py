@@ -706,6 +706,7 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
            'threads': threads, 'n_tokens': opts.tokens, 'k': opts.k,
            'cameras': f'{opts.camera_width}x{opts.camera_height} {opts.camera_format} '
                       f'@{opts.camera_rate_hz:g}Hz',
+           'camera_rate_hz': opts.camera_rate_hz,
            'engine_frames': len(engine.act_s),
            'engine_act_ms_p50': 1e3 * float(np.median(act)),
            'engine_act_ms_p99': 1e3 * float(np.percentile(act, 99)),

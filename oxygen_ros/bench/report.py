@@ -33,6 +33,7 @@ TARGET_RATE_HELD = 0.97               # ticks delivered / asked
 TARGET_NODE_MISS_PCT = 2.0            # deadline misses, % of asked ticks
 TARGET_NODE_CPU_ACTIVE_PCT = 5.0      # node CPU outside the control thread, % of one core
 TARGET_NODE_CPU_IDLE_PCT = 3.0
+TARGET_CAMERA_ARRIVED = 14 / 15         # frames that arrive whole / the camera rate (issue 20)
 # The robots part (issue 14, item 3): R robots from one FleetEngine, at R = TARGET_ROBOTS.
 TARGET_ROBOTS = 4
 TARGET_FLEET_HZ_OVER_IDEAL = 0.9      # every robot's Hz / component-model fleet Hz
@@ -222,6 +223,12 @@ def node_targets(result: BenchResult) -> list[dict]:
                      f'{fmt(r.get("engine_loaded_late_pct", math.nan), 1)}% of act() past '
                      'the period)',
          'met': r['deadline_miss_pct'] <= TARGET_NODE_MISS_PCT},
+        {'target': f'every camera received at ≥ {TARGET_CAMERA_ARRIVED:.3g} × its rate',
+         'measured': f'{fmt(r.get("camera_arrived_hz_min", math.nan), 1)} Hz the slowest of '
+                     f'{r["cameras"]} ({fmt(r.get("camera_lost_pct_max", math.nan), 1)}% '
+                     'lost in transport)',
+         'met': (None if math.isnan(r.get('camera_arrived_hz_min', math.nan)) else
+                 r['camera_arrived_hz_min'] >= TARGET_CAMERA_ARRIVED * r['camera_rate_hz'])},
         {'target': f'node CPU outside the control thread ≤ {TARGET_NODE_CPU_ACTIVE_PCT:g}% '
                    f'of a core active, ≤ {TARGET_NODE_CPU_IDLE_PCT:g}% idle',
          'measured': f'{fmt(r["cpu_outside_control_active_pct"], 1)}% active, '
