@@ -22,6 +22,9 @@ Arguments:
   autostart      true: this launch file configures, then activates the node; false: leave it
                  unconfigured for `ros2 lifecycle set` or a lifecycle manager
   log_level      debug | info | warn | error
+  dds_profile    Fast DDS profile of the processes started here: '' = the shipped
+                 config/fastdds_large_frames.xml (raw camera frames; docs/cameras.md) unless
+                 the environment names one; a path; 'none' = Fast DDS's defaults
 
 The node's own self-activation is switched off (autostart:=false as a node parameter): the
 launch file requests configure, and activate once the node reports "inactive", through
@@ -35,7 +38,7 @@ import os
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
 from launch.actions import (DeclareLaunchArgument, EmitEvent, LogInfo, OpaqueFunction,
-                            RegisterEventHandler)
+                            RegisterEventHandler, SetEnvironmentVariable)
 from launch.events import matches_action
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
@@ -57,7 +60,10 @@ ARGUMENTS = (
     ('use_sim_time', 'false', 'follow /clock (bag replay)'),
     ('autostart', 'true', 'configure and activate the lifecycle node from this launch file'),
     ('log_level', 'info', 'debug, info, warn or error'),
+    ('dds_profile', '', "Fast DDS profile: '' = the shipped one for raw camera frames (unless "
+                        "the environment names one), a path, or 'none'"),
 )
+PROFILE_NAME = 'fastdds_large_frames.xml'
 
 
 def _config_path(config: str, robot: str) -> str:
@@ -87,6 +93,30 @@ def _robot_names(text: str) -> list:
     return names
 
 
+def _dds_profile(choice: str) -> list:
+    """Set the Fast DDS profile for the processes this file starts (ros2 launch's own env)."""
+    from oxygen_ros.runtime.dds_profile import (FASTDDS_VARIABLE, FASTRTPS_VARIABLE,
+                                                profile_environment)
+
+    if choice == 'none':
+        return []
+    path = os.path.expanduser(choice) if choice else os.path.join(
+        get_package_share_directory(PACKAGE), 'config', PROFILE_NAME)
+    if not os.path.isfile(path):
+        raise RuntimeError(f'dds_profile: no file {path}')
+    # A profile the environment names is kept unless one is given here.
+    variables = profile_environment(path, keep_existing=not choice)
+    if not variables:
+        named = [f'{k}={os.environ[k]}' for k in (FASTDDS_VARIABLE, FASTRTPS_VARIABLE)
+                 if os.environ.get(k)]
+        return [LogInfo(msg=f'Fast DDS profile from the environment: {", ".join(named)} '
+                            f'(raw camera frames need a large shared-memory segment, as in '
+                            f'{path})')]
+    return [action for name, value in variables.items() for action in (
+        SetEnvironmentVariable(name, value),
+        LogInfo(msg=f'{name}={value} (Fast DDS profile for raw camera frames)'))]
+
+
 def _change_state(node, transition_id: int) -> EmitEvent:
     return EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
                                        transition_id=transition_id))
@@ -113,7 +143,7 @@ def _launch_node(context):
         parameters=[path, overrides], remappings=_remappings(arg('camera_remaps')),
         arguments=['--ros-args', '--log-level', arg('log_level')],
         output='screen', emulate_tty=True)
-    actions = [
+    actions = _dds_profile(arg('dds_profile')) + [
         node,
         RegisterEventHandler(OnStateTransition(
             target_lifecycle_node=node, goal_state='active',

@@ -53,9 +53,13 @@ def decode_budget_value(decode_budget: str) -> int:
 
 
 def _dds_environment() -> None:
-    # Discovery stays on this machine and the demo gets its own domain unless told otherwise.
+    # Discovery stays on this machine and the demo gets its own domain unless told otherwise;
+    # this process (the cameras) and the node use the Fast DDS profile for raw frames.
+    from oxygen_ros.runtime.dds_profile import profile_environment
+
     os.environ.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
     os.environ.setdefault('ROS_DOMAIN_ID', str(1 + os.getpid() % 100))
+    os.environ.update(profile_environment())
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--threads', type=int, default=0,
                         help="the node's torch_threads (0 = its default: every core but one)")
     parser.add_argument('--camera-rate', type=float, default=10.0, help='camera frames/s')
+    parser.add_argument('--jpeg', action='store_true',
+                        help='cameras send CompressedImage jpeg (default: raw rgb8 Image, as '
+                             'a camera driver does)')
     parser.add_argument('--decode-budget', default='adaptive', help="k or 'adaptive'")
     parser.add_argument('--tokens', type=int, default=10, help='tokens per language request')
     parser.add_argument('--instruction', action='append',
@@ -114,6 +121,11 @@ def node_command(args: argparse.Namespace) -> list[str]:
     overrides = node_overrides(args)
     if args.threads:
         overrides['torch_threads'] = args.threads   # an older node ignores it
+    if args.jpeg:   # the node reads <topic>/compressed (image_transport naming)
+        from oxygen_ros.runtime.params import camera_param_name, ROBOT_IO
+
+        for camera in ROBOT_IO[args.robot][0]:
+            overrides[camera_param_name(camera, 'compressed')] = 'true'
     cmd = [sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
            '--params-file', str(CONFIG_DIR / f'{args.robot}.yaml')]
     for name, value in overrides.items():
@@ -458,8 +470,8 @@ def main(argv=None) -> int:
     for robot in robots:
         tasks.append(InstructionPublisher(instructions, args.instruction_period,
                                           namespace=robot, context=context))
-        nodes += [CameraPublisher(robot_cameras(args.robot), args.camera_rate, CAMERA_SIZE,
-                                  namespace=robot, context=context),
+        nodes += [CameraPublisher(robot_cameras(args.robot, args.jpeg), args.camera_rate,
+                                  CAMERA_SIZE, namespace=robot, context=context),
                   JointStatePublisher(list(ROBOT_IO[args.robot][1]), namespace=robot,
                                       context=context), tasks[-1]]
     monitors = {robot: make_monitor(context, robot) for robot in robots}

@@ -18,11 +18,21 @@ REPO = Path(__file__).resolve().parents[1]
 ARGS = ['--preset', 'tiny', '--rate', '5', '--plain', '--decode-budget', '2']
 
 
+def _terminal_signals():
+    """In the demo's process, before exec: Ctrl-C as a terminal delivers it.
+
+    A test run started in the background (`make test &`, nohup, a CI step) has SIGINT
+    ignored, and a child inherits that: its Python then never raises KeyboardInterrupt.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _demo(tmp_path, *extra):
     return subprocess.Popen(
         [sys.executable, '-m', 'oxygen_ros.demo', *ARGS, '--log-dir', str(tmp_path), *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED='1'), start_new_session=True)
+        env=dict(os.environ, PYTHONUNBUFFERED='1'), start_new_session=True,
+        preexec_fn=_terminal_signals)
 
 
 def _run_demo(tmp_path, *extra, timeout=120):
@@ -102,3 +112,12 @@ def test_rate_auto_is_the_nodes_own():
 
     assert node_overrides(parse_args([]))['control_rate_hz'] == 0.0      # auto: the node's
     assert node_overrides(parse_args(['--rate', '4']))['control_rate_hz'] == 4.0
+
+
+def test_cameras_send_raw_frames_unless_jpeg_is_asked():
+    from oxygen_ros.demo import node_command, parse_args
+
+    raw, jpeg = (' '.join(node_command(parse_args(argv))) for argv in ([], ['--jpeg']))
+    assert 'compressed' not in raw
+    assert 'cameras.image.compressed:=true' in jpeg
+    assert 'cameras.wrist_image.compressed:=true' in jpeg

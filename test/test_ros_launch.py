@@ -74,6 +74,12 @@ class LogInfo(Action):
         self.msg = msg
 
 
+class SetEnvironmentVariable(Action):
+    def __init__(self, name, value, **kwargs):
+        super().__init__(**kwargs)
+        self.name, self.value = name, value
+
+
 class RegisterEventHandler(Action):
     def __init__(self, event_handler, **kwargs):
         super().__init__(**kwargs)
@@ -179,6 +185,9 @@ def test_stand_in_signatures_are_the_real_ones():
         'entities', 'target_lifecycle_node', 'transition', 'start_state', 'goal_state',
         'matcher', 'kwargs']
     assert [p[0] for p in params(ChangeState)] == ['lifecycle_node_matcher', 'transition_id']
+    assert params(SetEnvironmentVariable) == [('name', 'POSITIONAL_OR_KEYWORD', True),
+                                              ('value', 'POSITIONAL_OR_KEYWORD', True),
+                                              ('kwargs', 'VAR_KEYWORD', True)]
 
 
 @pytest.fixture
@@ -188,7 +197,8 @@ def launch_module(monkeypatch):
         'launch.actions': dict(DeclareLaunchArgument=DeclareLaunchArgument,
                                EmitEvent=EmitEvent, LogInfo=LogInfo,
                                OpaqueFunction=OpaqueFunction,
-                               RegisterEventHandler=RegisterEventHandler),
+                               RegisterEventHandler=RegisterEventHandler,
+                               SetEnvironmentVariable=SetEnvironmentVariable),
         'launch.events': dict(matches_action=matches_action),
         'launch.substitutions': dict(LaunchConfiguration=LaunchConfiguration),
         'launch_ros': {},
@@ -211,7 +221,7 @@ def launch_module(monkeypatch):
 def _context(**values):
     defaults = {'config': '', 'robot': '', 'robots': '', 'checkpoint': '', 'namespace': '',
                 'camera_remaps': '', 'use_sim_time': 'false', 'autostart': 'true',
-                'log_level': 'info'}
+                'log_level': 'info', 'dds_profile': ''}
     defaults.update(values)
     return defaults
 
@@ -227,7 +237,7 @@ def test_launch_file_declares_its_arguments(launch_module):
     entities = launch_module.generate_launch_description().entities
     declared = [e.name for e in entities if isinstance(e, DeclareLaunchArgument)]
     assert declared == ['config', 'robot', 'robots', 'checkpoint', 'namespace', 'camera_remaps',
-                        'use_sim_time', 'autostart', 'log_level']
+                        'use_sim_time', 'autostart', 'log_level', 'dds_profile']
     assert isinstance(entities[-1], OpaqueFunction)
 
 
@@ -248,6 +258,36 @@ def test_default_launch_is_a_lifecycle_node_the_launch_file_configures(launch_mo
     assert activate.transition_id == Transition.TRANSITION_ACTIVATE
     assert any(h.goal_state == 'active' and isinstance(h.entities[0], LogInfo)
                for h in handlers), 'the launch file reacts to "active"'
+
+
+def _profile_settings(actions):
+    return {a.name: a.value for a in actions if isinstance(a, SetEnvironmentVariable)}
+
+
+def test_the_processes_it_starts_get_the_large_frames_profile(launch_module, monkeypatch,
+                                                              tmp_path):
+    from oxygen_ros.runtime.dds_profile import (FASTDDS_VARIABLE, FASTRTPS_VARIABLE,
+                                                profile_variable)
+
+    for name in (FASTDDS_VARIABLE, FASTRTPS_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    shipped = str(REPO / 'config' / 'fastdds_large_frames.xml')
+    actions = launch_module._launch_node(_context())
+    assert _profile_settings(actions) == {profile_variable(): shipped}
+    first_node = next(i for i, a in enumerate(actions) if isinstance(a, LifecycleNode))
+    assert all(isinstance(a, (SetEnvironmentVariable, LogInfo)) for a in actions[:first_node])
+    # a team's own profile in the environment is kept; one given here wins; 'none' sets none
+    monkeypatch.setenv(FASTDDS_VARIABLE, '/etc/team_profile.xml')
+    kept = launch_module._launch_node(_context())
+    assert _profile_settings(kept) == {}
+    assert any(isinstance(a, LogInfo) and '/etc/team_profile.xml' in a.msg for a in kept)
+    own = tmp_path / 'profile.xml'
+    own.write_text('<profiles/>')
+    assert _profile_settings(launch_module._launch_node(_context(dds_profile=str(own)))) == {
+        profile_variable(): str(own)}
+    assert _profile_settings(launch_module._launch_node(_context(dds_profile='none'))) == {}
+    with pytest.raises(RuntimeError, match='dds_profile: no file'):
+        launch_module._launch_node(_context(dds_profile=str(tmp_path / 'missing.xml')))
 
 
 def test_autostart_false_leaves_the_transitions_to_others(launch_module):

@@ -116,9 +116,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                       help='stand-in robot camera frames/s (default 15)')
     node.add_argument('--camera-size', default='640x480', metavar='WxH',
                       help='stand-in robot camera resolution (default 640x480)')
-    node.add_argument('--camera-format', default='jpeg', choices=['jpeg', 'raw'],
-                      help='CompressedImage jpeg (default) or raw rgb8 Image; raw 640x480 '
-                      'frames are 0.9 MB best-effort messages that DDS drops on a busy machine')
+    node.add_argument('--camera-format', default='raw', choices=['raw', 'jpeg'],
+                      help='raw rgb8 Image (default, as a camera driver sends; every process '
+                      'uses the Fast DDS profile for large frames) or CompressedImage jpeg')
     rtc = bench.add_argument_group(
         'rtc part', 'real-time chunking off / guided / prefix on the same synthetic episode: '
         'boundary jumps, total variation, act() cost, a plot of one joint')

@@ -49,6 +49,8 @@ import numpy as np
 
 from oxygen_ros.model.robot_spec import get_robot
 from oxygen_ros.runtime.control import thread_cpu, THREAD_NAME
+from oxygen_ros.runtime.dds_profile import profile_environment
+from oxygen_ros.runtime.inputs import LOSS_WINDOW_S
 from oxygen_ros.runtime.params import (camera_param_name, load_node_params, NODE_NAME,
                                        ROBOT_IO, RtcSettings)
 from oxygen_ros.runtime.rtc import RtcPlanner
@@ -76,11 +78,11 @@ class NodeBenchOptions:
     camera_rate_hz: float = 15.0
     camera_width: int = 640
     camera_height: int = 480
-    # 'jpeg' (sensor_msgs/CompressedImage) or 'raw' (rgb8 sensor_msgs/Image). jpeg by default:
-    # raw 640x480 frames are 0.9 MB best-effort messages, which Fast DDS's default transport
-    # drops on a busy machine (publisher at 15 Hz, subscriber at 4-11 Hz with gaps of 0.6-3 s
-    # and no node running, here): a raw run measures the middleware as much as the node.
-    camera_format: str = 'jpeg'
+    # 'raw' (rgb8 sensor_msgs/Image, as a camera driver sends) or 'jpeg' (CompressedImage).
+    # Raw 640x480 frames are 0.9 MB: every child runs with the Fast DDS profile for large
+    # frames (config/fastdds_large_frames.xml), without which Fast DDS's 512 KB shared-memory
+    # segment drops most of them (publisher at 15 Hz, received at 2-14 Hz here).
+    camera_format: str = 'raw'
     engine_frames: int = 20         # measured engine frames (after ceil(N/k) + 2 warm-up)
     # then the engine again while the stand-in robot publishes (no node): the same machine
     # load the node runs under, so the node's tail can be told from the robot's interference
@@ -340,10 +342,14 @@ class OtherLoad:
 # ---- 2./3. the processes ------------------------------------------------------------------
 
 def child_environment() -> dict[str, str]:
-    """Return the environment of ROS children: DDS on this machine, this source tree."""
+    """Return the environment of ROS children: DDS on this machine, this source tree.
+
+    The children use the Fast DDS profile for large frames unless the environment names one.
+    """
     env = dict(os.environ)
     env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
     env.setdefault('ROS_DOMAIN_ID', str(1 + os.getpid() % 100))
+    env.update(profile_environment(environ=env))   # raw camera frames arrive whole
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT),
                                                       env.get('PYTHONPATH')]))
     env['PYTHONUNBUFFERED'] = '1'
@@ -649,6 +655,7 @@ def analyze(run: NodeRun, rate_hz: float) -> dict:
         # missing tick with this count up means the camera frames did not arrive in time.
         'node_skipped_ticks': counted('skipped_total'),
         'camera_msgs_per_s': camera_rate(run.monitor['diagnostics'], t0, t1),
+        **camera_arrival(run.monitor['diagnostics'], t0, t1),
         'frames_lost': frames_lost,
         'tick_interval_ms_p99': 1e3 * float(np.percentile(gaps, 99)) if gaps else math.nan,
         'tokens_per_s': sum(c['n'] for c in tokens) / window,
@@ -677,6 +684,25 @@ def camera_rate(diagnostics: list[dict], t0: float, t1: float) -> float:
     return min(rates) if rates else math.nan
 
 
+def camera_arrival(diagnostics: list[dict], t0: float, t1: float) -> dict:
+    """Return the slowest camera's frames/s that arrived whole and the largest share lost.
+
+    From the node's inputs status at the end of the window: '..., <lost> of <sent> sent lost
+    in transport' per camera over the node's loss window (publication sequence numbers and
+    the middleware's lost count; runtime.inputs.TransportLoss). Needs a window at least as
+    long as that one.
+    """
+    known = [d['inputs'] for d in diagnostics if t0 <= d['t'] < t1 and 'inputs' in d]
+    found = []
+    for key, value in (known[-1] if known and t1 - t0 >= LOSS_WINDOW_S else {}).items():
+        match = re.search(r'(\d+) of (\d+) sent lost', value)
+        if key.startswith('camera') and match and int(match.group(2)):
+            lost, sent = int(match.group(1)), int(match.group(2))
+            found.append(((sent - lost) / LOSS_WINDOW_S, 100 * lost / sent))
+    return {'camera_arrived_hz_min': min((hz for hz, _ in found), default=math.nan),
+            'camera_lost_pct_max': max((pct for _, pct in found), default=math.nan)}
+
+
 def tick_records(run: NodeRun, rate_hz: float) -> list[dict]:
     """Per-tick rows for the latency plot: time from the measured window's start (s)."""
     t0, t1 = run.window
@@ -703,6 +729,7 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
            'threads': threads, 'n_tokens': opts.tokens, 'k': opts.k, 'rtc_mode': opts.rtc_mode,
            'cameras': f'{opts.camera_width}x{opts.camera_height} {opts.camera_format} '
                       f'@{opts.camera_rate_hz:g}Hz',
+           'camera_rate_hz': opts.camera_rate_hz,
            'engine_frames': len(engine.act_s),
            'engine_act_ms_p50': 1e3 * float(np.median(act)),
            'engine_act_ms_p99': 1e3 * float(np.percentile(act, 99)),

@@ -6,9 +6,14 @@ Used by the demo and the tests; runnable on its own:
         --instruction "pick up the black bowl"
     python -m oxygen_ros.ros.sim_inputs --width 640 --height 480 --rate 15   # VGA cameras
     python -m oxygen_ros.ros.sim_inputs --namespace arm_right --robot droid  # one of a fleet
+    python -m oxygen_ros.ros.sim_inputs --compressed                        # jpeg, not rgb8
 
 --namespace puts every topic under it: one such process per robot of a node serving several
 (`robots: [arm_left, arm_right]`) stands in for a robot team.
+
+Cameras send raw rgb8 sensor_msgs/Image, as a camera driver does, and the process uses the Fast
+DDS profile for large frames (config/fastdds_large_frames.xml, docs/cameras.md) unless its
+environment names a profile already; `--dds-profile none` sends with Fast DDS's defaults.
 
 The photos are scikit-image's sample images (shipped with the package, no download). Each
 camera pans a crop window slowly over its photo, so consecutive frames differ a little, as a
@@ -23,6 +28,7 @@ import dataclasses
 import functools
 import io
 import math
+import os
 
 import numpy as np
 from PIL import Image as PILImage
@@ -32,6 +38,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 
 from oxygen_ros.ros import qos
+from oxygen_ros.runtime.dds_profile import profile_environment
 from oxygen_ros.runtime.params import (default_camera_topic, robot_defaults, RobotSpecError,
                                        transport_topic)
 
@@ -217,7 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--height', type=int, default=0,
                         help='image height in pixels (default: --size)')
     parser.add_argument('--joint-rate', type=float, default=50.0, help='joint states per second')
-    parser.add_argument('--compressed', action='store_true', help='publish jpeg')
+    parser.add_argument('--compressed', action='store_true',
+                        help='publish jpeg (sensor_msgs/CompressedImage on <topic>/compressed) '
+                             'instead of raw rgb8')
+    parser.add_argument('--dds-profile', default='', metavar='PATH|none',
+                        help='Fast DDS profile of this process (default: the shipped one for '
+                             "large frames, unless the environment names one; 'none': Fast "
+                             "DDS's defaults)")
     parser.add_argument('--instruction', action='append',
                         help='task text (repeat to cycle through several)')
     parser.add_argument('--instruction-period', type=float, default=30.0)
@@ -228,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     from rclpy.executors import SingleThreadedExecutor
 
+    # Before the first participant: Fast DDS reads its profile then.
+    if args.dds_profile != 'none':   # a path given here wins over one in the environment
+        os.environ.update(profile_environment(args.dds_profile or None,
+                                              keep_existing=not args.dds_profile))
     rclpy.init(args=ros_args)
     height = args.height or args.size
     width = args.width or height

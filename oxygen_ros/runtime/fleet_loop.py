@@ -32,7 +32,7 @@ from typing import Callable
 
 from oxygen_ros.engine import FleetEngine
 from oxygen_ros.runtime.frame_loop import (act_with_cpu_share, emit_language, engine_summary,
-                                           OutputSink, TickOutcome)
+                                           OutputSink, report_inputs, TickOutcome)
 from oxygen_ros.runtime.inputs import InputSet, ObservationResult
 from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import LoopStats, ProblemLog
@@ -152,7 +152,7 @@ class FleetLoop:
             outcomes[name].stamp_ns = now_ns
         for robot in due:
             if robot.problems is not None:
-                robot.problems.update('inputs', outcomes[robot.name].problems)
+                report_inputs(robot.problems, outcomes[robot.name].problems, robot.last_inputs)
         if act is not None or self.fleet.num_live_requests:   # 4. language
             self.last_result = self.fleet.advance_language()
             for name, result in self.last_result.robots.items():   # 5. emit

@@ -149,7 +149,7 @@ class FrameLoop:
                 if self.rtc is not None:   # the chunk the robot now executes
                     self.rtc.record(action, now_s + outcome.latency_s)
         if self.problems is not None:
-            self.problems.update('inputs', problems)
+            report_inputs(self.problems, problems, built)
         # 4-5. language: this frame's request joins the live ones, k tokens each
         if obs is None and not system.num_live_requests:
             return outcome
@@ -185,6 +185,12 @@ def act_with_cpu_share(act: Callable, observation) -> tuple:
     result = act(observation)
     wall = time.perf_counter() - wall_start
     return result, ((time.thread_time() - cpu_start) / wall if wall > 0 else None)
+
+
+def report_inputs(log: ProblemLog, problems: dict[str, str], built: ObservationResult) -> None:
+    """Log a tick's input problems and its warnings (messages lost in transport), throttled."""
+    log.update('inputs', problems)
+    log.update('transport', {s.label: s.warning for s in built.inputs if s.warning})
 
 
 def emit_language(result: FrameResult, sink: OutputSink, outcome: TickOutcome,

@@ -269,6 +269,14 @@ def _mib(n: int) -> str:
     return f'{n / (1 << 20):.2f} MiB'
 
 
+def _loss_text(status) -> str:
+    """', 3 of 150 sent lost in transport' (what was measured of it; '' when nothing)."""
+    if status.lost is None:
+        return f', {status.sent} sent' if status.sent is not None else ''
+    sent = f' of {status.sent} sent' if status.sent is not None else ''
+    return f', {status.lost}{sent} lost in transport'
+
+
 WAITED_SHARE = 0.8   # act() on a CPU for less of its wall time than this: it waited for one
 
 
@@ -355,16 +363,20 @@ def build_statuses(node: str, lifecycle: str, model: dict, loop: dict | None,
     # 4. inputs
     bad = [s for s in inputs if s.state != 'ok']
     values = [(s.label, s.state + (f', age {s.age_s:.2f} s' if s.age_s is not None else '')
-               + f', {s.count} msgs') for s in inputs]
+               + f', {s.count} msgs' + _loss_text(s)) for s in inputs]
     stale = [s.label for s in bad if s.state in ('stale', 'never received')]
     values.append(('stale_or_missing', ', '.join(stale) or 'none'))
+    values.append(('lost_in_transport', ', '.join(
+        f'{s.label}: {s.lost}' for s in inputs if s.lost) or 'none'))
     if instruction is not None:
         values.append(('instruction', instruction.text[:200]))
     notes = instruction.notes if instruction is not None else []
+    warnings = [s.warning for s in inputs if s.warning]
     if input_problems:
-        level, message = ERROR, '; '.join(sorted(input_problems.values()))
-    elif notes:
-        level, message = WARN, 'instruction ' + ', '.join(notes)
+        level, message = ERROR, '; '.join(sorted(input_problems.values()) + warnings)
+    elif notes or warnings:
+        level = WARN
+        message = '; '.join(warnings + (['instruction ' + ', '.join(notes)] if notes else []))
     else:
         level, message = OK, 'all inputs fresh'
     statuses.append(Status(level, f'{node}: inputs', message, values))

@@ -7,13 +7,16 @@ checks); errors are one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import sys
 
 from oxygen_ros.runtime.cli_options import add_engine_options, RTC_PARAMS
 from oxygen_ros.serve.server import DEFAULT_PORT
 
 EXIT_ERROR = 2
+TOKEN_ENV = 'OXYGEN_ROS_SERVE_TOKEN'
 
 # command-line option dest -> node parameter
 _ENGINE_PARAMS = ('checkpoint', 'preset', 'device', 'dtype', 'tokenizer', 'seed',
@@ -63,6 +66,15 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         help="YAML map of where the robot's client puts each camera and the "
                              'state (docs/robots.md); default: openpi\'s keys for libero, droid '
                              'and aloha, observation/<camera> and observation/state otherwise')
+    parser.add_argument('--max-message-mb', type=float, default=0.0, metavar='MB',
+                        help='largest request read, in MB; bigger ones are refused before '
+                             "they are read (default: the robot's largest valid observation, "
+                             'every camera at 1920x1080 float32, + 25%%: 62 MB for libero)')
+    parser.add_argument('--token', default=os.environ.get(TOKEN_ENV, ''),
+                        help='shared secret every client must send as "Authorization: '
+                             'Api-Key <token>" (openpi-client: api_key=...); default $'
+                             f'{TOKEN_ENV}, none when unset. Use it whenever --host is not '
+                             'a loopback address')
     add_engine_arguments(parser)
     parser.set_defaults(func=serve_main)
     return parser
@@ -79,6 +91,8 @@ def serve_main(args: argparse.Namespace) -> int:
         return _error(f'port {args.port}; expected 0..65535')
     if args.max_pending < 1:
         return _error(f'max-pending {args.max_pending}; expected >= 1')
+    if args.max_message_mb < 0:
+        return _error(f'max-message-mb {args.max_message_mb:g}; expected > 0 (0 = default)')
     try:
         settings = settings_from_args(args)
         keys = (load_observation_keys(args.observation_keys, settings.spec)
@@ -90,16 +104,24 @@ def serve_main(args: argparse.Namespace) -> int:
                           port=args.port, default_prompt=args.default_prompt,
                           max_pending=args.max_pending,
                           max_instruction_chars=settings.max_instruction_chars,
-                          period_s=engine.settings.period_s, rtc=settings.rtc)
+                          period_s=engine.settings.period_s, rtc=settings.rtc,
+                          max_message_bytes=round(args.max_message_mb * 1e6), token=args.token)
+    log = logging.getLogger(__name__)
     for warning in engine.warnings:
-        logging.getLogger(__name__).warning(warning)
+        log.warning(warning)
+    if not args.token and not is_loopback(args.host):
+        log.warning('listening on %s without a token: any computer that reaches port %d can '
+                    'drive this policy; set %s (clients send it as api_key) or --host 127.0.0.1',
+                    args.host, args.port, TOKEN_ENV)
     server = PolicyServer(engine.system, config, engine.description)
     try:
         port = server.start()
     except OSError as err:
         return _error(f'cannot listen on {args.host}:{args.port}: {err}')
     print(f'oxygen-ros serve: {settings.spec.name} on ws://{args.host}:{port} '
-          f'({engine.description.get("source", "")}); Ctrl-C stops', flush=True)
+          f'({engine.description.get("source", "")}; requests up to '
+          f'{server.max_message_bytes / 1e6:.1f} MB{"; token required" if args.token else ""}'
+          '); Ctrl-C stops', flush=True)
     try:
         server.wait()
     except KeyboardInterrupt:
@@ -107,6 +129,16 @@ def serve_main(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    """Return whether `host` (an address or name) is this machine only."""
+    if host == 'localhost':
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _error(err) -> int:

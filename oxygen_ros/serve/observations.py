@@ -22,6 +22,10 @@ observation/state, unless a key map says otherwise (`serve --observation-keys FI
       wrist: [images, wrist]       # or a path into nested maps
     state: [observation/joint_position, observation/gripper_position]   # joined in order
     optional_cameras: [cam_low]    # accepted, not used
+
+The server reads no message larger than `max_request_bytes(keys, state_dim)`: the robot's
+largest valid observation (every camera, optional ones too, at 1920 x 1080 as float32,
+openpi's float images; 4x the uint8 frames openpi's clients send) with a 25% margin.
 """
 
 from __future__ import annotations
@@ -66,6 +70,10 @@ OBSERVATION_KEYS: dict[str, ObservationKeys] = {
         state=(('state',),), optional_cameras=('cam_low',)),
 }
 PROMPT_KEY = 'prompt'
+LARGEST_IMAGE = (1080, 1920, 3)    # [H, W, C] the request bound is sized for (1080p cameras)
+LARGEST_IMAGE_ITEMSIZE = 4         # float32: openpi's float images; uint8 ones are 4x smaller
+REQUEST_MARGIN = 1.25              # the bound over the largest valid observation
+ARRAY_OVERHEAD_BYTES = 128         # msgpack map of one array (keys, dtype, shape)
 
 
 def default_keys(spec: RobotSpec) -> ObservationKeys:
@@ -150,6 +158,26 @@ def _check_keys(request: Mapping, keys: ObservationKeys, robot: str) -> None:
                  else f"the {robot} client (the server's observation key map)")
         raise RequestError(f'{robot} observation: missing {", ".join(map(repr, missing))} '
                            f'(request keys: {have}); expected the keys of {whose}')
+
+
+def largest_observation_bytes(keys: ObservationKeys, state_dim: int,
+                              max_instruction_chars: int = 500) -> int:
+    """Return the msgpack size of a robot's largest valid observation (module docstring).
+
+    keys: where its client puts cameras and state; state_dim: its state's length.
+    """
+    cameras = len(keys.cameras) + len(keys.optional_cameras)
+    image = int(np.prod(LARGEST_IMAGE)) * LARGEST_IMAGE_ITEMSIZE + ARRAY_OVERHEAD_BYTES
+    state = 8 * state_dim + ARRAY_OVERHEAD_BYTES * len(keys.state)
+    prompt = 4 * max_instruction_chars + 64          # UTF-8: at most 4 bytes a character
+    return cameras * image + state + prompt
+
+
+def max_request_bytes(keys: ObservationKeys, state_dim: int,
+                      max_instruction_chars: int = 500) -> int:
+    """Return the default bound on one request message: the largest valid observation + 25%."""
+    return int(REQUEST_MARGIN * largest_observation_bytes(keys, state_dim,
+                                                          max_instruction_chars))
 
 
 def to_image(value: Any, where: str) -> np.ndarray:

@@ -12,6 +12,13 @@ Protocol (what openpi-client's WebsocketClientPolicy expects, unchanged):
                  'start_row': int (the first row past the delay; 0 without RTC)}
     error        a text message (the client raises RuntimeError with it); the connection stays
     GET /healthz 200 'OK' while the engine thread runs, 503 after it died
+    too big      a message over the bound (ServerConfig.max_message_bytes; default the robot's
+                 largest valid observation + 25%) is refused from its frame header, before
+                 its payload is read: the connection closes with 1009 and a reason naming the
+                 bound (the client raises ConnectionClosedError with it)
+    token        with ServerConfig.token, the handshake needs `Authorization: Api-Key <token>`
+                 (what openpi-client's WebsocketClientPolicy(api_key=...) sends) or
+                 `Bearer <token>`; others get HTTP 401. /healthz needs none.
 
 Threads: the asyncio event loop (its own thread) does the websocket I/O and decoding; one
 engine thread runs the frame loop. Requests of all clients wait in a FairQueue, served round
@@ -30,6 +37,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import hmac
 import http
 import itertools
 import logging
@@ -38,6 +46,8 @@ import time
 
 import websockets
 import websockets.asyncio.server as ws_server
+from websockets.exceptions import PayloadTooBig
+from websockets.frames import CloseCode
 
 from oxygen_ros import __version__
 from oxygen_ros.engine.types import Observation
@@ -48,7 +58,8 @@ from oxygen_ros.runtime.params import RtcSettings
 from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import LoopStats
 from oxygen_ros.serve.observations import (committed_rows, CommittedRows, keys_for,
-                                           ObservationKeys, RequestError, to_observation)
+                                           max_request_bytes, ObservationKeys, RequestError,
+                                           to_observation)
 from oxygen_ros.serve.queue import FairQueue
 from oxygen_ros.serve.wire import packb, unpackb, WireError
 
@@ -73,6 +84,8 @@ class ServerConfig:
     max_instruction_chars: int = 500
     period_s: float = 0.1           # the frame loop's nominal period (deadline statistics)
     rtc: RtcSettings = RtcSettings()   # real-time chunking of requests with 'prev_actions'
+    max_message_bytes: int = 0      # largest request read; 0: observations.max_request_bytes
+    token: str = ''                 # shared secret clients must send ('' = none needed)
 
 
 @dataclasses.dataclass
@@ -248,6 +261,39 @@ class EngineWorker:
                 outbox[kind].append(item)
 
 
+UNAUTHORIZED_TEXT = ('missing or wrong API key: send "Authorization: Api-Key <token>" '
+                     "(openpi-client: WebsocketClientPolicy(..., api_key=token))\n")
+MAX_CLOSE_REASON_BYTES = 123        # RFC 6455: a close frame's reason fits in 123 bytes
+
+
+def token_matches(authorization: str, token: str) -> bool:
+    """Return whether an Authorization header carries `token` (Api-Key or Bearer scheme)."""
+    scheme, _, given = authorization.strip().partition(' ')
+    if not token or scheme.lower() not in ('api-key', 'bearer'):
+        return False
+    return hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def _connection_class(too_big_reason: str) -> type:
+    """Return a ServerConnection class whose "message too big" close (1009) gives a reason.
+
+    Why: websockets refuses an oversized frame from its header, before reading the payload,
+    and closes with its own reason (the sizes only); the client should learn what the bound
+    is and how to change it.
+    """
+    reason = too_big_reason.encode()[:MAX_CLOSE_REASON_BYTES].decode(errors='ignore')
+
+    class BoundedConnection(ws_server.ServerConnection):
+        def __init__(self, protocol, *args, **kwargs):
+            fail = protocol.fail
+
+            def fail_with_reason(code, text=''):
+                fail(code, reason if code == CloseCode.MESSAGE_TOO_BIG else text)
+            protocol.fail = fail_with_reason
+            super().__init__(protocol, *args, **kwargs)
+    return BoundedConnection
+
+
 class PolicyServer:
     """openpi's websocket policy server over an engine System; start() runs it in threads.
 
@@ -259,6 +305,8 @@ class PolicyServer:
         self.spec = get_robot(config.robot)   # RobotSpecError (a ValueError) names the file
         self.keys = config.observation_keys or keys_for(self.spec)
         self.config = config
+        self.max_message_bytes = config.max_message_bytes or max_request_bytes(
+            self.keys, self.spec.state_dim, config.max_instruction_chars)
         self.worker = EngineWorker(system, config)
         self.metadata = self._metadata(system, description or {})
         self.port: int | None = None             # the bound port once started
@@ -332,20 +380,29 @@ class PolicyServer:
     async def _main(self) -> None:
         self._event_loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
+        too_big = (f'message over {self.max_message_bytes / 1e6:.1f} MB, the largest '
+                   f'{self.spec.name} observation this server reads (--max-message-mb)')
         async with ws_server.serve(self._connection, self.config.host, self.config.port,
-                                   compression=None, max_size=None,
-                                   process_request=self._health) as server:
+                                   compression=None, max_size=self.max_message_bytes,
+                                   process_request=self._handshake,
+                                   create_connection=_connection_class(too_big)) as server:
             self.port = server.sockets[0].getsockname()[1]
             logger.info('serving %s on %s:%d', self.spec.name, self.config.host, self.port)
             self._ready.set()
             await self._stopped.wait()
 
-    def _health(self, connection, request):
-        if request.path != HEALTH_PATH:
-            return None                                  # go on with the websocket handshake
-        if self.worker.alive:
-            return connection.respond(http.HTTPStatus.OK, 'OK\n')
-        return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, 'engine stopped\n')
+    def _handshake(self, connection, request):
+        """Answer /healthz; refuse a websocket handshake without the token; else go on."""
+        if request.path == HEALTH_PATH:
+            if self.worker.alive:
+                return connection.respond(http.HTTPStatus.OK, 'OK\n')
+            return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, 'engine stopped\n')
+        if self.config.token and not token_matches(
+                request.headers.get('Authorization', ''), self.config.token):
+            logger.warning('connection from %s refused: missing or wrong API key',
+                           connection.remote_address)
+            return connection.respond(http.HTTPStatus.UNAUTHORIZED, UNAUTHORIZED_TEXT)
+        return None                                      # go on with the websocket handshake
 
     async def _connection(self, websocket) -> None:
         client = next(self._ids)
@@ -364,7 +421,10 @@ class PolicyServer:
                 await websocket.send(reply)
                 previous_ms = (time.perf_counter() - start) * 1e3
         except websockets.ConnectionClosed:
-            pass
+            refused = websocket.protocol.parser_exc
+            if isinstance(refused, PayloadTooBig):
+                logger.warning('client %d: %s (bound %d bytes, --max-message-mb); connection '
+                               'closed', client, refused, self.max_message_bytes)
         finally:
             self.worker.disconnect(client)
             logger.info('client %d disconnected', client)
