@@ -109,7 +109,7 @@ fi
 msg_stamp="$venv/.oxygen_ros_msgs.sha256"
 # launch/ and config/ too: the install copies them into share/ (what `ros2 launch` reads)
 msg_hash="$(hash_files CMakeLists.txt package.xml msg/*.msg scripts/setup_env.sh \
-  requirements.txt launch/* config/*)"
+  requirements.txt $(find launch config -type f | LC_ALL=C sort))"
 generated_msg_init="$venv/$msgs_python_subdir/oxygen_ros/msg/__init__.py"
 if [[ "$(cat "$msg_stamp" 2>/dev/null)" != "$msg_hash" || ! -f "$generated_msg_init" ]]; then
   generator=()
