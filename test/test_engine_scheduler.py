@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from oxygen_ros.engine import (AdaptiveBudget, default_num_slots, Engine, FinishReason,
-                               FixedBudget, LanguagePolicy, Observation, Scheduler, System,
-                               UnlimitedBudget)
+                               FixedBudget, LanguagePolicy, Observation, ObservationError,
+                               Scheduler, System, UnlimitedBudget)
 from oxygen_ros.engine.frontend import PreparedObservation
 from oxygen_ros.engine.runner import MODEL_CALLS
 from oxygen_ros.engine.workload import get_workload, WORKLOADS
@@ -98,7 +98,7 @@ class FakeRunner:
 class FakeFrontend:
     def prepare(self, obs):
         if obs.state is None:
-            raise ValueError('no state')
+            raise ObservationError('no state')
         return PreparedObservation(None, {'frame': obs.frame_index})
 
     def robot_actions(self, normalized, prepared, held=None):

@@ -52,10 +52,10 @@ class StingyBudget:
     def __init__(self, k=0, k_min=1):
         self.k, self.k_min, self.k_max = k, k_min, max(k, k_min)
 
-    def choose(self, elapsed_s, batch_size):
+    def choose(self, elapsed_s, batch_size, deadline_s=None):
         return self.k
 
-    def allow_more(self, elapsed_s, batch_size):
+    def allow_more(self, elapsed_s, batch_size, deadline_s=None):
         return False
 
     def observe_action(self, seconds):

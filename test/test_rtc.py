@@ -447,7 +447,8 @@ def test_fleet_continues_each_robots_chunk_in_one_denoise(tiny):
                                atol=1e-5)
     fleet.advance_language()
     bad = fleet.act(obs, {'b': Continuation(np.zeros((3, 5)), delay=1)})
-    assert 'b' in bad.rejected and 'committed actions' in bad.rejected['b']
+    # A bad committed chunk is no bad observation: it fails that robot's act, as what it is.
+    assert not bad.rejected and 'committed actions' in str(bad.failed['b'])
     assert 'a' in bad.actions                                   # the other robot goes on
 
 

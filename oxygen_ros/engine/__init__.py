@@ -14,7 +14,7 @@ from oxygen_ros.engine.runner import ModelRunner
 from oxygen_ros.engine.scheduler import Admission, Scheduler, StepPlan
 from oxygen_ros.engine.system import System
 from oxygen_ros.engine.types import (ActionOutput, Continuation, FinishedRequest, FrameResult,
-                                     Observation, TokenDelta, Timings)
+                                     Observation, ObservationError, TokenDelta, Timings)
 from oxygen_ros.engine.workload import (default_num_slots, get_workload, LanguagePolicy,
                                         Workload, WORKLOADS)
 from oxygen_ros.kv import FinishReason
@@ -24,6 +24,7 @@ __all__ = ['action_only_policy', 'ActionOutput', 'AdaptiveBudget', 'Admission', 
            'FixedBudget', 'FleetActions', 'FleetEngine', 'FleetMember', 'FleetResult',
            'FleetRobot', 'make_fleet', 'FrameResult', 'Frontend', 'get_workload',
            'identity_norm_stats', 'LanguagePolicy', 'make_engine', 'make_system', 'ModelRunner',
-           'Observation', 'OutputProcessor', 'ParallelSystem', 'random_observation',
-           'random_setup', 'Scheduler', 'StepCostModel', 'StepPlan', 'System', 'SYSTEMS',
-           'TokenDelta', 'Timings', 'UnlimitedBudget', 'Workload', 'WORKLOADS']
+           'Observation', 'ObservationError', 'OutputProcessor', 'ParallelSystem',
+           'random_observation', 'random_setup', 'Scheduler', 'StepCostModel', 'StepPlan',
+           'System', 'SYSTEMS', 'TokenDelta', 'Timings', 'UnlimitedBudget', 'Workload',
+           'WORKLOADS']

@@ -24,10 +24,15 @@ class Budget(Protocol):
     unlimited: bool        # True: every request decodes to completion in its first frame
     k_min: int             # steps per request per frame that admission plans deadlines with
 
-    def choose(self, elapsed_s: float, batch_size: int) -> int:
-        """Return k for this frame (elapsed_s: frame time so far; batch_size: live requests)."""
+    def choose(self, elapsed_s: float, batch_size: int, deadline_s: float | None = None) -> int:
+        """Return k for this frame (elapsed_s: frame time so far; batch_size: live requests).
 
-    def allow_more(self, elapsed_s: float, batch_size: int) -> bool:
+        deadline_s: when the frame's language must end, seconds after it began (a fleet's
+        next robot tick; None: the budget's own period).
+        """
+
+    def allow_more(self, elapsed_s: float, batch_size: int,
+                   deadline_s: float | None = None) -> bool:
         """Whether another step at `batch_size` rows still fits in this frame."""
 
     def observe_action(self, seconds: float) -> None:
@@ -48,10 +53,11 @@ class UnlimitedBudget:
     unlimited = True
     k_max = k_min = sys.maxsize
 
-    def choose(self, elapsed_s: float, batch_size: int) -> int:
+    def choose(self, elapsed_s: float, batch_size: int, deadline_s: float | None = None) -> int:
         return sys.maxsize
 
-    def allow_more(self, elapsed_s: float, batch_size: int) -> bool:
+    def allow_more(self, elapsed_s: float, batch_size: int,
+                   deadline_s: float | None = None) -> bool:
         return True
 
     def observe_action(self, seconds: float) -> None:
@@ -82,11 +88,12 @@ class FixedBudget:
     def k_min(self) -> int:
         return self.k
 
-    def choose(self, elapsed_s: float, batch_size: int) -> int:
-        """Return k for this frame (elapsed_s: frame time so far; batch_size: live requests)."""
+    def choose(self, elapsed_s: float, batch_size: int, deadline_s: float | None = None) -> int:
+        """Return k for this frame: k, whatever the time (k per robot tick)."""
         return self.k
 
-    def allow_more(self, elapsed_s: float, batch_size: int) -> bool:
+    def allow_more(self, elapsed_s: float, batch_size: int,
+                   deadline_s: float | None = None) -> bool:
         """Whether another step fits in this frame (a fixed budget never cuts a frame short)."""
         return True
 
@@ -156,7 +163,9 @@ class AdaptiveBudget:
     Per frame, after the action path:  k = floor((deadline - elapsed) / d(B)),  clamped to
     [0, k_max], where deadline = frame_period_s · (1 - margin) and d(B) comes from the online
     cost model at the current number of live requests B (an upper bound on every step's batch
-    this frame). Guarantees:
+    this frame). In a fleet the frame's deadline is the next robot's tick when that comes
+    first (min(period, deadline_s) · (1 - margin)), and B counts every robot's rows of a
+    step. Guarantees:
       * slack ≥ one step  ->  k ≥ 1 (follows from the floor);
       * no slack          ->  k = 0: the budget adds nothing, and the scheduler's per-request
         minimum (each request's pool deadline, planned at k_min steps per frame) is all the
@@ -187,22 +196,29 @@ class AdaptiveBudget:
     def deadline_s(self) -> float:
         return self.frame_period_s * (1.0 - self.margin)
 
-    def choose(self, elapsed_s: float, batch_size: int) -> int:
+    def _deadline(self, deadline_s: float | None) -> float:
+        """Return the frame's deadline: its period's or an earlier one given, less the margin."""
+        if deadline_s is None:
+            return self.deadline_s
+        return min(self.frame_period_s, deadline_s) * (1.0 - self.margin)
+
+    def choose(self, elapsed_s: float, batch_size: int, deadline_s: float | None = None) -> int:
         """Return k for this frame; elapsed_s = frame time so far (action path included)."""
         step = self.cost.estimate(max(batch_size, 1))
         if step is None:
             k = 1
         else:
-            slack = self.deadline_s - elapsed_s
+            slack = self._deadline(deadline_s) - elapsed_s
             # 1 ns of tolerance: a slack of exactly n steps must give n despite rounding.
             k = 0 if slack <= 0 else min(self.k_max, int((slack + 1e-9) // max(step, 1e-9)))
         self.last_k = k
         return k
 
-    def allow_more(self, elapsed_s: float, batch_size: int) -> bool:
+    def allow_more(self, elapsed_s: float, batch_size: int,
+                   deadline_s: float | None = None) -> bool:
         """Whether one more step at `batch_size` still ends before the deadline."""
         step = self.cost.estimate(max(batch_size, 1)) or 0.0
-        return elapsed_s + step <= self.deadline_s
+        return elapsed_s + step <= self._deadline(deadline_s)
 
     def observe_action(self, seconds: float) -> None:
         old = self.action_s

@@ -1,4 +1,4 @@
-"""Engine: wires a scheduler, a model runner and an output processor into a System.
+"""Engine: one robot's System, a thin view of a one-member FleetEngine (the one frame path).
 
 One frame, in the order the work happens (the runtime publishes the actions between 1 and 2):
 
@@ -8,90 +8,94 @@ One frame, in the order the work happens (the runtime publishes the actions betw
                            then plans step after step; the runner executes each plan; the
                            output processor turns the requests' new ids into deltas and text
 
-The engine holds no tensor (the runner does) and makes no decision (the scheduler does); it
-moves ids and token lists between them and keeps the frame's clock.
+The steps themselves are FleetEngine's (engine/fleet.py); this view gives them the System
+protocol's one-robot shape (an observation in, an ActionOutput and a FrameResult out) and
+raises what the fleet reports per robot. The engine holds no tensor (the runner does) and
+makes no decision (the scheduler does).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import logging
 import time
 from typing import Callable
 
-import torch
-
-from oxygen_ros.engine.budget import Budget, sizing_k, UnlimitedBudget
-from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
+from oxygen_ros.engine.budget import Budget, sizing_k
+from oxygen_ros.engine.fleet import (DEFAULT_MAX_FORCED_TOKENS, FleetActions, FleetEngine,
+                                     FleetMember, FleetResult, forced_token_room,
+                                     generated_entries, ONE_ROBOT, pool_slot_bytes)
+from oxygen_ros.engine.frontend import Frontend
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
 from oxygen_ros.engine.scheduler import Scheduler
-from oxygen_ros.engine.types import (ActionOutput, Continuation, FrameResult, Observation,
-                                     Timings)
-from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
+from oxygen_ros.engine.types import ActionOutput, Continuation, FrameResult, Observation
+from oxygen_ros.engine.workload import default_num_slots, LanguagePolicy
 from oxygen_ros.kv import KVPool
-from oxygen_ros.kv.store import slot_bytes
-from oxygen_ros.model.config import Pi05Config
 from oxygen_ros.model.pi05 import Pi05Model
 
-logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_FORCED_TOKENS = 32   # storage reserved per slot for a prompt template's tokens
-
-
-@dataclasses.dataclass
-class _Frame:
-    """Bookkeeping of the frame between act() and advance_language()."""
-
-    index: int
-    instruction: str
-    prepared: PreparedObservation
-    started: float                      # clock() when act() began (the frame's deadline origin)
-    act_s: float = 0.0                  # wall time of act()
-    action: ActionOutput | None = None  # what act() returned
+__all__ = ['DEFAULT_MAX_FORCED_TOKENS', 'Engine', 'forced_token_room', 'generated_entries',
+           'make_engine', 'pool_slot_bytes']
 
 
-class FrontendClock:
-    """Counts frontend work (conversion, not scheduling) apart from the manager's overhead.
+class Engine:
+    """A System over one model: oxygen, oxygen-adaptive, shared or isolated (see make_engine).
 
-    For Engine and FleetEngine: needs `clock` and a `_frontend_s` the frame resets.
+    `fleet` is the one-member FleetEngine doing the work; `robot` its member's name.
     """
-
-    clock: Callable[[], float]
-    _frontend_s: float
-
-    @contextlib.contextmanager
-    def _frontend_clock(self):
-        """Count the enclosed time as frontend work."""
-        start = self.clock()
-        try:
-            yield
-        finally:
-            self._frontend_s += self.clock() - start
-
-
-class Engine(FrontendClock):
-    """A System over one model: oxygen, oxygen-adaptive, shared or isolated (see make_engine)."""
 
     def __init__(self, name: str, scheduler: Scheduler, runner: Runner, frontend: Frontend,
                  *, seed: int = 0, debug: bool = False,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, robot: str = ONE_ROBOT):
         self.system = name
-        self.scheduler = scheduler
-        self.runner = runner
-        self.frontend = frontend
-        self.output = OutputProcessor(frontend)
-        self.seed = seed
-        self.debug = debug
-        self.clock = clock
+        self.robot = robot
+        self.fleet = FleetEngine([FleetMember(robot, scheduler, frontend, seed)], runner,
+                                 scheduler.pool, debug=debug, clock=clock)
         self.last_result: FrameResult | None = None
-        self._frame: _Frame | None = None
-        self._next_frame_index = 0
-        self._last_frame_index = -1
-        self._frontend_s = 0.0                   # frontend time since the frame began
+
+    @classmethod
+    def view(cls, fleet: FleetEngine, robot: str, name: str = 'oxygen') -> Engine:
+        """Return the System view of a one-member fleet (its robot `robot`)."""
+        assert list(fleet.robots) == [robot], f'a view needs a one-robot fleet, not {fleet}'
+        engine = cls.__new__(cls)
+        engine.system, engine.robot, engine.fleet, engine.last_result = name, robot, fleet, None
+        return engine
 
     # ---- the System protocol's state and controls ----------------------------------------
+
+    @property
+    def _member(self) -> FleetMember:
+        return self.fleet.robots[self.robot]
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._member.scheduler
+
+    @property
+    def runner(self) -> Runner:
+        return self.fleet.runner
+
+    @runner.setter
+    def runner(self, runner: Runner) -> None:
+        self.fleet.runner = runner
+
+    @property
+    def frontend(self) -> Frontend:
+        return self._member.frontend
+
+    @frontend.setter
+    def frontend(self, frontend: Frontend) -> None:
+        self._member.frontend = frontend
+
+    @property
+    def output(self) -> OutputProcessor:
+        return self._member.output
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.fleet.clock
+
+    @property
+    def seed(self) -> int:
+        return self._member.seed
 
     @property
     def policy(self) -> LanguagePolicy:
@@ -112,176 +116,71 @@ class Engine(FrontendClock):
 
     def set_budget(self, budget: Budget | None) -> None:
         """Use `budget` from the next frame on (None: unlimited); the pool keeps its size."""
-        self.scheduler.budget = UnlimitedBudget() if budget is None else budget
+        self.fleet.set_budget(self.robot, budget)
 
     def set_policy(self, policy: LanguagePolicy) -> None:
         """Use `policy` for requests that arrive from the next frame on."""
-        self.scheduler.policy = policy
+        self.fleet.set_policy(self.robot, policy)
 
     def close(self) -> None:
         """Nothing is held outside this process."""
 
-    # ---- 1. the action path ------------------------------------------------------------------
+    # ---- the frame ---------------------------------------------------------------------------
 
     def act(self, obs: Observation, continuation: Continuation | None = None) -> ActionOutput:
         """Prefill the observation into a pool slot and compute its actions; no language work.
 
         continuation: the chunk the robot is executing, which this one continues (real-time
         chunking, on the same prefill); the output's start_row is then its delay.
-        Raises ValueError for a malformed observation or committed chunk (nothing allocated);
-        the action path always gets a slot (the scheduler's admission keeps one free for it).
+        Raises ObservationError (a ValueError) for a malformed observation, and what else
+        failed (a bad committed chunk, a model call) as it is; nothing stays allocated.
         """
-        frame = self._begin_frame(obs)
-        plan = None
-        if continuation is not None:
-            with self._frontend_clock():   # may raise: nothing is held yet
-                plan = self.frontend.row_plan(continuation, frame.prepared,
-                                              self.runner.action_shape[0])
-        slot = self.scheduler.allocate_frame_slot(frame.index)
-        try:
-            self.runner.prefill(frame.prepared.tensors, slot)
-            noise = frame_noise(self.seed, frame.index, *self.runner.action_shape)
-            normalized = self.runner.sample_actions(slot, noise, plan)      # [H, A]
-            with self._frontend_clock():
-                actions = self.frontend.robot_actions(normalized, frame.prepared,
-                                                      held_rows(continuation, plan))
-        except BaseException:
-            self.scheduler.drop_frame()
-            raise
-        self.scheduler.after_actions()
-        frame.act_s = self.clock() - frame.started
-        self.budget.observe_action(frame.act_s)
-        frame.action = ActionOutput(frame.index, actions, normalized, frame.act_s, obs.stamp,
-                                    plan.delay if plan is not None else 0)
-        self._frame = frame
-        return frame.action
+        continuations = {self.robot: continuation} if continuation is not None else None
+        return self._one(self.fleet.act({self.robot: obs}, continuations))
 
     def language_task(self, obs: Observation) -> FrameResult:
         """Only the language half of a frame, with its own prefill (the parallel baseline)."""
-        assert not self.scheduler.share_prefix, 'a language-only frame needs its own prefill'
-        frame = self._begin_frame(obs)
-        frame.act_s = self.clock() - frame.started
-        self._frame = frame
-        return self.advance_language()
+        result = self.fleet.language_task({self.robot: obs})
+        self._one(result)
+        return self._result(result)
 
-    def _begin_frame(self, obs: Observation) -> _Frame:
-        started = self.clock()
-        if self._frame is not None:
-            # act() twice without advance_language(): the earlier frame gets no language.
-            logger.warning('frame %d: act() called again before advance_language(); frame %d '
-                           'starts no request', self._frame.index, self._frame.index)
-            self.scheduler.drop_frame()
-            self._frame = None
-        self.runner.reset_times()
-        self._frontend_s = 0.0
-        index = self._next_frame_index if obs.frame_index is None else int(obs.frame_index)
-        with self._frontend_clock():
-            prepared = self.frontend.prepare(obs)    # may raise: nothing is held yet
-        self._next_frame_index = index + 1
-        self._last_frame_index = index
-        return _Frame(index, obs.instruction, prepared, started)
-
-    # ---- 2. the language path -----------------------------------------------------------------
-
-    def advance_language(self) -> FrameResult:
+    def advance_language(self, deadline_s: float | None = None) -> FrameResult:
         """Admit this frame's request, run the frame's token steps, report deltas and endings.
 
-        Returns the frame's FrameResult (also kept in `self.last_result`). Without a preceding
-        act() it just advances the live requests (no new request).
+        deadline_s: when the frame's language must end, seconds after act() began (None: the
+        budget's period). Returns the frame's FrameResult (also kept in `self.last_result`).
+        Without a preceding act() it just advances the live requests (no new request).
         """
-        start = self.clock()
-        frame, self._frame = self._frame, None
-        if frame is None:
-            self.runner.reset_times()
-            self._frontend_s = 0.0
-        frame_start = frame.started if frame else start
-        scheduler = self.scheduler
-        scheduler.begin_language()
-        if frame is not None:
-            try:
-                self._admit(frame)
-            except Exception as err:   # noqa: BLE001 - a language failure must not leak a slot
-                logger.error('frame %d: no language request started: %r', frame.index, err)
-                scheduler.drop_frame()
-        k = scheduler.choose_k(self.clock() - frame_start)
-        while (plan := scheduler.schedule(self.clock() - frame_start)) is not None:
-            try:
-                if plan.first_token:
-                    token_ids = self.runner.first_tokens(plan.slots)
-                else:
-                    token_ids = self.runner.decode(plan.slots, plan.gen_lens, plan.tokens)
-            except Exception as err:   # a language failure must not reach the action path
-                scheduler.fail(plan.request_ids, err)
-                continue
-            scheduler.update(plan, token_ids, self.runner.last_call_s)
-        touched, ended = scheduler.end_language()
-        with self._frontend_clock():
-            deltas, finished = self.output.report(touched, ended, self._last_frame_index)
-        total_s = (frame.act_s if frame else 0.0) + self.clock() - start
-        self._record(frame, k, deltas, finished, total_s)
-        if self.debug:
-            self.check()
-        return self.last_result
-
-    def _admit(self, frame: _Frame) -> None:
-        forced = []
-        if self.policy.prompt_template:
-            with self._frontend_clock():
-                forced = self.frontend.encode_text(self.policy.prompt_text(frame.instruction))
-        admission = self.scheduler.admit(frame.index, forced)
-        if admission is not None and admission.needs_prefill:
-            try:
-                self.runner.prefill(frame.prepared.tensors, admission.slot)
-            except Exception as err:   # a language failure must not reach the action path
-                self.scheduler.fail([admission.request_id], err)
+        return self._result(self.fleet.advance_language(deadline_s=deadline_s))
 
     def step(self, obs: Observation) -> FrameResult:
         """act() then advance_language(): one whole frame."""
         self.act(obs)
         return self.advance_language()
 
-    # ---- 3. results -----------------------------------------------------------------------
+    def _one(self, outcome: FleetActions | FleetResult) -> ActionOutput | None:
+        """Return this robot's chunk of a fleet call, or raise why it has none."""
+        why = outcome.rejected.get(self.robot) or outcome.failed.get(self.robot)
+        if why is not None:
+            raise why
+        return outcome.actions[self.robot] if isinstance(outcome, FleetActions) else None
 
-    def _record(self, frame, k, deltas, finished, total_s) -> None:
-        seconds = self.runner.seconds
-        timings = Timings(prefill_s=seconds['prefill'], action_s=seconds['action'],
-                          decode_s=seconds['decode'], total_s=total_s,
-                          act_s=frame.act_s if frame else 0.0, frontend_s=self._frontend_s)
-        timings.overhead_s = max(total_s - timings.model_s, 0.0)
-        batch_sizes = list(self.scheduler.batch_sizes)
-        self.last_result = FrameResult(
-            frame_index=frame.index if frame else -1, action=frame.action if frame else None,
-            deltas=deltas, finished=finished, k=k,
-            decode_steps=len(batch_sizes), batch_sizes=batch_sizes,
-            active_requests=self.num_live_requests, timings=timings,
-            kv_usage=self.pool.usage())
+    def _result(self, result: FleetResult) -> FrameResult:
+        """Return this robot's FrameResult of a tick (an empty one when it had nothing to do)."""
+        mine = result.robots.get(self.robot)
+        if mine is None:
+            mine = FrameResult(frame_index=-1, action=None, deltas=[], finished=[], k=0,
+                               decode_steps=0, batch_sizes=[], active_requests=0,
+                               timings=result.timings, kv_usage=self.pool.usage())
+        self.last_result = mine
+        return mine
 
     def check(self) -> None:
         """Assert the scheduler's and the pool's invariants."""
-        self.scheduler.check()
+        self.fleet.check()
 
     def __str__(self) -> str:
         return f'{self.system}: {self.scheduler}'
-
-
-def forced_token_room(policy: LanguagePolicy, max_forced_tokens: int | None = None) -> int:
-    """Entries a slot reserves for a prompt template's forced tokens (None: the default)."""
-    if max_forced_tokens is not None:
-        return max_forced_tokens
-    return DEFAULT_MAX_FORCED_TOKENS if policy.prompt_template else 0
-
-
-def generated_entries(policy: LanguagePolicy, max_forced_tokens: int | None = None) -> int:
-    """Entries a request writes after the prefix: forced + N - 1 (its last token is not fed)."""
-    return forced_token_room(policy, max_forced_tokens) + policy.max_request_len - 1
-
-
-def pool_slot_bytes(config: Pi05Config, policy: LanguagePolicy,
-                    kv_dtype: torch.dtype) -> int:
-    """Bytes of one KV slot as make_engine allocates it for `policy` (before building)."""
-    b = config.backbone
-    return slot_bytes(b.depth, config.prefix_len, generated_entries(policy), b.num_kv_heads,
-                      b.head_dim, b.width, kv_dtype)
 
 
 def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy,

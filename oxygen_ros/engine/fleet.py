@@ -1,60 +1,100 @@
-"""FleetEngine: R robots served by one model and one KV store, in batched model calls.
+"""FleetEngine: the one frame path, for R robots served by one model and one KV store.
 
-Each robot keeps everything the single-robot Engine has per robot: a scheduler (its requests,
-decode budget, pool deadlines, frame numbering), a frontend (robot spec, tokenizer, norm stats), an
-output processor and a noise seed. What the robots share is the model, the KV store and the
-model calls. One tick, as the runtime drives it:
+One robot is a fleet of one (engine.Engine is a thin view of a one-member FleetEngine), so
+the frame steps below are the only ones in the package.
+
+Each robot keeps what is its own: a scheduler (its requests, decode budget, pool deadlines,
+frame numbering), a frontend (robot spec, tokenizer, norm stats), an output processor and a
+noise seed. What the robots share is the model, the KV store and the model calls. One tick, as
+the runtime drives it:
 
     1. act({robot: obs})    robots whose frame is due send an observation (the others none);
                             per robot: prepare it (a bad one rejects that robot only) and
                             take a frame slot from its own KV quota; then ONE prefill over
                             every robot's row (or prefills of max_prefill_rows rows each)
                             and ONE denoise over every row
-    2. advance_language()   per robot: admit (a request adopts its frame's slot), choose k
-                            with its own budget; then rounds: every robot's scheduler plans
-                            its next step, and the rows of all robots run as ONE first-token
-                            call and ONE batched decode step; tokens go back to each robot
+    2. advance_language()   per robot: admit (a request adopts its frame's slot, or, isolated,
+                            is prefilled into a slot of its own), choose k with its own budget
+                            against the tick's one deadline; then rounds: every robot's
+                            scheduler plans its next step, and the rows of all robots run as
+                            ONE first-token call and ONE batched decode step
 
-So a robot's tokens and actions are those of a single-robot Engine over the same frames
-(greedy tokens identical; actions equal up to the float rounding of a larger batch), and a
-robot that sends no frame costs the others nothing but its live requests' decode rows.
+So a robot's tokens and actions are those it would get alone (greedy tokens identical;
+actions equal up to the float rounding of a larger batch), and a robot that sends no frame
+costs the others nothing but its live requests' decode rows.
 
-max_prefill_rows trades a prefill's peak activations (~25 MB per pi05-cpu row on the CPU,
-next to 54 MB of weights) against batching: a compute-bound CPU gains nothing from rows of
-one prefill (measured: P(4) > 4 P(1) there), a GPU reads the weights once for all of them
-(None: every row in one call).
+A single row (one robot, or max_prefill_rows=1) runs through the runner's one-row calls,
+which read the store by slice; several rows through its batched calls. max_prefill_rows trades
+a prefill's peak activations (~25 MB per pi05-cpu row on the CPU, next to 54 MB of weights)
+against batching: a compute-bound CPU gains nothing from rows of one prefill (measured:
+P(4) > 4 P(1) there), a GPU reads the weights once for all of them (None: all in one call).
 
 KV quotas: the store's slots are partitioned (KVPool.partition); a robot's scheduler sees a
 QuotaPool of its quota and admits only what its quota holds to the end (scheduler.py), and the
 quotas add up to the store, so no robot's language can take another robot's action slot.
+
+What fails where: an observation the frontend rejects (ObservationError) or any other failure
+of one robot's own steps (its committed chunk, its action conversion) costs that robot its
+actions this tick, reported by kind in FleetActions; a failing shared model call releases
+every frame and raises.
 
 Shapes: B rows of a batched call (one per robot with a frame), H action rows, A action width.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import numpy as np
+import torch
 
 from oxygen_ros.engine.budget import Budget, sizing_k, UnlimitedBudget
-from oxygen_ros.engine.engine import DEFAULT_MAX_FORCED_TOKENS, FrontendClock
 from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
 from oxygen_ros.engine.scheduler import Scheduler, StepPlan
 from oxygen_ros.engine.types import (ActionOutput, Continuation, FrameResult, Observation,
-                                     Timings)
+                                     ObservationError, Timings)
 from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
 from oxygen_ros.kv import KVPool
+from oxygen_ros.kv.store import slot_bytes
+from oxygen_ros.model.config import Pi05Config
 from oxygen_ros.model.pi05 import Pi05Model
 from oxygen_ros.model.rtc import RowPlan
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_FORCED_TOKENS = 32   # storage reserved per slot for a prompt template's tokens
+ONE_ROBOT = ''                   # the member name of a one-robot engine (and a plain node)
+
+
+# ---- slot sizing ------------------------------------------------------------------------------
+
+def forced_token_room(policy: LanguagePolicy, max_forced_tokens: int | None = None) -> int:
+    """Entries a slot reserves for a prompt template's forced tokens (None: the default)."""
+    if max_forced_tokens is not None:
+        return max_forced_tokens
+    return DEFAULT_MAX_FORCED_TOKENS if policy.prompt_template else 0
+
+
+def generated_entries(policy: LanguagePolicy, max_forced_tokens: int | None = None) -> int:
+    """Entries a request writes after the prefix: forced + N - 1 (its last token is not fed)."""
+    return forced_token_room(policy, max_forced_tokens) + policy.max_request_len - 1
+
+
+def pool_slot_bytes(config: Pi05Config, policy: LanguagePolicy,
+                    kv_dtype: torch.dtype) -> int:
+    """Bytes of one KV slot as make_engine allocates it for `policy` (before building)."""
+    b = config.backbone
+    return slot_bytes(b.depth, config.prefix_len, generated_entries(policy), b.num_kv_heads,
+                      b.head_dim, b.width, kv_dtype)
+
+
+# ---- the robots ------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class FleetRobot:
@@ -76,7 +116,7 @@ class FleetMember:
     """A robot inside the engine: its scheduler (over its KV share), frontend, numbering."""
 
     name: str
-    scheduler: Scheduler         # its requests, budget, policy; its pool is a QuotaPool
+    scheduler: Scheduler         # its requests, budget, policy; its pool is its KV share
     frontend: Frontend
     seed: int = 0                # flow-matching noise seed
     output: OutputProcessor = dataclasses.field(init=False)
@@ -104,10 +144,11 @@ class _Frame:
 
 @dataclasses.dataclass
 class FleetActions:
-    """What act() returned: the chunk of every robot with a frame, and the rejected ones."""
+    """What act() returned: the chunk of every robot with a frame, and why the others got none."""
 
     actions: dict[str, ActionOutput]   # robot -> its action chunk, ready to publish
-    rejected: dict[str, str]           # robot -> why its observation gave no actions
+    rejected: dict[str, ObservationError]   # robot -> its observation was bad (input)
+    failed: dict[str, Exception]       # robot -> any other failure of its own steps
     prefill_rows: int                  # frames prefilled and denoised this tick
     act_s: float                       # wall time of act(): every chunk's latency
 
@@ -116,8 +157,9 @@ class FleetActions:
 class FleetResult:
     """Everything one tick produced: one FrameResult per robot with work, and the shared side."""
 
-    robots: dict[str, FrameResult]     # robots with a frame or live requests this tick
-    rejected: dict[str, str]           # robot -> why its observation gave no actions
+    robots: dict[str, FrameResult]     # robots whose language ran this tick
+    rejected: dict[str, ObservationError]   # robot -> its observation was bad (input)
+    failed: dict[str, Exception]       # robot -> any other failure of its action path
     prefill_rows: int                  # frames prefilled and denoised (0: no frame)
     batch_sizes: list[int]             # rows of every decode step, all robots together
     timings: Timings                   # the tick's wall time (each robot's frame is the tick)
@@ -129,8 +171,10 @@ class FleetResult:
         return max(self.batch_sizes, default=0)
 
 
-class FleetEngine(FrontendClock):
-    """One model, one KV store, R robots: batched prefill, denoise and decode (see module doc)."""
+# ---- the engine ------------------------------------------------------------------------------
+
+class FleetEngine:
+    """One model, one KV store, R >= 1 robots: the frame path (see module doc)."""
 
     system = 'fleet'
 
@@ -148,7 +192,7 @@ class FleetEngine(FrontendClock):
         self.last_result: FleetResult | None = None
         self._act: FleetActions | None = None     # the tick's act(), until advance_language()
         self._tick_start: float | None = None
-        self._frontend_s = 0.0
+        self._frontend_s = 0.0                    # frontend time since the tick began
 
     # ---- state and controls ------------------------------------------------------------------
 
@@ -184,88 +228,107 @@ class FleetEngine(FrontendClock):
         except KeyError:
             raise ValueError(f'unknown robot {name!r}; the fleet has {self.robot_names}') from None
 
+    @contextlib.contextmanager
+    def _frontend_clock(self):
+        """Count the enclosed time as frontend work (conversion), not manager overhead."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self._frontend_s += self.clock() - start
+
     # ---- 1. the action path of every robot with a frame ------------------------------------
 
     def act(self, observations: Mapping[str, Observation],
             continuations: Mapping[str, Continuation] | None = None) -> FleetActions:
-        """Prefill every robot's observation in one call, denoise them in one call.
+        """Prefill every robot's observation, denoise them all; no language work.
 
         observations: robot name -> this tick's observation (robots without a frame absent).
         continuations: robot name -> the chunk it is executing, which its new chunk continues
-        (real-time chunking, rows of one denoise call; robots absent: plain flow matching).
-        A robot whose observation (or committed chunk) the frontend rejects gets no actions
-        (reason in `rejected`) and holds nothing; the others are not affected. Raises
+        (real-time chunking on the same prefill; robots absent: plain flow matching).
+        A robot whose observation the frontend rejects (`rejected`) or whose own steps fail
+        (`failed`) gets no actions and holds nothing; the others are not affected. Raises
         ValueError for an unknown robot name (nothing done), and re-raises a failing model
         call after releasing every frame.
         """
         for name in observations:
             self._robot(name)
-        start = self._tick_start = self.clock()
-        self.runner.reset_times()
-        self._frontend_s = 0.0
-        frames, rejected = [], {}
+        start = self._begin_tick()
+        frames, rejected, failed = [], {}, {}
         continuations = continuations or {}
         for name, obs in observations.items():
-            frame = self._begin_frame(self.robots[name], obs, continuations.get(name),
-                                      rejected)
-            if frame is not None:
-                frames.append(frame)
+            robot = self.robots[name]
+            try:
+                frames.append(self._begin_frame(robot, obs, continuations.get(name)))
+            except ObservationError as err:   # this robot's input only: nothing is held yet
+                rejected[name] = err
+            except Exception as err:   # noqa: BLE001 - e.g. a bad committed chunk: this robot
+                failed[name] = err
         if frames:
-            self._run_action_path(frames, rejected)
+            self._run_action_path(frames, failed)
         act_s = self.clock() - start
         actions = {}
         for frame in frames:
-            if frame.robot.name in rejected:
+            if frame.robot.name in failed:
                 continue
-            sched = frame.robot.scheduler
-            sched.after_actions()
-            sched.budget.observe_action(act_s)
+            scheduler = frame.robot.scheduler
+            scheduler.after_actions()
+            scheduler.budget.observe_action(act_s)
             frame.action.inference_time_s = act_s
             frame.robot.frame = frame
             actions[frame.robot.name] = frame.action
-        self._act = FleetActions(actions, rejected, len(frames), act_s)
+        self._act = FleetActions(actions, rejected, failed, len(frames), act_s)
         return self._act
 
+    def _begin_tick(self) -> float:
+        start = self._tick_start = self.clock()
+        self.runner.reset_times()
+        self._frontend_s = 0.0
+        return start
+
     def _begin_frame(self, robot: FleetMember, obs: Observation,
-                     continuation: Continuation | None,
-                     rejected: dict[str, str]) -> _Frame | None:
+                     continuation: Continuation | None) -> _Frame:
         if robot.frame is not None:
             # act() twice without advance_language(): the earlier frame gets no language.
-            logger.warning('%s: frame %d got no advance_language(); it starts no request',
-                           robot.name, robot.frame.index)
+            logger.warning('%sframe %d: act() called again before advance_language(); it '
+                           'starts no request', _who(robot), robot.frame.index)
             robot.scheduler.drop_frame()
             robot.frame = None
         index = robot.next_frame_index if obs.frame_index is None else int(obs.frame_index)
-        try:
-            with self._frontend_clock():
-                prepared = robot.frontend.prepare(obs)
-                plan = (robot.frontend.row_plan(continuation, prepared,
-                                                self.runner.action_shape[0])
-                        if continuation is not None else None)
-        except ValueError as err:   # this robot's observation only: nothing is held yet
-            rejected[robot.name] = str(err)
-            return None
+        with self._frontend_clock():
+            prepared = robot.frontend.prepare(obs)   # may raise: nothing is held yet
+            plan = (robot.frontend.row_plan(continuation, prepared, self.runner.action_shape[0])
+                    if continuation is not None else None)
         robot.next_frame_index = index + 1
         robot.last_frame_index = index
         return _Frame(robot, index, obs, prepared, plan, held_rows(continuation, plan))
 
-    def _run_action_path(self, frames: list[_Frame], rejected: dict[str, str]) -> None:
-        """Slots from each robot's quota, then one prefill and one denoise over all rows."""
+    def _run_action_path(self, frames: list[_Frame], failed: dict[str, Exception]) -> None:
+        """Slots from each robot's quota, then the prefills and one denoise over all rows."""
+        runner = self.runner
+        H, A = runner.action_shape
         try:
             for frame in frames:
                 frame.slot = frame.robot.scheduler.allocate_frame_slot(frame.index)
-            frames.sort(key=lambda f: f.slot)   # a run of slots is read as a view
-            slots = [f.slot for f in frames]
-            step = self.max_prefill_rows or len(frames)
-            for first in range(0, len(frames), step):
-                chunk = frames[first:first + step]
-                self.runner.prefill_rows([f.prepared.tensors for f in chunk],
-                                         slots[first:first + step])
-            H, A = self.runner.action_shape
-            noise = np.stack([frame_noise(f.robot.seed, f.index, H, A) for f in frames])
-            plans = [f.plan for f in frames]
-            normalized = self.runner.sample_actions_rows(
-                slots, noise, plans if any(plans) else None)                  # [B, H, A]
+            if len(frames) == 1:   # one row: the runner's one-row calls read slot slices
+                frame = frames[0]
+                runner.prefill(frame.prepared.tensors, frame.slot)
+                noise = frame_noise(frame.robot.seed, frame.index, H, A)
+                normalized = runner.sample_actions(frame.slot, noise, frame.plan)[None]
+            else:
+                frames.sort(key=lambda f: f.slot)   # a run of slots is read as a view
+                step = self.max_prefill_rows or len(frames)
+                for first in range(0, len(frames), step):
+                    chunk = frames[first:first + step]
+                    if len(chunk) == 1:
+                        runner.prefill(chunk[0].prepared.tensors, chunk[0].slot)
+                    else:
+                        runner.prefill_rows([f.prepared.tensors for f in chunk],
+                                            [f.slot for f in chunk])
+                noise = np.stack([frame_noise(f.robot.seed, f.index, H, A) for f in frames])
+                plans = [f.plan for f in frames]
+                normalized = runner.sample_actions_rows(
+                    [f.slot for f in frames], noise, plans if any(plans) else None)  # [B, H, A]
         except BaseException:
             for frame in frames:
                 frame.robot.scheduler.drop_frame()
@@ -275,20 +338,46 @@ class FleetEngine(FrontendClock):
                 with self._frontend_clock():
                     actions = frame.robot.frontend.robot_actions(rows, frame.prepared,
                                                                  frame.held)
-            except ValueError as err:   # e.g. non-finite actions: this robot only
-                rejected[frame.robot.name] = f'actions: {err}'
+            except Exception as err:   # noqa: BLE001 - e.g. non-finite actions: this robot only
+                failed[frame.robot.name] = err
                 frame.robot.scheduler.drop_frame()
                 continue
             frame.action = ActionOutput(frame.index, actions, rows, 0.0, frame.obs.stamp,
                                         frame.plan.delay if frame.plan is not None else 0)
 
+    def language_task(self, observations: Mapping[str, Observation]) -> FleetResult:
+        """Only the language half of a tick, each frame prefilled for its request alone.
+
+        The parallel baseline's language process: no action path, no frame slot; each
+        robot's request is admitted into a slot of its own (isolated schedulers only).
+        """
+        for name in observations:
+            assert not self._robot(name).scheduler.share_prefix, (
+                'a language-only frame needs its own prefill')
+        start = self._begin_tick()
+        rejected, failed = {}, {}
+        for name, obs in observations.items():
+            robot = self.robots[name]
+            try:
+                robot.frame = self._begin_frame(robot, obs, None)
+            except ObservationError as err:
+                rejected[name] = err
+            except Exception as err:   # noqa: BLE001 - this robot only
+                failed[name] = err
+        self._act = FleetActions({}, rejected, failed, 0, self.clock() - start)
+        return self.advance_language()
+
     # ---- 2. the language path of every robot, in shared decode steps -------------------------
 
-    def advance_language(self) -> FleetResult:
+    def advance_language(self, robots: Collection[str] | None = None,
+                         deadline_s: float | None = None) -> FleetResult:
         """Admit each framed robot's request, run the tick's token steps for all robots at once.
 
-        Without a preceding act() it advances the live requests of every robot (no new
-        request). Returns the tick's FleetResult (also kept in `self.last_result`).
+        robots: whose live requests advance this tick (None: every robot's); a robot with a
+        frame from act() always takes part. deadline_s: when this tick's language must end,
+        seconds after act() began (the next robot's tick; None: each robot's budget counts
+        against its own period). Without a preceding act() only live requests advance (no
+        new request). Returns the tick's FleetResult (also kept in `self.last_result`).
         """
         start = self.clock()
         act, self._act = self._act, None
@@ -297,37 +386,42 @@ class FleetEngine(FrontendClock):
         if act is None:
             self.runner.reset_times()
             self._frontend_s = 0.0
-        frames = {}
-        working = []
+        frames, working = {}, []
         for robot in self.robots.values():
             frame, robot.frame = robot.frame, None
-            if frame is None and not robot.scheduler.active:
+            if frame is None and (not robot.scheduler.has_work
+                                  or (robots is not None and robot.name not in robots)):
                 continue
             robot.scheduler.begin_language()
             if frame is not None:
                 frames[robot.name] = frame
                 self._admit(frame)
             working.append(robot)
-        ks = {r.name: r.scheduler.choose_k(self.clock() - tick_start) for r in working}
-        batch_sizes = self._token_steps(working, tick_start)
-        act_s = act.act_s if act is not None else 0.0
-        total_s = act_s + self.clock() - start
-        timings = self._timings(act_s, total_s)
-        results = {}
+        live = sum(len(r.scheduler.active) for r in working)
+        ks = {r.name: r.scheduler.choose_k(self.clock() - tick_start, deadline_s,
+                                           live - len(r.scheduler.active)) for r in working}
+        batch_sizes = self._token_steps(working, tick_start, deadline_s)
+        reports = {}
         for robot in working:
             touched, ended = robot.scheduler.end_language()
             with self._frontend_clock():
-                deltas, finished = robot.output.report(touched, ended, robot.last_frame_index)
+                reports[robot.name] = robot.output.report(touched, ended,
+                                                          robot.last_frame_index)
+        act_s = act.act_s if act is not None else 0.0
+        timings = self._timings(act_s, act_s + self.clock() - start)
+        results = {}
+        for robot in working:
+            deltas, finished = reports[robot.name]
             frame = frames.get(robot.name)
+            scheduler = robot.scheduler
             results[robot.name] = FrameResult(
                 frame_index=frame.index if frame else -1, action=frame.action if frame else None,
                 deltas=deltas, finished=finished, k=ks[robot.name],
-                decode_steps=len(robot.scheduler.batch_sizes),
-                batch_sizes=list(robot.scheduler.batch_sizes),
-                active_requests=len(robot.scheduler.active), timings=timings,
-                kv_usage=robot.scheduler.pool.usage())
-        timings.frontend_s = self._frontend_s   # detokenizing counted too
+                decode_steps=len(scheduler.batch_sizes),
+                batch_sizes=list(scheduler.batch_sizes), active_requests=len(scheduler.active),
+                timings=timings, kv_usage=scheduler.pool.usage())
         self.last_result = FleetResult(results, dict(act.rejected) if act else {},
+                                       dict(act.failed) if act else {},
                                        act.prefill_rows if act else 0, batch_sizes, timings,
                                        self.pool.usage())
         if self.debug:
@@ -336,28 +430,38 @@ class FleetEngine(FrontendClock):
 
     def _admit(self, frame: _Frame) -> None:
         robot = frame.robot
+        scheduler = robot.scheduler
         try:
             forced = []
-            policy = robot.scheduler.policy
+            policy = scheduler.policy
             if policy.prompt_template:
                 with self._frontend_clock():
                     forced = robot.frontend.encode_text(policy.prompt_text(frame.obs.instruction))
-            admission = robot.scheduler.admit(frame.index, forced)
-            # Fleet schedulers share prefixes: a request adopts its frame's slot, no prefill.
-            assert admission is None or not admission.needs_prefill
+            admission = scheduler.admit(frame.index, forced)
         except Exception as err:   # noqa: BLE001 - a language failure must not leak a slot
-            logger.error('%s frame %d: no language request started: %r', robot.name,
+            logger.error('%sframe %d: no language request started: %r', _who(robot),
                          frame.index, err)
-            robot.scheduler.drop_frame()
+            scheduler.drop_frame()
+            return
+        if admission is not None and admission.needs_prefill:   # isolated: a slot of its own
+            try:
+                self.runner.prefill(frame.prepared.tensors, admission.slot)
+            except Exception as err:   # a language failure must not reach the action path
+                scheduler.fail([admission.request_id], err)
 
-    def _token_steps(self, working: list[FleetMember], tick_start: float) -> list[int]:
+    def _token_steps(self, working: list[FleetMember], tick_start: float,
+                     deadline_s: float | None) -> list[int]:
         """Run rounds of every robot's next step together; return rows of each decode step."""
         batch_sizes = []
         open_robots = list(working)
+        # A robot's budget judges a step by all its rows: the other robots' rows of the round
+        # before are added to its own.
+        rows, own = 0, {}
         while open_robots:
             plans: list[tuple[FleetMember, StepPlan]] = []
             for robot in list(open_robots):
-                plan = robot.scheduler.schedule(self.clock() - tick_start)
+                plan = robot.scheduler.schedule(self.clock() - tick_start, deadline_s,
+                                                rows - own.get(robot.name, 0))
                 if plan is None:
                     open_robots.remove(robot)   # done for this tick (quota or deadline)
                 else:
@@ -367,31 +471,41 @@ class FleetEngine(FrontendClock):
                 self._run_plans(first, first_token=True)
             decode = [(r, p) for r, p in plans if not p.first_token]
             if decode:
-                batch_sizes.append(self._run_plans(decode, first_token=False))
+                rows = self._run_plans(decode, first_token=False)
+                own = {r.name: p.size for r, p in decode}
+                batch_sizes.append(rows)
         return batch_sizes
 
     def _run_plans(self, plans: list[tuple[FleetMember, StepPlan]], first_token: bool) -> int:
         """Run the rows of several robots' plans as one model call; return the row count."""
-        # Slots are distinct across robots (a partitioned pool), so a slot names its row.
-        rows = sorted((slot, gen_len, token) for _, plan in plans for slot, gen_len, token in
-                      zip(plan.slots, plan.gen_lens or [0] * plan.size,
-                          plan.tokens or [0] * plan.size))
-        slots = [slot for slot, _, _ in rows]
+        if len(plans) == 1:   # one robot: its plan's slots are ascending already
+            plan = plans[0][1]
+            slots, gen_lens, tokens = plan.slots, plan.gen_lens, plan.tokens
+        else:
+            # Slots are distinct across robots (a partitioned pool), so a slot names its row.
+            rows = sorted((slot, gen_len, token) for _, plan in plans for slot, gen_len, token
+                          in zip(plan.slots, plan.gen_lens or [0] * plan.size,
+                                 plan.tokens or [0] * plan.size))
+            slots = [slot for slot, _, _ in rows]
+            gen_lens, tokens = [g for _, g, _ in rows], [t for _, _, t in rows]
         try:
             if first_token:
                 token_ids = self.runner.first_tokens(slots)
             else:
-                token_ids = self.runner.decode(slots, [g for _, g, _ in rows],
-                                               [t for _, _, t in rows])
+                token_ids = self.runner.decode(slots, gen_lens, tokens)
         except Exception as err:   # a language failure must not reach the action path
             for robot, plan in plans:
                 robot.scheduler.fail(plan.request_ids, err)
-            return len(rows)
+            return len(slots)
+        seconds = self.runner.last_call_s
+        if len(plans) == 1:
+            plans[0][0].scheduler.update(plans[0][1], token_ids, seconds)
+            return len(slots)
         by_slot = dict(zip(slots, token_ids))
         for robot, plan in plans:
-            robot.scheduler.update(plan, [by_slot[s] for s in plan.slots],
-                                   self.runner.last_call_s)
-        return len(rows)
+            robot.scheduler.update(plan, [by_slot[s] for s in plan.slots], seconds,
+                                   call_rows=len(slots))
+        return len(slots)
 
     # ---- results -------------------------------------------------------------------------
 
@@ -417,6 +531,11 @@ class FleetEngine(FrontendClock):
         lines = [f'fleet of {len(self.robots)} robots, {self.pool}']
         lines += [f'{name}: {robot.scheduler}' for name, robot in self.robots.items()]
         return '\n'.join(lines)
+
+
+def _who(robot: FleetMember) -> str:
+    """Log prefix naming a fleet's robot ('' for the one robot of a plain engine)."""
+    return f'{robot.name} ' if robot.name else ''
 
 
 def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
@@ -451,7 +570,8 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
     runner = ModelRunner(model, sum(quotas.values()), max_gen_len, clock=clock,
                          **runner_options)
     pool = KVPool(sum(quotas.values()), runner.store.bytes_per_slot)
-    shares = pool.partition(quotas)
+    # One robot owns the whole pool; several share it by quota.
+    shares = pool.partition(quotas) if len(robots) > 1 else {robots[0].name: pool}
     members = [FleetMember(r.name, Scheduler(r.policy, r.budget, shares[r.name], max_gen_len,
                                              share_prefix=True,
                                              max_forced_tokens=max_forced_tokens),

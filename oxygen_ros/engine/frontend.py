@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oxygen_ros.engine.types import Continuation, Observation
+from oxygen_ros.engine.types import Continuation, Observation, ObservationError
 from oxygen_ros.model import rtc
 from oxygen_ros.model.config import Pi05Config
 from oxygen_ros.model.normalize import NormStats
@@ -60,8 +60,11 @@ class Frontend:
     # ---- observation side --------------------------------------------------------------------
 
     def prepare(self, obs: Observation) -> PreparedObservation:
-        """Validate and convert one observation (raises ValueError with a reason when bad)."""
-        inputs = self.adapter.prepare(obs.images, obs.state, obs.instruction)
+        """Validate and convert one observation (ObservationError with a reason when bad)."""
+        try:
+            inputs = self.adapter.prepare(obs.images, obs.state, obs.instruction)
+        except ValueError as err:   # the adapter's checks of cameras, state and prompt
+            raise ObservationError(str(err)) from err
         return PreparedObservation(inputs, collate([inputs], self.device))
 
     def robot_actions(self, normalized: np.ndarray, prepared: PreparedObservation,

@@ -255,14 +255,22 @@ class Scheduler:
 
     # ---- token steps -----------------------------------------------------------------------
 
-    def choose_k(self, elapsed_s: float) -> int:
+    @property
+    def has_work(self) -> bool:
+        """Whether a language call has anything to do or report (live or ended requests)."""
+        return bool(self.active or self._ended)
+
+    def choose_k(self, elapsed_s: float, deadline_s: float | None = None,
+                 other_rows: int = 0) -> int:
         """Set each live request's steps for this frame; return the largest (N when unlimited).
 
         A request's steps: the budget's k, and at least its minimum (module doc). A tick
         without a frame (a camera hiccup, draining) takes the minimum too, so requests finish
-        when frames stop, however slow a step is against the period.
+        when frames stop, however slow a step is against the period. deadline_s: when the
+        tick's language must end (None: the budget's own period); other_rows: rows other
+        robots add to each decode step (a fleet's), so the budget prices the whole step.
         """
-        k = self.budget.choose(elapsed_s, len(self.active))
+        k = self.budget.choose(elapsed_s, len(self.active) + other_rows, deadline_s)
         self._must = {}
         for req in self.active:
             frames_left = req.deadline - self.now + 1
@@ -273,19 +281,21 @@ class Scheduler:
             return self.policy.max_request_len
         return max([k, *self._must.values()])
 
-    def schedule(self, elapsed_s: float) -> StepPlan | None:
+    def schedule(self, elapsed_s: float, deadline_s: float | None = None,
+                 other_rows: int = 0) -> StepPlan | None:
         """Next step of this frame: first tokens, then decode steps; None when done.
 
         A request's first token comes from its prefix (LM head only) and counts as one of its
         steps; every other token is one row of a batched decode step. Before every decode step
-        but the first, the budget may stop the frame (an adaptive deadline): then only rows
-        still short of their minimum go on.
+        but the first, the budget may stop the frame (an adaptive deadline; deadline_s and
+        other_rows as in choose_k): then only rows still short of their minimum go on.
         """
         first = [r for r in self.active if r.needs_prefix_token and self._quota[r.request_id]]
         if first:
             return StepPlan(True, [r.request_id for r in first], [r.slot for r in first], [], [])
         rows = [r for r in self.active if self._quota[r.request_id]]
-        if rows and self.batch_sizes and not self.budget.allow_more(elapsed_s, len(rows)):
+        if rows and self.batch_sizes and not self.budget.allow_more(
+                elapsed_s, len(rows) + other_rows, deadline_s):
             rows = [r for r in rows if self._must[r.request_id]]
         if not rows:
             return None
@@ -298,8 +308,13 @@ class Scheduler:
         return StepPlan(False, [r.request_id for r in rows], [r.slot for r in rows],
                         [r.gen_len for r in rows], [r.next_input_token() for r in rows])
 
-    def update(self, plan: StepPlan, token_ids: list[int], seconds: float) -> None:
-        """Give each row its next token (argmax of its logits); end finished requests."""
+    def update(self, plan: StepPlan, token_ids: list[int], seconds: float,
+               call_rows: int | None = None) -> None:
+        """Give each row its next token (argmax of its logits); end finished requests.
+
+        call_rows: rows of the model call that ran the plan (a fleet's step holds other
+        robots' rows too; None: the plan's own), what the budget learns the step's cost at.
+        """
         assert len(token_ids) == plan.size, f'{len(token_ids)} tokens for {plan.size} rows'
         live = {r.request_id: r for r in self.active}
         for request_id, token in zip(plan.request_ids, token_ids):
@@ -313,7 +328,7 @@ class Scheduler:
             if req.finished:
                 self._end(req, req.finish_reason)
         if not plan.first_token:
-            self.budget.observe_decode(plan.size, seconds)
+            self.budget.observe_decode(call_rows or plan.size, seconds)
             self.batch_sizes.append(plan.size)
 
     def fail(self, request_ids: list[int], error: BaseException) -> None:

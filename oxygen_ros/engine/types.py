@@ -11,6 +11,14 @@ if TYPE_CHECKING:
     from oxygen_ros.kv.request import FinishReason
 
 
+class ObservationError(ValueError):
+    """An observation the robot's adapter cannot use; str() says what was wrong and expected.
+
+    The only failure the runtime reports as a rejected observation (an input warning): any
+    other error inside act() is reported as what it is.
+    """
+
+
 @dataclasses.dataclass
 class Observation:
     """One control tick's inputs, already converted from robot messages."""
