@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 
-from oxygen_ros.runtime.fleet_loop import wake_period_s
 from oxygen_ros.runtime.params import (check_value, FleetSettings, load_node_params,
                                        param_spec, ROBOT_IO, split_param_name)
 
@@ -83,12 +82,3 @@ def test_every_problem_names_its_robot_and_parameter():
 def test_shipped_fleet_configs_are_valid(config, robots):
     fleet = FleetSettings.from_values(load_node_params(REPO / 'config' / f'{config}.yaml'))
     assert {name: s.robot for name, s in fleet.robots.items()} == robots
-
-
-def test_wake_period_meets_every_robot_tick():
-    assert wake_period_s([0.1, 0.1]) == pytest.approx(0.1)
-    assert wake_period_s([0.1, 0.2]) == pytest.approx(0.1)
-    assert wake_period_s([0.1, 1 / 15]) == pytest.approx(1 / 30)     # 10 Hz and 15 Hz
-    assert wake_period_s([1 / 7, 1 / 3]) == pytest.approx(1 / 21)
-    # No useful common divisor (10 Hz and 10.3 Hz): the shortest period.
-    assert wake_period_s([0.1, 1 / 10.3]) == pytest.approx(1 / 10.3)

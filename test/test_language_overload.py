@@ -9,12 +9,11 @@ completions keep coming, and the action is still emitted before any language wor
 import pytest
 
 from oxygen_ros.engine import AdaptiveBudget, FixedBudget, LanguagePolicy
-from oxygen_ros.runtime.fleet_loop import FleetLoop, RobotLoop
-from oxygen_ros.runtime.frame_loop import FrameLoop
+from oxygen_ros.runtime.frame_loop import FrameLoop, RobotLoop
 from oxygen_ros.runtime.status import LoopStats
 from test_engine_fleet import fake_fleet, key, TaggedFrontend
 from test_engine_scheduler import FakeFrontend, FakeRunner, make, obs, reference
-from test_fleet_loop import feed, RecordingSink, robot_inputs
+from test_frame_loop import feed, RecordingSink, robot_inputs
 
 PERIOD_S = 0.100
 N = 10
@@ -82,12 +81,12 @@ def test_every_admitted_request_finishes_under_overload(overload):
     clock, runner = engine.clock, engine.runner
     inputs, sink = robot_inputs(), RecordingSink()
     stats = LoopStats(window_s=60.0, clock=clock)
-    loop = FrameLoop(engine, inputs, stats=stats, clock=clock)
+    loop = FrameLoop.one(engine, inputs, sink, PERIOD_S, stats=stats, clock=clock)
     frames = 150
     for frame in range(frames):
         feed(inputs, frame, clock.now)
         decode_calls = len(runner.decode_calls)
-        outcome = loop.tick(clock.now, PERIOD_S, sink)
+        (outcome,) = loop.tick(clock.now).values()
         # Actions never wait: the chunk is emitted after the action path alone, before any
         # language work of the tick.
         assert outcome.action is not None and outcome.latency_s == pytest.approx(runner.act_s)
@@ -98,7 +97,7 @@ def test_every_admitted_request_finishes_under_overload(overload):
         # The language work the overload costs: one decode step over the live requests.
         assert len(runner.decode_calls) - decode_calls <= 1
         assert outcome.duration_s <= runner.act_s + step_s(N) + 1e-9
-    ended = loop.finished
+    ended = loop.only.finished
     assert set(ended) == {'length'}                          # no eviction, no refusal
     assert ended['length'] >= frames - N
     for request in sink.narrations:
@@ -121,7 +120,7 @@ def test_every_admitted_request_of_a_fleet_finishes_under_overload(overload):
                        step_s=step_s, prefill_s=overload * PERIOD_S / 2,
                        frontend=FleetStateFrontend)
     robots = [RobotLoop(name, robot_inputs(), RecordingSink(), PERIOD_S) for name in names]
-    loop = FleetLoop(fleet, robots, clock=fleet.clock)
+    loop = FrameLoop(fleet, robots, clock=fleet.clock)
     clock = fleet.clock
     for frame in range(100):
         for robot in robots:

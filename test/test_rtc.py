@@ -452,9 +452,9 @@ def test_fleet_continues_each_robots_chunk_in_one_denoise(tiny):
     assert 'a' in bad.actions                                   # the other robot goes on
 
 
-def test_fleet_loop_continues_what_each_robot_was_sent(tiny):
+def test_frame_loop_continues_what_each_robot_was_sent(tiny):
     from oxygen_ros.engine import FixedBudget, FleetRobot, make_fleet
-    from oxygen_ros.runtime.fleet_loop import FleetLoop, RobotLoop
+    from oxygen_ros.runtime.frame_loop import FrameLoop, RobotLoop
     from oxygen_ros.runtime.inputs import InputSet, InputSource, sanitize_instruction
 
     model, frontend = tiny
@@ -484,7 +484,7 @@ def test_fleet_loop_continues_what_each_robot_was_sent(tiny):
         mode = 'prefix' if name == 'a' else 'off'
         robots.append(RobotLoop(name, inputs, Sink(), 0.1,
                                 rtc=RtcPlanner(RtcSettings(mode, delay=1), 0.05)))
-    loop = FleetLoop(fleet, robots)
+    loop = FrameLoop(fleet, robots)
     for tick in range(3):
         now = 0.1 * tick
         for i, robot in enumerate(loop.robots.values()):

@@ -512,20 +512,40 @@ def test_param_file_keys_rcl_accepts(tmp_path):
         load_node_params(path)
 
 
-@pytest.mark.parametrize('robot', sorted(ROBOT_IO))
-def test_robot_io_table_matches_the_robot_spec(robot):
-    # params derives the topic defaults from the specs (torch-free): they must agree.
-    from oxygen_ros.model.robot_spec import get_robot
+def test_mps_is_refused_with_the_reason():
+    """The model computes its flow-time embedding in float64 on its device; MPS has no float64,
+    so 'mps' is refused when set, not at the first act()."""
+    from oxygen_ros.runtime.params import check_value
 
-    spec = get_robot(robot)
-    cameras, joints = ROBOT_IO[robot]
-    assert tuple(cameras) == tuple(spec.camera_names)
-    assert tuple(joints) == tuple(spec.joint_names)
+    why = check_value('device', 'mps')
+    assert why and 'float64' in why and "'cpu'" in why
+    assert check_value('device', 'cuda:1') is None and check_value('device', 'cpu') is None
+    assert 'expected' in check_value('device', 'tpu')
+
+
+def test_robot_io_table_and_the_models_robots_agree_with_the_specs():
+    """params.ROBOT_IO (the node's camera and joint defaults, torch-free) and model.ROBOTS
+    (the adapters' specs) both come from config/robots/: every shipped robot is in
+    ROBOT_IO, every robot of model.ROBOTS too, with the same cameras and joints."""
+    from oxygen_ros.model.robot_spec import get_robot, shipped_robots
+    from oxygen_ros.model.robots import ROBOTS
+
+    assert set(ROBOT_IO) == set(shipped_robots()) >= set(ROBOTS)
+    for robot, (cameras, joints) in ROBOT_IO.items():
+        spec = get_robot(robot)
+        assert tuple(cameras) == tuple(spec.camera_names), robot
+        assert tuple(joints) == tuple(spec.joint_names), robot
+        if robot in ROBOTS:
+            assert ROBOTS[robot].camera_names == spec.camera_names, robot
+            assert ROBOTS[robot].joint_names == spec.joint_names, robot
+            assert ROBOTS[robot].state_dim == len(joints), robot
 
 
 # --- why a tick was late: act()'s CPU share -----------------------------------------------------
 class _OneObservation:
     """Inputs that always have an observation (what FrameLoop.tick needs of an InputSet)."""
+
+    instruction = None
 
     def build(self, now_s):
         from oxygen_ros.engine.types import Observation
@@ -536,15 +556,20 @@ class _OneObservation:
 
 
 class _TimedAct:
-    """A System whose act() sleeps `seconds` (off the CPU) or spins for `seconds` of this
-    thread's CPU time (on the CPU; its wall time grows when the machine is loaded)."""
+    """A one-robot engine whose act() sleeps `seconds` (off the CPU) or spins for `seconds` of
+    this thread's CPU time (on the CPU; its wall time grows when the machine is loaded)."""
 
+    robots = {'': None}
     num_live_requests = 0
 
     def __init__(self, how: str, seconds: float = 0.06):
         self.how, self.seconds = how, seconds
 
-    def act(self, obs):
+    def live_requests(self, robot):
+        return 0
+
+    def act(self, observations, continuations=None):
+        from oxygen_ros.engine import FleetActions
         from oxygen_ros.engine.types import ActionOutput
         start, cpu_start = time.perf_counter(), time.thread_time()
         if self.how == 'sleep':
@@ -552,8 +577,11 @@ class _TimedAct:
         else:
             while time.thread_time() - cpu_start < self.seconds:
                 pass
-        return ActionOutput(0, np.zeros((2, 7), np.float32), np.zeros((2, 32), np.float32),
-                            time.perf_counter() - start, obs.stamp)
+        seconds = time.perf_counter() - start
+        actions = {name: ActionOutput(0, np.zeros((2, 7), np.float32),
+                                      np.zeros((2, 32), np.float32), seconds, obs.stamp)
+                   for name, obs in observations.items()}
+        return FleetActions(actions, {}, {}, len(actions), seconds)
 
 
 class _Sink:
@@ -566,19 +594,19 @@ def test_a_late_tick_says_whether_act_waited_or_ran():
     tick's hint follows the share: a loaded machine may hand a spinning act() a core only
     part of the time, and then the hint rightly says it waited, so the test asserts the
     CPU seconds and the hint for the share measured, not a share a quiet machine gives."""
-    from oxygen_ros.runtime.frame_loop import FrameLoop
+    from oxygen_ros.runtime.frame_loop import FrameLoop, RobotLoop
     from oxygen_ros.runtime.status import WAITED_SHARE
 
     for how in ('sleep', 'spin'):
-        loop = FrameLoop(_TimedAct(how), _OneObservation())
-        outcomes = [loop.tick(0.1 * i, 0.01, _Sink(), language=lambda: False)
+        loop = FrameLoop(_TimedAct(how), [RobotLoop('', _OneObservation(), _Sink(), 0.01)])
+        outcomes = [loop.tick(0.1 * i, serve_all=True, language=lambda: False)['']
                     for i in range(3)]
         cpu_s = [o.act_cpu_share * o.action.inference_time_s for o in outcomes]
         if how == 'sleep':
             assert max(cpu_s) < 0.01, cpu_s                 # off the CPU while it slept
         else:
             assert min(cpu_s) > 0.05, cpu_s                 # its 60 ms of CPU, about
-        snap = loop.stats.snapshot()
+        snap = loop.only.stats.snapshot()
         assert snap['deadline_misses_total'] == 3      # 60 ms acts in a 10 ms period
         loop_status = _statuses(loop={**snap, 'action_rate_hz': 1.0, 'ticks_window': 3,
                                       'since_last_action_s': 0.05})['control loop']

@@ -163,9 +163,8 @@ class DatasetReplay(StopOnRequest):
                                     lambda state: state)
         # Every input is fresh at its own tick: the stale timeout never applies.
         buffer = inputs.InputSet(cameras, joints, stale_timeout_s=float('inf'))
-        loop = FrameLoop(self.system, buffer, rtc=self.rtc)
         sink = _BagOutputs(self, out)
-        period_s = 1.0 / dataset.fps
+        loop = FrameLoop.one(self.system, buffer, sink, 1.0 / dataset.fps, rtc=self.rtc)
         override = self.params.instruction_override
         start_s = 0.0
         for index in episodes:
@@ -182,7 +181,7 @@ class DatasetReplay(StopOnRequest):
                     override or frame.task, settings.max_instruction_chars))
                 tick_ns = round(now_s * 1e9)
                 sink.tick_ns = tick_ns
-                outcome = loop.tick(now_s, period_s, sink)
+                (outcome,) = loop.tick(now_s, serve_all=True).values()
                 summary.ticks += 1
                 summary.bag_time_s = now_s
                 if outcome.action is None:

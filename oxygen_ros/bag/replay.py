@@ -202,13 +202,14 @@ class _Diagnostics:
         return True
 
     def statuses(self, loop: FrameLoop) -> list:
-        built = loop.last_inputs
+        robot = loop.only
+        built = robot.last_inputs
         # As the node names them: unique per namespace, the compute device as hardware_id.
         return status.build_statuses(
             self.params.resolve(self.node_name).lstrip('/'), 'active', self.model,
             self.stats.snapshot(),
-            self.params.settings.control_rate_hz, loop.engine_summary(), built.inputs,
-            built.problems, loop.inputs.instruction)
+            self.params.settings.control_rate_hz, loop.engine_summary(robot.name), built.inputs,
+            built.problems, robot.inputs.instruction)
 
 
 class _BagOutputs:
@@ -351,8 +352,9 @@ class Replay(StopOnRequest):
         inputs_ids = {c.id for c in input_conns}
         definitions: dict[int, tuple[str, str]] = {}
         diag = _Diagnostics(p, self.node_name, self.description)
-        loop = FrameLoop(self.system, builder.inputs, stats=diag.stats, rtc=self.rtc)
         sink = _BagOutputs(self, out)
+        loop = FrameLoop.one(self.system, builder.inputs, sink, p.settings.period_s,
+                             stats=diag.stats, rtc=self.rtc)
         tick = 0
         last_input_ns = start_ns
         stale_ns = round(p.settings.stale_frame_timeout_s * 1e9)
@@ -432,7 +434,8 @@ class Replay(StopOnRequest):
 
         diag.now_s = tick_ns * 1e-9
         sink.tick_ns = tick_ns
-        outcome = loop.tick(tick_ns * 1e-9, p.settings.period_s, sink, check_inputs=check_inputs)
+        (outcome,) = loop.tick(tick_ns * 1e-9, serve_all=True,
+                               check_inputs=check_inputs).values()
         if outcome.rejected and p.on_bad_input == 'error':
             raise BagError(f'observation at bag time {tick_ns * 1e-9:.3f} s rejected by the '
                            f'engine: {outcome.rejected.removeprefix("observation rejected: ")}')

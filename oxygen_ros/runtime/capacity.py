@@ -32,6 +32,8 @@ import statistics
 import time
 from typing import Callable
 
+from oxygen_ros.runtime.status import OK, WARN
+
 AUTO_SHARE = 0.9          # auto rate = this share of the capacity
 TIMED_FRAMES = 5          # timed warm-up frames (after one untimed)
 MIN_TIMED_FRAMES = 2      # a slow model stops after these once MAX_TIMING_S has passed
@@ -68,6 +70,17 @@ class Capacity:
                 f'(a tick: act {1e3 * self.act_s:.0f} ms + language '
                 f'{1e3 * self.language_s:.0f} ms at {self.steady_batch} live requests, '
                 f'{self.frames} frames timed at configure)')
+
+    def note(self, asked_hz: float) -> tuple[int, str]:
+        """Return (status level, message): what this machine holds next to the rate asked.
+
+        A warning when asked_hz overruns it.
+        """
+        message = f'this machine {self.describe(asked_hz)}'
+        if asked_hz <= self.rate_hz:
+            return OK, message
+        return WARN, (f'{message}: ticks will overrun (language still takes its minimum); set '
+                      f'control_rate_hz 0 (auto) or at most {self.auto_rate_hz():.3g}')
 
     def values(self) -> dict:
         """Return the figures for diagnostics (numbers)."""

@@ -15,11 +15,10 @@ from typing import Callable
 
 import torch
 
-from oxygen_ros.engine import (AdaptiveBudget, Budget, FixedBudget, FleetRobot, Frontend,
-                               identity_norm_stats, LanguagePolicy, make_fleet, make_system,
-                               random_observation, random_setup)
-from oxygen_ros.engine.engine import pool_slot_bytes
-from oxygen_ros.engine.workload import default_num_slots
+from oxygen_ros.engine import (AdaptiveBudget, Budget, Engine as EngineView, FixedBudget,
+                               FleetRobot, Frontend, identity_norm_stats, LanguagePolicy,
+                               make_fleet, random_observation, random_setup)
+from oxygen_ros.engine.fleet import ONE_ROBOT, pool_slot_bytes
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
 from oxygen_ros.model.config import get_preset
@@ -45,12 +44,13 @@ SETUP_ERRORS = (EngineSetupError, CheckpointError, FileNotFoundError, ValueError
 class Engine:
     """One engine instance and what the node reports about it."""
 
-    system: object                 # engine Scheduler (one robot) or FleetEngine (several)
+    system: object                 # the FleetEngine (build_fleet), or the System view of a
+    #                                one-robot fleet (build_engine)
     frontend: Frontend | None      # the robot's (None for a fleet: each robot has its own)
     description: dict              # for diagnostics: source, preset, device, dtype, ...
     warnings: list[str]            # things that work but deserve a look (e.g. tiny tokenizer)
     settings: Settings | FleetSettings | None = None   # what it was built from, with the
-    #                                control rate resolved (auto: from `capacity`)
+    #                                control rates resolved (auto: from `capacity`)
     capacity: Capacity | None = None   # the rate this machine holds (None: not timed)
 
 
@@ -86,12 +86,6 @@ def policy_for(settings: Settings, eos_id: int) -> LanguagePolicy:
     return LanguagePolicy(max_new_tokens=settings.tokens_per_request,
                           every_n_frames=settings.request_every_n_frames, seed=settings.seed,
                           eos_id=eos_id, prompt_template=settings.language_prompt)
-
-
-def slots_needed(every_n_frames: int, tokens_per_request: int, k: int | None) -> int:
-    """KV slots the engine sizes itself with for this request rate, N and k (None: adaptive)."""
-    policy = LanguagePolicy(max_new_tokens=tokens_per_request, every_n_frames=every_n_frames)
-    return default_num_slots(policy, k or 1)
 
 
 def robot_spec(settings: Settings) -> RobotSpec:
@@ -254,36 +248,29 @@ def _steady_batch(settings: Settings) -> int:
 
 def time_capacity(model, frontend: Frontend, settings: Settings,
                   clock: Callable[[], float] = time.perf_counter) -> Capacity:
-    """Time the node's frames on a throwaway engine: what rate this machine holds.
+    """Time one robot's frames on a throwaway engine: what rate this machine holds.
 
     Also the warm-up: the first torch calls allocate and pick kernels (CUDA: initialise the
     context) here, not in the control loop, and the node's scheduler is untouched, so frame
     and request numbering start at 0. See runtime/capacity.py for what is timed.
     """
-    k_min = _k_min(settings)
-    system = make_system('oxygen', model, frontend, policy_for(settings, frontend.eos_id),
-                         k=k_min, num_slots=TIMED_FRAMES + 3, seed=settings.seed,
-                         runner_options={'kv_dtype': _kv_dtype(settings)}, clock=clock)
-    image_size = model.config.vision.image_size
-
-    def tick(index: int) -> tuple[float, float, int]:
-        action = system.act(random_observation(frontend.adapter.spec, index, settings.seed,
-                                               image_size=image_size))
-        result = system.advance_language()
-        return action.inference_time_s, result.timings.total_s, result.decode_batch_size
-    return capacity_from(time_ticks(tick, clock=clock), _steady_batch(settings),
-                         _timing_label(settings))
+    return time_fleet_capacity(model, {settings.robot: frontend}, FleetSettings.one(settings),
+                               clock=clock)
 
 
 def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSettings,
-                        max_prefill_rows: int | None) -> Capacity:
-    """Time ticks of a throwaway fleet in which every robot sends a frame (time_capacity)."""
+                        max_prefill_rows: int | None = 1,
+                        clock: Callable[[], float] = time.perf_counter) -> Capacity:
+    """Time ticks of a throwaway fleet in which every robot sends a frame (time_capacity).
+
+    frontends: robot type -> its frontend.
+    """
     node = fleet.node
     robots = [FleetRobot(name, frontends[s.robot], policy_for(s, frontends[s.robot].eos_id),
                          FixedBudget(_k_min(s)), kv_quota=TIMED_FRAMES + 3, seed=s.seed)
               for name, s in fleet.robots.items()]
     system = make_fleet(model, robots, kv_dtype=_kv_dtype(node),
-                        max_prefill_rows=max_prefill_rows)
+                        max_prefill_rows=max_prefill_rows, clock=clock)
     image_size = model.config.vision.image_size
 
     def tick(index: int) -> tuple[float, float, int]:
@@ -293,8 +280,10 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
         result = system.advance_language()
         return act.act_s, result.timings.total_s, result.decode_batch_size
     batch = sum(_steady_batch(s) for s in fleet.robots.values())
-    label = f'{_timing_label(node)} with {len(robots)} robots ticking together'
-    return capacity_from(time_ticks(tick), batch, label)
+    label = _timing_label(node)
+    if len(robots) > 1:
+        label += f' with {len(robots)} robots ticking together'
+    return capacity_from(time_ticks(tick, clock=clock), batch, label)
 
 
 def with_rate(settings: Settings, capacity: Capacity | None) -> Settings:
@@ -357,35 +346,14 @@ def _describe(description: dict, settings: Settings, model, kv_slots: int,
 
 
 def build_engine(settings: Settings, warmup: bool = True) -> Engine:
-    """Load weights (checkpoint or random preset) and build the scheduler the node drives.
+    """Load weights and build one robot's engine: a fleet of one, as its System view.
 
     Raises EngineSetupError (or CheckpointError / FileNotFoundError / ValueError from the
     loaders) with a message that names the file or parameter at fault.
     """
-    model, make_frontend, description, warnings = load_model(settings)
-    try:
-        frontend = make_frontend(robot_spec(settings))
-    except EngineSetupError:
-        raise
-    except ValueError as err:
-        raise EngineSetupError(f'loading the model failed: {err}') from err
-    policy = policy_for(settings, frontend.eos_id)
-    kv_dtype = _kv_dtype(settings)
-    check_pool_fits(settings, model.config, policy, kv_dtype)
-    asked_hz = settings.control_rate_hz
-    capacity = (time_capacity(model, frontend, settings)
-                if warmup or not asked_hz else None)
-    settings = with_rate(settings, capacity)
-    k = settings.decode_budget
-    system = make_system('oxygen' if k is not None else 'oxygen-adaptive', model, frontend,
-                         policy, k=k or 1, frame_period_s=settings.period_s,
-                         num_slots=settings.kv_capacity or None, seed=settings.seed,
-                         runner_options={'kv_dtype': kv_dtype})
-    _describe(description, settings, model, system.pool.num_slots,
-              describe_robot(frontend.adapter.spec),
-              {'tokens_per_request': settings.tokens_per_request,
-               **_rate_description(settings, asked_hz, capacity)})
-    return Engine(system, frontend, description, warnings, settings, capacity)
+    engine = build_fleet(FleetSettings.one(settings), warmup)
+    return dataclasses.replace(engine, system=EngineView.view(engine.system, ONE_ROBOT),
+                               settings=engine.settings.robots[ONE_ROBOT])
 
 
 def budget_for(settings: Settings) -> Budget:
@@ -399,31 +367,42 @@ def budget_for(settings: Settings) -> Budget:
 def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     """Load the model once and build the FleetEngine serving every robot of `fleet`.
 
-    Each robot gets its own frontend (its robot type), language policy, decode budget, noise
-    seed and KV quota (its kv_capacity; 0 = sized from its N, k and request rate). Prefill
-    runs one row per call on the CPU (a compute-bound CPU gains nothing from rows of one
-    prefill, and each row costs activations), all rows in one call on an accelerator.
-    Raises as build_engine does; a robot's problem names the robot.
+    One robot (FleetSettings.one) or several: each robot gets its own frontend (its robot
+    type), language policy, decode budget, noise seed and KV quota (its kv_capacity; 0 = sized
+    from its N, k and request rate). Prefill runs one row per call on the CPU (a
+    compute-bound CPU gains nothing from rows of one prefill, and each row costs
+    activations), all rows in one call on an accelerator. warmup: time the machine (the
+    capacity; always when a rate is auto). Raises as build_engine does; a fleet robot's
+    problem names the robot.
     """
     node = fleet.node
+    one = fleet.is_one
     model, make_frontend, description, warnings = load_model(node)
     frontends, policies = {}, {}
     kv_dtype = _kv_dtype(node)
     for name, settings in fleet.robots.items():
+        who = '' if one else f'robot {name}: '
         try:
             if settings.robot not in frontends:
                 frontends[settings.robot] = make_frontend(robot_spec(settings))
-        except (ValueError, EngineSetupError) as err:
-            raise EngineSetupError(f'robot {name}: {err}') from err
+        except EngineSetupError as err:
+            if one:
+                raise
+            raise EngineSetupError(f'{who}{err}') from err
+        except ValueError as err:
+            raise EngineSetupError(f'{who or "loading the model failed: "}{err}') from err
         policies[name] = policy_for(settings, frontends[settings.robot].eos_id)
         try:
             check_pool_fits(settings, model.config, policies[name], kv_dtype)
         except EngineSetupError as err:
+            if one:
+                raise
             raise EngineSetupError(f'{name}.{err}') from None
     max_prefill_rows = 1 if node.device == 'cpu' else None
     auto = [name for name, s in fleet.robots.items() if not s.control_rate_hz]
     capacity = (time_fleet_capacity(model, frontends, fleet, max_prefill_rows)
                 if warmup or auto else None)
+    asked = {name: s.control_rate_hz for name, s in fleet.robots.items()}
     fleet = dataclasses.replace(
         fleet, node=with_rate(node, capacity),
         robots={name: with_rate(s, capacity) for name, s in fleet.robots.items()})
@@ -431,12 +410,19 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
                          kv_quota=s.kv_capacity or None, seed=s.seed)
               for name, s in fleet.robots.items()]
     system = make_fleet(model, robots, kv_dtype=kv_dtype, max_prefill_rows=max_prefill_rows)
-    rates = {'robot_rates_hz': ', '.join(f'{name} {s.control_rate_hz:.3g}'
-                                         + (' (auto)' if name in auto else '')
-                                         for name, s in fleet.robots.items())}
-    if capacity is not None:
-        rates.update(capacity.values(), capacity=capacity.describe(
-            max(s.control_rate_hz for s in fleet.robots.values())))
-    _describe(description, fleet.node, model, system.pool.num_slots, {'robots': ', '.join(
-        f'{name} ({s.robot})' for name, s in fleet.robots.items())}, rates)
-    return Engine(system, None, description, warnings, fleet, capacity)
+    if one:
+        settings = fleet.robots[ONE_ROBOT]
+        about = {'tokens_per_request': settings.tokens_per_request,
+                 **_rate_description(settings, asked[ONE_ROBOT], capacity)}
+        first = describe_robot(frontends[settings.robot].adapter.spec)
+    else:
+        about = {'robot_rates_hz': ', '.join(f'{name} {s.control_rate_hz:.3g}'
+                                             + (' (auto)' if name in auto else '')
+                                             for name, s in fleet.robots.items())}
+        if capacity is not None:
+            about.update(capacity.values(), capacity=capacity.describe(
+                max(s.control_rate_hz for s in fleet.robots.values())))
+        first = {'robots': ', '.join(f'{name} ({s.robot})' for name, s in fleet.robots.items())}
+    _describe(description, fleet.node, model, system.pool.num_slots, first, about)
+    frontend = frontends[fleet.robots[ONE_ROBOT].robot] if one else None
+    return Engine(system, frontend, description, warnings, fleet, capacity)

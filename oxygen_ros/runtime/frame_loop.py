@@ -1,28 +1,41 @@
-"""The one frame loop: newest inputs -> observation -> act -> emit action -> language -> emit.
+"""The one frame loop: each due robot's newest inputs -> observation -> act -> emit -> language.
 
-The node (oxygen_ros.ros) runs `FrameLoop.tick` on its control thread at the control rate; the
-bag replay (oxygen_ros.bag) runs the same `tick` at the bag's tick times. What differs is only
-where outputs go (an OutputSink: ROS publishers, or an output bag) and which clock `now_s`
-comes from, so a replay reproduces what the node would have done with the same inputs.
+One robot or many, the same loop over one FleetEngine (one robot is a fleet of one): the node
+runs `FrameLoop.tick` on its control thread; the bag and dataset replays and the policy
+server run the same `tick` at their own times. What differs is where outputs go (each robot's
+OutputSink: ROS publishers, an output bag, a websocket reply) and which clock `now_s` comes
+from, so a replay reproduces what the node would have done with the same inputs.
 
-One tick, in the order the work happens:
+Timing. Every robot has its own grid of tick times (its period, from a shared origin); a
+robot is due when its next grid time has come (or comes within gather_s: nearly coinciding
+robots share one prefill and one denoise, a robot served early by at most gather_s). The node
+wakes the loop at the robots' own ticks (`next_wake_s`), so robots at 9 and 10 Hz wake it at
+most 19 times a second, not at a 90 Hz common grid. A tick serves the due robots only:
 
-    1. build       the observation from the newest inputs (or the reasons there is none)
-    2. act         prefill + denoise -> ActionOutput               (only with an observation;
-                   with real-time chunking it continues the committed chunk, runtime/rtc.py)
-    3. emit        sink.action(...) at once: nothing below can delay an action
-    4. language    system.advance_language(): k tokens per live request, one batched decode
-                   step per token step (also without a new frame, so no request stalls
-                   while a camera hiccups)
-    5. emit        sink.tokens(...) per delta, sink.narration(...) per completed request
+    1. build       each due robot's observation from its newest inputs (or the reasons not)
+    2. act         engine.act(observations): one prefill + one denoise over the due robots
+                   (real-time chunking: each continues its committed chunk, runtime/rtc.py)
+    3. emit        each robot's action on its own sink, at once: nothing below delays it
+    4. language    engine.advance_language(due robots, deadline): the due robots' live
+                   requests (also without a new frame, so no request stalls while a camera
+                   hiccups), k tokens per robot tick, against ONE deadline: the next tick
+                   of any robot (a 10 Hz robot's language stops before a 15 Hz robot is due)
+    5. emit        tokens and narrations on each robot's sink
+
+A wake-up where no robot is due does nothing (no language round). A tick that raises is still
+recorded in every due robot's statistics and advances their grids.
+
+Reporting: an observation the engine rejects (ObservationError) is an input problem of that
+robot ('observation rejected: ...'); any other failure of its action path is an error event,
+reported as what it is.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
+import math
 import time
 from typing import Callable, Protocol
 
@@ -30,13 +43,18 @@ from oxygen_ros.engine import FinishReason
 from oxygen_ros.engine.types import ActionOutput, FinishedRequest, FrameResult, TokenDelta
 from oxygen_ros.runtime.inputs import InputSet, ObservationResult
 from oxygen_ros.runtime.rtc import RtcPlanner
-from oxygen_ros.runtime.status import LoopStats, ProblemLog, WARN
+from oxygen_ros.runtime.status import ERROR, LoopStats, ProblemLog, WARN
 
 logger = logging.getLogger(__name__)
 
+# Why: grid times are origin + n · period; a tick at a grid time read back from another clock
+# or rounded through nanoseconds must still find the robot due.
+DUE_TOLERANCE_S = 1e-6
+GATHER_SHARE = 0.05   # the node's gather window: this share of the shortest robot period
+
 
 class OutputSink(Protocol):
-    """Where a tick's outputs go; stamps are integer nanoseconds of the observation."""
+    """Where a robot's outputs go; stamps are integer nanoseconds of the observation."""
 
     def action(self, action: ActionOutput, stamp_ns: int) -> None:
         """Emit the action chunk of this tick."""
@@ -50,13 +68,14 @@ class OutputSink(Protocol):
 
 @dataclasses.dataclass
 class TickOutcome:
-    """What one tick did (for the adapters' own bookkeeping and for tests)."""
+    """What one tick did for one robot (for the adapters' own bookkeeping and for tests)."""
 
-    inputs: ObservationResult           # the observation, or why there was none
+    inputs: ObservationResult | None    # the observation, or why there was none
     problems: dict[str, str]            # input problems + 'observation' when act() rejected it
     stamp_ns: int                       # stamp of this tick's outputs (observation or now)
     action: ActionOutput | None = None  # the chunk emitted (None: no action this tick)
-    result: FrameResult | None = None   # the engine's frame result (None: no engine call)
+    result: FrameResult | None = None   # the engine's frame result (None: no language call)
+    error: str = ''                     # why act() failed for this robot (not its input)
     tokens: int = 0                     # tokens emitted
     ended: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     #                                     language requests that ended, by finish reason
@@ -70,119 +89,266 @@ class TickOutcome:
         return self.problems.get('observation', '')
 
 
-class FrameLoop:
-    """One robot's control tick over an engine System; owns the loop statistics.
+@dataclasses.dataclass
+class RobotLoop:
+    """One robot of the loop: its inputs, where its outputs go, its tick grid, its statistics."""
 
-    system: an engine System (act / advance_language / num_live_requests). problems: where
-    input problems and failed requests are reported (None: not reported). stats: the loop
-    statistics the diagnostics show (its clock is the adapter's: steady time in the node, bag
-    time in a replay).
+    name: str                          # the robot's name in the engine
+    inputs: InputSet
+    sink: OutputSink
+    period_s: float                    # its control period
+    problems: ProblemLog | None = None  # where its input problems and failed requests go
+    stats: LoopStats = dataclasses.field(default_factory=LoopStats)
+    rtc: RtcPlanner | None = None      # real-time chunking: what its chunks continue
+    origin_s: float | None = None      # time of its grid's tick 0 (None: its first tick)
+    index: int = 0                     # its next tick on the grid: origin + index · period
+    skipped_ticks: int = 0             # grid ticks that passed while the loop was busy
+    finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    last_inputs: ObservationResult | None = None   # its inputs at its last tick (diagnostics)
+    last_result: FrameResult | None = None         # its last language result (diagnostics)
+
+    def __post_init__(self):
+        if not self.period_s > 0:
+            raise ValueError(f'{self.name}: period_s must be > 0, got {self.period_s}')
+
+    @property
+    def next_due_s(self) -> float | None:
+        """Its next tick time (None: due at the first tick)."""
+        return None if self.origin_s is None else self.origin_s + self.index * self.period_s
+
+    @next_due_s.setter
+    def next_due_s(self, when_s: float | None) -> None:
+        self.origin_s, self.index = when_s, 0
+
+    def due(self, now_s: float, gather_s: float = 0.0) -> bool:
+        due_s = self.next_due_s
+        return due_s is None or due_s <= now_s + gather_s + DUE_TOLERANCE_S
+
+    def next_after(self, now_s: float) -> float:
+        """Its first grid time after now_s (one period on, before its grid starts)."""
+        if self.origin_s is None:
+            return now_s + self.period_s
+        n = max(self.index, math.floor((now_s - self.origin_s) / self.period_s) + 1)
+        while self.origin_s + n * self.period_s <= now_s + DUE_TOLERANCE_S:
+            n += 1
+        return self.origin_s + n * self.period_s
+
+    def advance(self, now_s: float) -> None:
+        """Move past the tick just served (early, when gathered) and now; count skipped ones."""
+        if self.origin_s is None:   # its first tick starts its grid
+            self.origin_s, self.index = now_s, 0
+        after = self.next_after(max(now_s, self.next_due_s))
+        n = round((after - self.origin_s) / self.period_s)
+        self.skipped_ticks += max(n - self.index - 1, 0)
+        self.index = n
+
+    def set_period(self, period_s: float) -> None:
+        """Tick at `period_s` from its next tick on (the grid re-anchored there)."""
+        if not period_s > 0:
+            raise ValueError(f'{self.name}: period_s must be > 0, got {period_s}')
+        self.origin_s, self.index, self.period_s = self.next_due_s, 0, period_s
+
+    def lateness_s(self, now_s: float) -> float:
+        """How far behind its grid tick a tick at now_s starts (0 before its grid starts)."""
+        due_s = self.next_due_s
+        return 0.0 if due_s is None else max(now_s - due_s, 0.0)
+
+
+class FrameLoop:
+    """The robots' control ticks over one FleetEngine (see the module docstring).
+
+    engine: a FleetEngine (act / advance_language / live_requests / scheduler). gather_s: a
+    robot due within this much of a tick is served at it. clock: the loop's wall clock
+    (latencies, durations); each robot's statistics keep their own clock (steady time in the
+    node, bag time in a replay).
     """
 
-    def __init__(self, system, inputs: InputSet, *, problems: ProblemLog | None = None,
-                 stats: LoopStats | None = None, clock: Callable[[], float] = time.monotonic,
-                 rtc: RtcPlanner | None = None):
-        self.system = system
-        self.inputs = inputs
-        self.rtc = rtc      # real-time chunking: what each chunk continues (None: nothing)
-        self.problems = problems
-        self.stats = stats if stats is not None else LoopStats()
+    def __init__(self, engine, robots: list[RobotLoop], *, gather_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
+        unknown = [r.name for r in robots if r.name not in engine.robots]
+        if unknown:
+            raise ValueError(f'robots {unknown} are not in the engine ({list(engine.robots)})')
+        if gather_s < 0:
+            raise ValueError(f'gather_s must be >= 0, got {gather_s}')
+        self.engine = engine
+        self.robots = {r.name: r for r in robots}
+        self.gather_s = gather_s
         self.clock = clock
-        self.finished: collections.Counter = collections.Counter()   # finish reason -> count
-        self.last_inputs: ObservationResult | None = None
-        self.last_result: FrameResult | None = None
+        self.last_result = None   # the engine's last FleetResult
 
-    def tick(self, now_s: float, period_s: float, sink: OutputSink, *,
-             check_inputs: Callable[[ObservationResult], None] | None = None,
-             language: Callable[[], bool] = lambda: True) -> TickOutcome:
-        """Run one tick at `now_s` (the adapter's clock, seconds); return what it did.
+    @classmethod
+    def one(cls, system, inputs: InputSet, sink: OutputSink, period_s: float, *,
+            problems: ProblemLog | None = None, stats: LoopStats | None = None,
+            rtc: RtcPlanner | None = None, clock: Callable[[], float] = time.monotonic
+            ) -> FrameLoop:
+        """Return the loop of one robot over an Engine (its `fleet` of one, robot `robot`)."""
+        robot = RobotLoop(system.robot, inputs, sink, period_s, problems,
+                          stats if stats is not None else LoopStats(), rtc)
+        return cls(system.fleet, [robot], clock=clock)
 
-        check_inputs(result) may raise to abort the tick before the engine runs (a replay
-        that must stop on bad input); language() is asked before the language half (False:
-        skip it, e.g. the node is being deactivated). Exceptions propagate after the tick is
-        recorded in the loop statistics.
+    @property
+    def only(self) -> RobotLoop:
+        """The robot of a one-robot loop."""
+        (robot,) = self.robots.values()
+        return robot
+
+    # ---- timing -----------------------------------------------------------------------------
+
+    def restart(self, start_s: float) -> None:
+        """Start every robot's grid at start_s (activation): a fresh grid, fresh counts."""
+        for robot in self.robots.values():
+            robot.origin_s, robot.index, robot.skipped_ticks = start_s, 0, 0
+
+    def next_tick_s(self) -> float | None:
+        """When the next robot is due (None: some robot has not ticked yet, so now)."""
+        dues = [r.next_due_s for r in self.robots.values()]
+        return None if None in dues else min(dues)
+
+    def next_wake_s(self, now_s: float) -> float:
+        """Return the first robot grid time after now_s: when to wake the loop next.
+
+        Reads only each grid's origin and period, so another thread (the node's timer) may
+        ask while a tick runs.
         """
+        return min(robot.next_after(now_s) for robot in list(self.robots.values()))
+
+    # ---- the tick ----------------------------------------------------------------------------
+
+    def tick(self, now_s: float, *, serve_all: bool = False,
+             check_inputs: Callable[[ObservationResult], None] | None = None,
+             language: Callable[[], bool] = lambda: True) -> dict[str, TickOutcome]:
+        """Serve every robot due at `now_s` (the adapter's clock, seconds); return their outcomes.
+
+        serve_all: serve every robot now, whatever its grid (a replay's tick times, a server's
+        requests; the language then counts against each robot's own period). check_inputs(
+        result) may raise to abort the tick before the engine runs (a replay that must stop
+        on bad input); language() is asked before the language half (False: skip it, e.g.
+        the node is being deactivated). Exceptions propagate after the tick is recorded in
+        every due robot's statistics and their grids advanced.
+        """
+        robots = list(self.robots.values())
+        due = robots if serve_all else [r for r in robots if r.due(now_s, self.gather_s)]
+        if not due:
+            return {}   # an empty wake-up: nobody's tick, no language round
         start = self.clock()
-        stats_start = self.stats.clock()
-        outcome = None
+        stats_start = {r.name: r.stats.clock() for r in due}
+        late = {r.name: 0.0 if serve_all else r.lateness_s(now_s) for r in due}
+        outcomes: dict[str, TickOutcome] = {}
+        error = None
         try:
-            outcome = self._tick(now_s, start, sink, check_inputs, language)
-            return outcome
+            self._tick(now_s, start, due, serve_all, outcomes, check_inputs, language)
+            return outcomes
+        except BaseException as err:
+            error = err
+            raise
         finally:
             duration = self.clock() - start
-            if outcome is not None:
-                outcome.duration_s = duration
-            action = outcome.action if outcome is not None else None
-            missed = self.stats.record(
-                stats_start, duration, period_s, outcome.latency_s if outcome else None,
-                action.inference_time_s if action is not None else None,
-                outcome.tokens if outcome else 0,
-                outcome.act_cpu_share if outcome else None,
-                outcome.ended if outcome else None)
-            if missed:
-                logger.debug('tick over deadline: %.1f ms > %.1f ms', duration * 1e3,
-                             period_s * 1e3)
+            for robot in due:
+                outcome = outcomes.get(robot.name)
+                if outcome is not None:
+                    outcome.duration_s = duration
+                action = outcome.action if outcome is not None else None
+                missed = robot.stats.record(
+                    stats_start[robot.name], duration, robot.period_s,
+                    outcome.latency_s if outcome else None,
+                    action.inference_time_s if action is not None else None,
+                    outcome.tokens if outcome else 0,
+                    outcome.act_cpu_share if outcome else None,
+                    outcome.ended if outcome else None, late_s=late[robot.name])
+                if error is not None:
+                    robot.stats.record_error(repr(error))
+                if missed:
+                    logger.debug('%stick over deadline: %.1f ms late + %.1f ms > %.1f ms',
+                                 f'{robot.name}: ' if robot.name else '',
+                                 late[robot.name] * 1e3, duration * 1e3, robot.period_s * 1e3)
+                robot.advance(now_s)
 
-    def _tick(self, now_s, start, sink, check_inputs, language) -> TickOutcome:
-        built = self.inputs.build(now_s)
-        self.last_inputs = built
-        if check_inputs is not None:
-            check_inputs(built)
-        problems = dict(built.problems)
-        obs = built.observation
+    def _tick(self, now_s, start, due, serve_all, outcomes, check_inputs, language) -> None:
+        engine = self.engine
         now_ns = round(now_s * 1e9)
-        outcome = TickOutcome(built, problems, built.stamp_ns if obs is not None else now_ns)
-        system = self.system
-        # 2-3. the action path, emitted before any language work
-        if obs is not None:
-            try:
-                action, outcome.act_cpu_share = act_with_cpu_share(
-                    continuing(system.act, self.rtc, obs), obs)
-            except ValueError as err:   # the robot adapter rejected the observation
-                problems['observation'] = f'observation rejected: {err}'
-                obs = None
-                outcome.stamp_ns = now_ns
-            else:
-                sink.action(action, outcome.stamp_ns)
+        observations = {}
+        for robot in due:   # 1. build
+            built = robot.last_inputs = robot.inputs.build(now_s)
+            if check_inputs is not None:
+                check_inputs(built)
+            obs = built.observation
+            outcomes[robot.name] = TickOutcome(built, dict(built.problems),
+                                               built.stamp_ns if obs is not None else now_ns)
+            if obs is not None:
+                observations[robot.name] = obs
+        act_start = self.clock()
+        if observations:   # 2. act
+            continuations = {name: c for name, obs in observations.items()
+                             if (rtc := self.robots[name].rtc) is not None
+                             and (c := rtc.continuation(obs)) is not None}
+            act, cpu_share = act_with_cpu_share(engine.act, observations, continuations or None)
+            for name, action in act.actions.items():   # 3. emit at once
+                outcome, robot = outcomes[name], self.robots[name]
+                robot.sink.action(action, outcome.stamp_ns)
                 outcome.action = action
                 outcome.latency_s = self.clock() - start
-                if self.rtc is not None:   # the chunk the robot now executes
-                    self.rtc.record(action, now_s + outcome.latency_s)
-        if self.problems is not None:
-            report_inputs(self.problems, problems, built)
-        # 4-5. language: this frame's request joins the live ones, k tokens each
-        if obs is None and not system.num_live_requests:
-            return outcome
-        if not language():
-            return outcome
-        result = system.advance_language()
-        self.last_result = outcome.result = result
-        emit_language(result, sink, outcome, self.finished, self.problems)
-        if outcome.action is not None:
-            logger.debug('frame %d: act %.1f ms, k=%d, %d tokens, %d active',
-                         result.frame_index, result.timings.act_s * 1e3, result.k,
-                         outcome.tokens, result.active_requests)
-        return outcome
+                outcome.act_cpu_share = cpu_share
+                if robot.rtc is not None:   # the chunk the robot now executes
+                    robot.rtc.record(action, now_s + outcome.latency_s)
+            for name, why in act.rejected.items():
+                outcomes[name].problems['observation'] = f'observation rejected: {why}'
+                outcomes[name].stamp_ns = now_ns
+            for name, err in act.failed.items():
+                self._report_failure(self.robots[name], outcomes[name], err)
+                outcomes[name].stamp_ns = now_ns
+        for robot in due:
+            if robot.problems is not None:
+                report_inputs(robot.problems, outcomes[robot.name].problems, robot.last_inputs)
+        names = [r.name for r in due]
+        if not (observations or any(engine.live_requests(n) for n in names)) or not language():
+            return
+        # 4. language: the due robots' requests, until the next robot's tick (module doc)
+        if serve_all:
+            deadline_s = None
+        else:
+            served = set(names)
+            next_s = min(r.next_after(now_s) if r.name in served else r.next_due_s
+                         for r in self.robots.values())
+            # Seconds after the engine's clock started: act() began, or the language does.
+            began = act_start if observations else self.clock()
+            deadline_s = next_s - now_s - (began - start)
+        self.last_result = result = engine.advance_language(names, deadline_s)
+        for name, frame_result in result.robots.items():   # 5. emit
+            robot, outcome = self.robots[name], outcomes[name]
+            robot.last_result = frame_result
+            emit_language(frame_result, robot.sink, outcome, robot.finished, robot.problems)
+            if outcome.action is not None:
+                logger.debug('%sframe %d: act %.1f ms, k=%d, %d tokens, %d active',
+                             f'{name}: ' if name else '', frame_result.frame_index,
+                             frame_result.timings.act_s * 1e3, frame_result.k, outcome.tokens,
+                             frame_result.active_requests)
 
-    def engine_summary(self) -> dict | None:
-        """Return the engine part of the diagnostics (None before the first language step)."""
-        return engine_summary(self.last_result, self.finished, self.system.budget)
+    @staticmethod
+    def _report_failure(robot: RobotLoop, outcome: TickOutcome, err: Exception) -> None:
+        """Report a robot's failed act() as what it is: an error, not an input problem."""
+        outcome.error = f'{type(err).__name__}: {err}'
+        robot.stats.record_error(repr(err))
+        if robot.problems is not None:
+            robot.problems.event('act', ERROR, f'act() failed: {outcome.error}')
+        else:
+            logger.error('%sact() failed: %s', f'{robot.name}: ' if robot.name else '',
+                         outcome.error)
+
+    def engine_summary(self, name: str) -> dict | None:
+        """Return the engine part of a robot's diagnostics (None before its first language)."""
+        robot = self.robots[name]
+        return engine_summary(robot.last_result, robot.finished,
+                              self.engine.scheduler(name).budget)
 
 
-def continuing(act: Callable, rtc: RtcPlanner | None, obs) -> Callable:
-    """Return `act` with the continuation of the committed chunk bound (when RTC has one)."""
-    continuation = rtc.continuation(obs) if rtc is not None else None
-    return act if continuation is None else functools.partial(act, continuation=continuation)
-
-
-def act_with_cpu_share(act: Callable, observation) -> tuple:
-    """Return (act(observation), the share of its wall time this thread spent on a CPU).
+def act_with_cpu_share(act: Callable, *args) -> tuple:
+    """Return (act(*args), the share of its wall time this thread spent on a CPU).
 
     Thread CPU time next to wall time tells a late tick that waited for a core (or the GIL)
     from one whose model was simply slow (status.late_tick_hint words the difference).
     """
     cpu_start, wall_start = time.thread_time(), time.perf_counter()
-    result = act(observation)
+    result = act(*args)
     wall = time.perf_counter() - wall_start
     return result, ((time.thread_time() - cpu_start) / wall if wall > 0 else None)
 
@@ -198,8 +364,7 @@ def emit_language(result: FrameResult, sink: OutputSink, outcome: TickOutcome,
     """Emit one robot's language output of a tick (steps 4-5): token deltas, narrations.
 
     Counts finish reasons into `finished`; a request that ended without completing (evicted,
-    refused, error) is reported to `problems` instead of narrated. Shared by FrameLoop and
-    the fleet loop.
+    refused, error) is reported to `problems` instead of narrated.
     """
     outcome.result = result
     for delta in result.deltas:

@@ -125,8 +125,13 @@ def _check_preset(value) -> str | None:
 
 
 def _check_device(value) -> str | None:
+    if value == 'mps':
+        # model/pi05.py's flow-time embedding is computed in float64 on the model's device,
+        # a dtype MPS does not have: the first act() would fail, not configure.
+        return ("'mps' is not supported: the model computes in float64 on its device, which "
+                "MPS lacks; use 'cpu'")
     if not _DEVICE_RE.match(value):
-        return "expected 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        return "expected 'cpu', 'cuda' or 'cuda:N'"
     return None
 
 
@@ -683,6 +688,16 @@ class FleetSettings:
 
     node: Settings
     robots: dict[str, Settings]        # robot name -> its settings, in `robots` order
+
+    @classmethod
+    def one(cls, settings: Settings) -> FleetSettings:
+        """Return the settings of a node serving one robot: a fleet of one, the robot ''."""
+        return cls(settings, {'': settings})
+
+    @property
+    def is_one(self) -> bool:
+        """Whether these are one robot's settings (FleetSettings.one): no robots parameter."""
+        return list(self.robots) == ['']
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> FleetSettings:

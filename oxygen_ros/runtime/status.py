@@ -55,15 +55,17 @@ class LoopStats:
 
     def record(self, start: float, duration: float, period_s: float, latency: float | None,
                inference: float | None, tokens: int, cpu_share: float | None = None,
-               ended: dict[str, int] | None = None) -> bool:
-        """Record one tick; return whether it missed its deadline (ran longer than period).
+               ended: dict[str, int] | None = None, late_s: float = 0.0) -> bool:
+        """Record one tick; return whether it missed its deadline.
 
-        cpu_share: the share of act()'s wall time its thread spent on a CPU (None: not
-        measured). Near 1 the model ran the whole time; well below 1 it waited for a core
-        (or the GIL), which is what a late tick's remedy depends on. ended: the language
-        requests that ended this tick, by finish reason.
+        A tick misses when it ends later than one period after the robot's grid tick:
+        late_s (how far behind that tick it started, e.g. another robot's tick ran) plus its
+        duration exceed the period. cpu_share: the share of act()'s wall time its thread spent
+        on a CPU (None: not measured). Near 1 the model ran the whole time; well below 1 it
+        waited for a core (or the GIL), which is what a late tick's remedy depends on. ended:
+        the language requests that ended this tick, by finish reason.
         """
-        missed = duration > period_s
+        missed = late_s + duration > period_s
         with self._lock:
             self._ticks.append(_Tick(start, duration, latency, inference, tokens, missed,
                                      cpu_share))

@@ -163,8 +163,9 @@ class EngineWorker:
         self.inputs = _RequestInputs()
         self.rtc = (_ClientChunks(config.rtc, get_robot(config.robot).step_period_s)
                     if config.rtc.enabled else None)
-        self.loop = FrameLoop(system, self.inputs, stats=LoopStats(), rtc=self.rtc)
         self.replies = _Replies(self)
+        self.loop = FrameLoop.one(system, self.inputs, self.replies, config.period_s,
+                                  stats=LoopStats(), rtc=self.rtc)
         self._lock = threading.Lock()             # outboxes and owners: engine + I/O threads
         self._outboxes: dict[int, dict[str, list]] = {}
         self._owners: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -218,7 +219,7 @@ class EngineWorker:
             if self.rtc is not None:
                 self.rtc.request = request
             try:
-                outcome = self.loop.tick(time.monotonic(), self.config.period_s, self.replies)
+                (outcome,) = self.loop.tick(time.monotonic(), serve_all=True).values()
             except Exception as err:   # noqa: BLE001 - one bad frame must not end the server
                 logger.exception('frame failed')
                 if not request.future.done():
@@ -226,7 +227,11 @@ class EngineWorker:
                 continue
             finally:
                 self.inputs.observation = None
-            if not request.future.done():             # act() rejected the observation
+            if request.future.done():
+                continue
+            if outcome.error:                         # act() failed, not for the input
+                request.future.set_exception(RuntimeError(f'engine error: {outcome.error}'))
+            else:                                     # act() rejected the observation
                 request.future.set_exception(RequestError(
                     outcome.rejected or 'no action for this observation'))
 
