@@ -89,20 +89,18 @@ def node_with_faults(argv: list[str]) -> int:
 
     rate, seed = (float(x) for x in os.environ.get(FAULT_ENV, '0,0').split(','))
     rng, counts = random.Random(int(seed)), {'decode': 0, 'allocation': 0}
-    build = engine_setup.build_engine
 
     def build_with_faults(settings, **kwargs):
-        engine = build(settings, **kwargs)
+        engine = engine_setup.build_fleet(settings, **kwargs)
         _inject_faults(engine, rate, rng, counts)
         return engine
-    engine_setup.build_engine = build_with_faults
 
     def report():
         print(f'SOAK_FAULTS {json.dumps(counts)}', flush=True)
     import atexit
     atexit.register(report)
     signal.signal(signal.SIGUSR1, lambda *_: report())
-    return node.main(['oxygen_node'] + argv, fast_exit=False)
+    return node.main(['oxygen_node'] + argv, fast_exit=False, engine_builder=build_with_faults)
 
 
 # --- the chaotic robot ----------------------------------------------------------------------

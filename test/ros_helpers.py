@@ -241,10 +241,11 @@ class NodeHarness:
     params override the node's parameters; the feeder publishes moving photos on every
     camera topic (32 px), constant joint states and the instruction `task`. All three live in
     `namespace` (so harnesses of one process do not see each other's topics).
+    engine_builder: the node's (None: the real engine).
     """
 
     def __init__(self, context, params: dict, task: str = 'pick up the red block',
-                 rate_hz: float = 20.0, namespace: str = ''):
+                 rate_hz: float = 20.0, namespace: str = '', engine_builder=None):
         from rclpy.parameter import Parameter
 
         from oxygen_ros.ros.node import make_executor, OxygenNode
@@ -255,6 +256,7 @@ class NodeHarness:
         self.context = context
         self.values = values
         self.node = OxygenNode(context=context, namespace=namespace,
+                               engine_builder=engine_builder,
                                parameter_overrides=[Parameter(k, value=v)
                                                     for k, v in values.items()])
         self.collector = Collector(namespace, self.node.diagnostic_name, context=context)
@@ -284,10 +286,10 @@ class NodeHarness:
     def trace_publishes(self) -> list:
         """Record (kind 'action' | 'tokens', stamp ns, monotonic time) of every publish call.
 
-        Call after configure: wraps the node's output sink (oxygen_ros.ros.node.RosOutputs).
+        Call after configure: wraps the node's output sink (oxygen_ros.ros.robot_io.RosOutputs).
         """
         trace = []
-        outputs = self.node._outputs
+        outputs = self.node.robots[''].outputs
         for kind in ('action', 'tokens'):
             original = getattr(outputs, kind)
 

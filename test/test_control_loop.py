@@ -18,11 +18,13 @@ rclpy = pytest.importorskip('rclpy')
 
 from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
 
-from oxygen_ros.engine import FixedBudget, LanguagePolicy  # noqa: E402
+from oxygen_ros.engine import (FixedBudget, FleetActions, FleetResult,  # noqa: E402
+                               LanguagePolicy)
 from oxygen_ros.engine.types import ActionOutput, FrameResult, Timings  # noqa: E402
 from oxygen_ros.kv import KVPool  # noqa: E402
 from oxygen_ros.runtime import engine_setup  # noqa: E402
 from oxygen_ros.runtime.control import ControlThread, THREAD_NAME  # noqa: E402
+from oxygen_ros.runtime.status import ERROR  # noqa: E402
 from ros_helpers import Collector, NodeHarness, Spinner, wait_for  # noqa: E402
 
 STUB = dict(control_rate_hz=2.0, stale_frame_timeout_s=5.0)
@@ -43,7 +45,11 @@ def python_work(iterations: int) -> int:
 
 
 class StubSystem:
-    """An engine System whose act() runs `act_body` and records how long it took."""
+    """A one-robot engine (FleetEngine's interface, the robot '') whose act() runs
+    `act_body` and records how long it took; it is also that robot's scheduler."""
+
+    robots = {'': None}
+    num_live_requests = 0
 
     def __init__(self, act_body):
         self.act_body = act_body
@@ -52,25 +58,33 @@ class StubSystem:
         self.policy = LanguagePolicy(max_new_tokens=4, every_n_frames=0)
         self.budget = FixedBudget(1)
         self.pool = KVPool(2)
-        self.num_live_requests = 0
 
-    def act(self, obs) -> ActionOutput:
+    def scheduler(self, robot):
+        return self
+
+    def live_requests(self, robot) -> int:
+        return 0
+
+    def act(self, observations, continuations=None) -> FleetActions:
+        (obs,) = observations.values()
         start = time.perf_counter()
         self.act_body()
         seconds = time.perf_counter() - start
         self.act_seconds.append(seconds)
         index, self.frames = self.frames, self.frames + 1
-        return ActionOutput(index, np.zeros((4, 7), np.float32), np.zeros((4, 32), np.float32),
-                            seconds, obs.stamp)
+        action = ActionOutput(index, np.zeros((4, 7), np.float32),
+                              np.zeros((4, 32), np.float32), seconds, obs.stamp)
+        return FleetActions({'': action}, {}, {}, 1, seconds)
 
-    def advance_language(self) -> FrameResult:
-        return FrameResult(self.frames - 1, None, [], [], 0, 0, [], 0, Timings(),
-                           self.pool.usage())
+    def advance_language(self, robots=None, deadline_s=None) -> FleetResult:
+        result = FrameResult(self.frames - 1, None, [], [], 0, 0, [], 0, Timings(),
+                             self.pool.usage())
+        return FleetResult({'': result}, {}, {}, 1, [], Timings(), self.pool.usage())
 
-    def set_budget(self, budget) -> None:
+    def set_budget(self, robot, budget) -> None:
         self.budget = budget
 
-    def set_policy(self, policy) -> None:
+    def set_policy(self, robot, policy) -> None:
         self.policy = policy
 
     def close(self) -> None:
@@ -84,9 +98,11 @@ def stub_node(rclpy_context, monkeypatch):
 
     def make(act_body, **params):
         system = StubSystem(act_body)
-        monkeypatch.setattr(engine_setup, 'build_engine', lambda settings: engine_setup.Engine(
-            system, None, {'source': 'stub engine'}, [], settings))
-        made.append(NodeHarness(rclpy_context, {'preset': 'tiny', **STUB, **params}))
+
+        def build(fleet):
+            return engine_setup.Engine(system, None, {'source': 'stub engine'}, [], fleet)
+        made.append(NodeHarness(rclpy_context, {'preset': 'tiny', **STUB, **params},
+                                engine_builder=build))
         made[-1].system = system
         return made[-1]
     yield make
@@ -212,24 +228,11 @@ def _block_in_act():
     return entered, release, act_body
 
 
-def _record_publishes(h):
-    """Wrap the node's real action publisher: monotonic time of every publish() call."""
-    publisher = h.node._outputs._actions
-    times = []
-    original = publisher.publish
-
-    def publish(msg):
-        times.append(time.monotonic())
-        original(msg)
-    publisher.publish = publish
-    return times
-
-
 def test_no_action_chunk_after_deactivate_returns(stub_node):
     entered, release, act_body = _block_in_act()
     h = stub_node(act_body, control_rate_hz=20.0)
     assert h.node.trigger_configure() == TransitionCallbackReturn.SUCCESS
-    publishes = _record_publishes(h)
+    outputs = h.node.robots[''].outputs
     assert h.node.trigger_activate() == TransitionCallbackReturn.SUCCESS
     assert entered.wait(20), 'no tick reached act()'
     control = h.node.control_thread
@@ -237,7 +240,7 @@ def test_no_action_chunk_after_deactivate_returns(stub_node):
 
     def deactivate():
         done['result'] = h.node.trigger_deactivate()
-        done['at'] = time.monotonic()
+        done['published'] = outputs.actions_published
     caller = threading.Thread(target=deactivate)
     caller.start()
     assert not wait_for(lambda: 'result' in done, 0.5), 'deactivate waits for the running tick'
@@ -245,9 +248,9 @@ def test_no_action_chunk_after_deactivate_returns(stub_node):
     caller.join(20)
     assert done['result'] == TransitionCallbackReturn.SUCCESS
     assert not control.alive, 'deactivate returned while the tick still ran'
-    assert all(t < done['at'] for t in publishes)
     blocked_frame = h.system.frames - 1
     time.sleep(1.0)                     # anything published would have arrived by now
+    assert outputs.actions_published == done['published'], 'published after deactivate'
     assert blocked_frame not in {m.frame_index for m, _, _ in h.collector.actions}
     assert h.system.frames == blocked_frame + 1, 'no tick ran after deactivate'
 
@@ -259,7 +262,7 @@ def test_cleanup_while_a_tick_is_stuck(stub_node, monkeypatch):
     entered, release, act_body = _block_in_act()
     h = stub_node(act_body, control_rate_hz=20.0)
     assert h.node.trigger_configure() == TransitionCallbackReturn.SUCCESS
-    publishes = _record_publishes(h)
+    outputs = h.node.robots[''].outputs
     assert h.node.trigger_activate() == TransitionCallbackReturn.SUCCESS
     assert entered.wait(20)
     control = h.node.control_thread
@@ -267,15 +270,50 @@ def test_cleanup_while_a_tick_is_stuck(stub_node, monkeypatch):
     assert control.alive
     assert any('did not finish' in line for _, line in h.node.problem_history)
     assert h.node.trigger_cleanup() == TransitionCallbackReturn.SUCCESS    # publishers gone
-    cleaned_at = time.monotonic()
+    published = outputs.actions_published
     release.set()                       # the stuck tick finishes against a released node
     assert wait_for(lambda: not control.alive, 10)
-    assert all(t < cleaned_at for t in publishes)
+    assert outputs.actions_published == published
     assert not any('control tick failed' in line for _, line in h.node.problem_history)
     # The node comes back cleanly.
     h.system.act_body = lambda: None
     h.start()
     assert wait_for(lambda: len(h.collector.actions) >= 2, 20)
+
+
+def control_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME and t.is_alive()]
+
+
+def test_activate_is_refused_while_a_stuck_tick_lives(stub_node, monkeypatch):
+    """Deactivate gives up on a stuck tick; activate then refuses with the reason instead of
+    starting a second control thread on the same engine, and works once the tick ended."""
+    from oxygen_ros.ros import node as node_module
+
+    monkeypatch.setattr(node_module, 'STOP_TIMEOUT_S', 0.3)
+    entered, release, act_body = _block_in_act()
+    h = stub_node(act_body, control_rate_hz=20.0)
+    others = len(control_threads())   # of earlier tests' nodes, if any still end
+    assert h.node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    assert h.node.trigger_activate() == TransitionCallbackReturn.SUCCESS
+    assert entered.wait(20)
+    stuck = h.node.control_thread
+    assert h.node.trigger_deactivate() == TransitionCallbackReturn.SUCCESS   # gives up waiting
+    assert stuck.alive and len(control_threads()) == others + 1
+    frames = h.system.frames
+    assert h.node.trigger_activate() == TransitionCallbackReturn.FAILURE
+    assert h.node.lifecycle_state == 'inactive' and h.node.control_thread is None
+    assert len(control_threads()) == others + 1, 'a second control thread was started'
+    level, why = h.node.problem_history[-1]
+    assert level == ERROR and 'activate refused' in why and 'still in a tick' in why
+    time.sleep(0.3)   # no second thread ticks: the engine saw no new frame
+    assert h.system.frames == frames
+    h.system.act_body = lambda: None
+    release.set()                       # the stuck tick ends
+    assert wait_for(lambda: not stuck.alive, 10)
+    assert h.node.trigger_activate() == TransitionCallbackReturn.SUCCESS
+    assert wait_for(lambda: h.system.frames >= frames + 2, 20)
+    assert len(control_threads()) == others + 1
 
 
 # --- one frame loop: the node and the replay give the same outputs ---------------------------
@@ -312,8 +350,9 @@ def test_node_and_replay_give_the_same_outputs(rclpy_context, tmp_path):
                 Spinner(rclpy_context, [collector])]
     try:
         assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
-        assert wait_for(lambda: node._outputs._actions.get_subscription_count() > 0, 10)
-        node._outputs.open()
+        io = node.robots['']
+        assert wait_for(lambda: node.count_subscribers('/actions') > 0, 10)
+        io.outputs.open()
         with InputBag(bag) as reader:
             builder = ObservationBuilder(params, reader.deserialize, reader.start_ns)
             period_ns = params.period_ns
@@ -327,15 +366,15 @@ def test_node_and_replay_give_the_same_outputs(rclpy_context, tmp_path):
                     tick_ns = reader.start_ns + round(pending * period_ns)
                     if tick_ns >= limit_ns:
                         return
-                    node._loop.tick(tick_ns * 1e-9, params.settings.period_s, node._outputs)
+                    node.loop.tick(tick_ns * 1e-9, serve_all=True)
                     pending = next(ticks, None)
             for conn, time_ns, raw in reader.messages(list(reader.reader.connections)):
                 tick_before(time_ns)
                 msg = reader.deserialize(raw, conn)
                 if conn.topic == builder.instruction_topic:
-                    node._inputs.set_instruction(sanitize_instruction(msg.data, 500))
+                    io.inputs.set_instruction(sanitize_instruction(msg.data, 500))
                 elif conn.topic in builder.keys:
-                    node._inputs.put(builder.keys[conn.topic], msg, time_ns * 1e-9)
+                    io.inputs.put(builder.keys[conn.topic], msg, time_ns * 1e-9)
             tick_before(float('inf'))
         expected = replayed['/actions']
         assert wait_for(lambda: len(collector.actions) >= len(expected)

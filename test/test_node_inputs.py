@@ -67,10 +67,11 @@ def _ticks_per_s(h, seconds=1.0):
     The feeder's 20 Hz timer runs in the same process: when a shared machine stalls the
     process, both slow down, so comparing the two tests the node, not the machine.
     """
-    t0, n0, f0 = time.monotonic(), h.node._stats.ticks_total, h.feeder.index
+    t0, n0, f0 = time.monotonic(), h.node.loop.only.stats.ticks_total, h.feeder.index
     time.sleep(seconds)
     elapsed = time.monotonic() - t0
-    return (h.node._stats.ticks_total - n0) / elapsed, (h.feeder.index - f0) / elapsed
+    return ((h.node.loop.only.stats.ticks_total - n0) / elapsed,
+            (h.feeder.index - f0) / elapsed)
 
 
 def _keeps_rate(h):
@@ -232,7 +233,7 @@ def test_instruction_from_the_cli_default_qos_reaches_the_node_and_newest_wins(r
     cli = h.feeder.create_publisher(String, 'instruction', qos_profile_system_default)
 
     def instruction():
-        return h.node._inputs.instruction.text
+        return h.node.robots[''].inputs.instruction.text
 
     def publish_until_seen(pub, text):
         # As `ros2 topic pub -t 3` does: publish a few times, once discovery has matched.
@@ -294,8 +295,8 @@ def test_polled_input_age_is_its_receipt_time_not_the_tick_time(harness):
     h.feeder.image_factory['image'] = None          # the main camera stops while inactive
     time.sleep(PARAMS['stale_frame_timeout_s'] + 0.5)
     assert h.node.trigger_activate() == TransitionCallbackReturn.SUCCESS
-    assert wait_for(lambda: h.node._stats.ticks_total >= 2, 10)
-    states = {s.label: s for s in h.node._loop.last_inputs.inputs}
+    assert wait_for(lambda: h.node.loop.only.stats.ticks_total >= 2, 10)
+    states = {s.label: s for s in h.node.loop.only.last_inputs.inputs}
     camera = states[IMAGE_TOPIC.replace('/camera', '/h0/camera', 1)]
     assert camera.state == 'stale' and camera.age_s > PARAMS['stale_frame_timeout_s'], camera
     assert h.collector.actions == []

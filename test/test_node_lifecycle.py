@@ -170,16 +170,17 @@ def test_parameter_changes_rejected_with_reasons_and_applied(harness):
     assert node.get_parameter('decode_budget').value == 2
 
     assert _set(node, 'decode_budget', 4).successful
-    assert wait_for(lambda: getattr(node.engine.system.budget, 'k', None) == 4, 5)
+    scheduler = node.engine.system.scheduler('')   # the one robot's
+    assert wait_for(lambda: getattr(scheduler.budget, 'k', None) == 4, 5)
     # The old string form still works, with a deprecation warning that says what to type.
     assert _set(node, 'decode_budget', '3').successful
-    assert wait_for(lambda: getattr(node.engine.system.budget, 'k', None) == 3, 5)
+    assert wait_for(lambda: getattr(scheduler.budget, 'k', None) == 3, 5)
     assert (WARN, "decode_budget as a string ('3') is deprecated: use the integer 3 (0 = "
                   'adaptive), e.g. `-p decode_budget:=3`') in node.problem_history
     assert _set(node, 'stale_frame_timeout_s', 1.5).successful
 
     assert _set(node, 'control_rate_hz', 5.0).successful
-    assert node._wake_timer.timer_period_ns == 200_000_000   # the timer was rebuilt
+    assert wait_for(lambda: node.loop.only.period_s == 0.2, 5)   # from the next tick on
     # The rate the node sent at (DDS source timestamps) over 2 s from 0.5 s after the change:
     # when the chunks reach this process does not matter.
     window = (time.time_ns() + 500_000_000, time.time_ns() + 2_500_000_000)
@@ -191,11 +192,12 @@ def test_parameter_changes_rejected_with_reasons_and_applied(harness):
     assert 0 < rate < 8.0   # a stalled machine can only make it slower
 
     published = []                      # frame index of every action the node publishes
-    outputs_action = node._outputs.action
-    node._outputs.action = lambda action, stamp_ns: (published.append(action.frame_index),
-                                                     outputs_action(action, stamp_ns))
+    outputs = node.robots[''].outputs
+    outputs_action = outputs.action
+    outputs.action = lambda action, stamp_ns: (published.append(action.frame_index),
+                                               outputs_action(action, stamp_ns))
     assert _set(node, 'request_every_n_frames', 0).successful
-    assert wait_for(lambda: node.engine.system.policy.every_n_frames == 0, 5)  # next tick
+    assert wait_for(lambda: scheduler.policy.every_n_frames == 0, 5)  # next tick
     assert wait_for(lambda: published, 10)
     last_before = published[-1]         # frames after it start no language request
     assert wait_for(lambda: len(published) >= 5, 30)

@@ -52,7 +52,7 @@ def test_invalid_topic_name_fails_configure_with_the_reason(harness):
     assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
     model = {s.name.split(': ')[1]: s for s in node.diagnostic_statuses()}['model']
     assert model.level == ERROR and 'bad topic!' in model.message
-    assert node._subscriptions_made == [] and node._outputs is None, 'nothing left half-made'
+    assert node.robot_subscriptions == [] and node.robots == {}, 'nothing left half-made'
     assert any('bad topic!' in line for _, line in node.problem_history)
     assert _set(node, 'cameras.wrist_image.topic', 'camera/wrist_image/image_raw').successful
     h.start()

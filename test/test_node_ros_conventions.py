@@ -24,7 +24,7 @@ def harness(rclpy_context):
 
 
 def _subscription(node, topic):
-    (sub,) = [s for s in node._subscriptions_made if s.topic_name == topic]
+    (sub,) = [s for s in node.robot_subscriptions if s.topic_name == topic]
     return sub
 
 
@@ -35,7 +35,7 @@ def test_subscription_qos_can_be_overridden_with_parameters(harness):
     h.start()
     assert _subscription(h.node, '/h0/camera/image/image_raw').qos_profile.depth == 5
     assert _subscription(h.node, '/h0/camera/wrist_image/image_raw').qos_profile.depth == 1
-    instruction = [s for s in h.node._subscriptions_made if s.topic_name == '/h0/instruction']
+    instruction = [s for s in h.node.robot_subscriptions if s.topic_name == '/h0/instruction']
     assert sorted(s.qos_profile.reliability for s in instruction) == sorted(
         [ReliabilityPolicy.RELIABLE, ReliabilityPolicy.BEST_EFFORT])
     assert qos.SENSOR.depth == 1, 'the shared profile is not modified'
@@ -54,7 +54,7 @@ def test_diagnostics_are_named_per_namespace_with_the_device_and_period(harness)
     statuses = [s for array in a.collector.diagnostics for s in array.status
                 if s.name.startswith('h0/oxygen_node: ')]
     assert statuses and {s.hardware_id for s in statuses} == {'cpu'}
-    assert a.node._diagnostics_timer.timer_period_ns == 200_000_000
+    assert a.node.diagnostics_period_s == pytest.approx(0.2)
 
 
 def test_camera_info_size_check(harness):

@@ -351,7 +351,7 @@ def test_launched_node_in_a_namespace_gets_file_overrides_and_remaps(
         # The shipped rate is auto: the node timed this machine at configure and runs at 90%.
         model = dict(node.diagnostic_statuses()[0].values)
         assert float(model['control_rate_hz']) > 0 and 'holds about' in model['capacity']
-        topics = {sub.topic_name for sub in node._subscriptions_made}
+        topics = {sub.topic_name for sub in node.robot_subscriptions}
         assert {'/zed/wrist', '/arm1/camera/exterior_image_1_left/image_raw',
                 '/arm1/joint_states', '/arm1/instruction'} <= topics
     finally:
@@ -397,7 +397,7 @@ def test_launched_fleet_serves_each_robot_in_its_namespace(launch_module, tmp_pa
             node.problem_history[-3:])
         assert node.trigger_activate() == TransitionCallbackReturn.SUCCESS
         assert {name: io.settings.robot for name, io in node.robots.items()} == robots
-        topics = {sub.topic_name for sub in node._subscriptions_made}
+        topics = {sub.topic_name for sub in node.robot_subscriptions}
         for name, io in node.robots.items():
             cameras = [c.name for c in io.settings.cameras]
             assert {f'/cell/{name}/camera/{c}/image_raw' for c in cameras} <= topics

@@ -47,11 +47,11 @@ def test_rtc_parameters_refused_with_a_reason_and_applied_while_active(rclpy_con
             assert result.reason and reason in result.reason, result.reason
         assert node.get_parameter('rtc_mode').value == 'guided'   # the old values are kept
         assert node.get_parameter('rtc_max_guidance_weight').value == 5.0
-        assert node._loop.rtc.settings.mode == 'guided'
+        assert node.loop.only.rtc.settings.mode == 'guided'
 
         # a valid change applies from the next tick: prefix holds row 0 at the committed path
         assert _set(node, 'rtc_mode', 'prefix').successful
-        assert wait_for(lambda: node._loop.rtc.settings.mode == 'prefix', 5)
+        assert wait_for(lambda: node.loop.only.rtc.settings.mode == 'prefix', 5)
         switched = after_switch(col)
         assert wait_for(lambda: len(switched()) >= 6, 30)
         held = 0
@@ -72,7 +72,7 @@ def test_rtc_parameters_refused_with_a_reason_and_applied_while_active(rclpy_con
         # `ros2 param set /oxygen_node rtc_mode off` sends false (YAML): read as 'off'
         assert not _set(node, 'rtc_mode', True).successful
         assert _set(node, 'rtc_mode', False).successful
-        assert wait_for(lambda: node._loop.rtc.settings.mode == 'off', 5)
+        assert wait_for(lambda: node.loop.only.rtc.settings.mode == 'off', 5)
         assert any("rtc_mode false is read as 'off'" in m for _, m in node.problem_history)
         switched = after_switch(col)
         assert wait_for(lambda: len(switched()) >= 6, 30)

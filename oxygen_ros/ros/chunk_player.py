@@ -92,7 +92,7 @@ class ChunkPlayer(Node):
 
 def main(args=None) -> int:
     """Run the chunk player until Ctrl-C."""
-    from oxygen_ros.ros.node import default_discovery_to_localhost
+    from oxygen_ros.ros.dds import default_discovery_to_localhost
 
     default_discovery_to_localhost()   # as oxygen_node: DDS stays on this machine by default
     rclpy.init(args=args)

@@ -83,6 +83,7 @@ class RosOutputs:
         self._lock = threading.Lock()
         self._open = False
         self._node = node
+        self.actions_published = 0   # ActionChunks published so far (after the switch)
         self._actions = node.create_publisher(ActionChunk, in_namespace(namespace, 'actions'),
                                               qos.ACTIONS)
         self._tokens = node.create_publisher(
@@ -110,14 +111,16 @@ class RosOutputs:
             if pub is not None:
                 self._node.destroy_publisher(pub)
 
-    def _publish(self, publisher, msg) -> None:
+    def _publish(self, publisher, msg) -> bool:
         with self._lock:
             if self._open:
                 publisher.publish(msg)
+            return self._open
 
     def action(self, action, stamp_ns: int) -> None:
-        self._publish(self._actions, action_chunk_msg(action, ns_to_stamp(stamp_ns),
-                                                      self.frame_id, self.layout))
+        if self._publish(self._actions, action_chunk_msg(action, ns_to_stamp(stamp_ns),
+                                                         self.frame_id, self.layout)):
+            self.actions_published += 1
         if self._trajectory is not None:
             self._publish(self._trajectory,
                           joint_trajectory_msg(action, self.frame_id, self.layout))

@@ -1,0 +1,94 @@
+"""The process around oxygen_node: DDS discovery, the I/O executor, spin, fast exit.
+
+Discovery stays on this machine unless the environment says otherwise; the executor serves
+I/O only (ros/node.py says why); run_node spins until Ctrl-C and ends the process at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from typing import Callable
+
+import rclpy
+from rclpy.executors import SingleThreadedExecutor
+
+try:
+    from rclpy.executors import ExternalShutdownException
+except ImportError:   # pragma: no cover - older rclpy raise KeyboardInterrupt only
+    ExternalShutdownException = KeyboardInterrupt
+
+
+def make_executor(context=None) -> SingleThreadedExecutor:
+    """Return the executor oxygen_node runs in: single-threaded, I/O only (ros/node.py)."""
+    return SingleThreadedExecutor(context=context)
+
+
+DISCOVERY_VARIABLES = ('ROS_AUTOMATIC_DISCOVERY_RANGE', 'ROS_LOCALHOST_ONLY', 'ROS_STATIC_PEERS')
+
+
+def default_discovery_to_localhost(environ=os.environ) -> str:
+    """Keep DDS discovery on this machine unless the environment chose otherwise.
+
+    ROS's own default is the whole subnet (domain 0): any peer there could replace the task,
+    feed cameras or reconfigure the node. A robot that must be reached from other machines
+    says so with ROS_AUTOMATIC_DISCOVERY_RANGE=SUBNET (README, "DDS and security"). Returns
+    what was decided, for the startup log. Must run before rclpy.init().
+    """
+    chosen = {k: environ[k] for k in DISCOVERY_VARIABLES if environ.get(k)}
+    if chosen:
+        return ', '.join(f'{k}={v}' for k, v in chosen.items()) + ' (from the environment)'
+    if environ.get('ROS_DISTRO') == 'humble':   # predates ROS_AUTOMATIC_DISCOVERY_RANGE
+        environ['ROS_LOCALHOST_ONLY'] = '1'
+        return 'ROS_LOCALHOST_ONLY=1 (oxygen_node default)'
+    environ['ROS_AUTOMATIC_DISCOVERY_RANGE'] = 'LOCALHOST'
+    return 'ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (oxygen_node default)'
+
+
+def run_node(make_node: Callable[[], object], args=None, *, fast_exit: bool = True) -> int:
+    """Spin the node make_node() builds in the I/O executor until Ctrl-C; return the exit code.
+
+    Discovery defaults to this machine (default_discovery_to_localhost), before rclpy.init().
+    fast_exit: once the node and the ROS context are released, end the process at once. The
+    interpreter's own teardown of torch takes over a second (measured 1.2 s here) and has
+    nothing left to release; without it Ctrl-C ends the node well within a second.
+    """
+    discovery = default_discovery_to_localhost()
+    rclpy.init(args=args)
+    node = None
+    code = 0
+    executor = make_executor()
+    try:
+        node = make_node()
+        node.get_logger().info(f'DDS discovery: {discovery}, ROS_DOMAIN_ID='
+                               f'{os.environ.get("ROS_DOMAIN_ID", "0 (default)")}')
+        executor.add_node(node)
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    except Exception:   # noqa: BLE001 - decided below
+        if rclpy.ok():
+            code = 1
+            traceback.print_exc()
+        # else: Ctrl-C shut the context down under the executor while it took a message
+        # (rclpy raises from take_message then); that is a normal shutdown.
+    finally:
+        try:
+            if node is not None:
+                node.destroy_node()
+            executor.shutdown()
+            if rclpy.ok():
+                rclpy.shutdown()
+            context = rclpy.get_default_context()
+            if hasattr(context, 'destroy'):   # leave the DDS graph now (rclpy 4+)
+                context.destroy()
+        except KeyboardInterrupt:
+            pass   # a second Ctrl-C: the user wants out now
+    if fast_exit:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
