@@ -86,6 +86,15 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                         help='tokens per request N of every robot (default 10; quick 4)')
     robots.add_argument('--robot-k', type=int, default=None,
                         help='fixed k of every robot (default 5; quick 2)')
+    robots.add_argument('--robots-config', default=None, metavar='YAML',
+                        help="a node parameter YAML with `robots` (e.g. config/aloha_droid.yaml):"
+                        " its robots through the node's frame loop in real time, deadline "
+                        'misses and language progress per robot (the R sweep then runs only '
+                        'with --robots)')
+    robots.add_argument('--robot-rates', nargs='+', default=(), metavar='NAME=HZ',
+                        help="rates of the --robots-config robots (default: the YAML's)")
+    robots.add_argument('--robots-duration', type=float, default=None,
+                        help='measured seconds of the --robots-config run (default 60; quick 10)')
     robots.add_argument('--robot-prefill-rows', type=int, default=None,
                         help='rows per prefill call of the fleet (0: all robots in one call; '
                         'default 1 on the CPU, where batching prefill rows gains nothing and '
@@ -172,6 +181,8 @@ def options_from_args(args: argparse.Namespace):
         if min(value if isinstance(value, list) else [value]) < lowest:
             raise SystemExit(f'{flag}: expected values >= {lowest}, got {value}')
         plan_changes[name] = tuple(value) if isinstance(value, list) else value
+    if args.robots_config and args.robots is None:
+        plan_changes['robot_counts'] = ()   # the YAML's fleet only
     if args.ns and 'headline_n' not in plan_changes:
         plan_changes['headline_n'] = max(args.ns)
     plan = (quick_options if args.quick else full_options)(**plan_changes)
@@ -202,6 +213,17 @@ def options_from_args(args: argparse.Namespace):
             raise SystemExit(f'--rtc-robot: {err}') from None
     changes['rtc'] = dataclasses.replace(base.rtc, **rtc_changes)
     changes['overload'] = overload_options_from_args(args)
+    if args.robots_config:
+        from .fleet_timing import FleetTimingOptions, parse_rates
+
+        parse_rates(tuple(args.robot_rates))   # a bad one is a one-line error now
+        duration = args.robots_duration or (10.0 if args.quick else 60.0)
+        if duration <= 0:
+            raise SystemExit('--robots-duration must be > 0')
+        changes['fleet_timing'] = FleetTimingOptions(
+            args.robots_config, tuple(args.robot_rates), duration,
+            warmup_s=2.0 if args.quick else 5.0,
+            preset=args.preset or ('tiny' if args.quick else None))   # None: the YAML's
     changes['out_dir'] = args.out
     return dataclasses.replace(base, **changes)
 

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .run import BenchResult, save_result  # noqa: E402
+from .fleet_timing import fleet_timing_section, fleet_timing_targets  # noqa: E402
 from .overload import overload_section, overload_targets  # noqa: E402
 from .rtc import rtc_targets  # noqa: E402
 from .serve import serve_targets  # noqa: E402
@@ -180,6 +181,7 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
     targets += rtc_targets(result.rtc)
     targets += overload_targets(result.overload)
     targets += robots_targets(result)
+    targets += fleet_timing_targets(result.fleet_timing)
     if not result.rows:
         return targets
     checked = [r for r in result.rows if r['tokens_identical'] != '']
@@ -507,6 +509,7 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
                   f'{"on" if result.memory[0].get("mkl_fast_mm", True) else "off"} in the '
                   'probes (MKL_DISABLE_FAST_MM; it caches a GEMM buffer per row count).', '']
     parts += robots_section(result, paths)
+    parts += fleet_timing_section(result.fleet_timing)
     parts += node_section(result, paths)
     parts += rtc_section(result, paths)
     parts += overload_section(result.overload)

@@ -34,6 +34,7 @@ from ..engine import (action_only_policy, Engine, Frontend, identity_norm_stats,
                       random_setup, System, UnlimitedBudget)
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
+from .fleet_timing import FleetTimingOptions, run_fleet_timing
 from .measure import compare_tokens, max_action_diff, summarize, SystemLog
 from .node import NodeBenchOptions, run_node_part
 from .overload import OverloadBenchOptions, run_overload_part
@@ -70,6 +71,7 @@ class BenchOptions:
     rtc: RtcBenchOptions = dataclasses.field(default_factory=RtcBenchOptions)      # part 'rtc'
     overload: OverloadBenchOptions = dataclasses.field(   # part 'overload'
         default_factory=OverloadBenchOptions)
+    fleet_timing: FleetTimingOptions | None = None   # part 'robots': a node YAML's fleet
     out_dir: str = 'bench-results'   # where the node part leaves its processes' logs
 
     @classmethod
@@ -100,6 +102,8 @@ class BenchResult:
     rtc: list[dict] = dataclasses.field(default_factory=list)         # part 'rtc': per mode
     rtc_paths: list[dict] = dataclasses.field(default_factory=list)   # its plotted paths
     overload: list[dict] = dataclasses.field(default_factory=list)    # part 'overload': 2 rows
+    fleet_timing: list[dict] = dataclasses.field(default_factory=list)   # part 'robots': per
+    #                                                                    robot of the YAML
 
 
 def environment(opts: BenchOptions) -> dict:
@@ -510,7 +514,10 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
         if checkpoint is not None and memory:
             checkpoint(result)
         start = time.perf_counter()
-        result.robots.extend(run_robots_part(opts, models))
+        if opts.fleet_timing is not None:
+            result.fleet_timing.extend(run_fleet_timing(opts.fleet_timing, say))
+        if opts.plan.robot_counts:
+            result.robots.extend(run_robots_part(opts, models))
         part_seconds['robots'] = time.perf_counter() - start
     if 'node' in opts.plan.parts:
         if checkpoint is not None and (memory or result.robots):
@@ -568,6 +575,10 @@ def load_result(path: str | Path) -> BenchResult:
                                          for key, v in opts['rtc'].items()})
     if isinstance(opts.get('overload'), dict):
         opts['overload'] = OverloadBenchOptions(**opts['overload'])
+    if isinstance(opts.get('fleet_timing'), dict):
+        opts['fleet_timing'] = FleetTimingOptions(**{
+            key: tuple(v) if isinstance(v, list) else v
+            for key, v in opts['fleet_timing'].items()})
     data['options'] = BenchOptions(**opts)
     data['periods'] = {int(steps): p for steps, p in data['periods'].items()}
     return BenchResult(**data)
