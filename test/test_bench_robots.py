@@ -1,6 +1,7 @@
 """Benchmark part 'robots': the quick run end to end (worker processes), the component model."""
 
 import csv
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from oxygen_ros.bench.run import BenchOptions
 from oxygen_ros.cli import main
 
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope='module')
@@ -36,7 +38,10 @@ def test_quick_robots_part_writes_rows_summary_and_plot(robots_run):
     separate = {r['robots']: r for r in rows if r['system'] == 'separate'}
     assert separate['2']['processes'] == '2' and separate['1']['processes'] == '1'
     summary = (robots_run / 'summary.md').read_text()
-    assert 'Several robots, one engine' in summary and 'robots: aggregate' in summary
+    assert 'Several robots, one engine' in summary
+    # The CPU's targets (issue 23): the component model's bound, and not losing at R = 2.
+    assert "robots (CPU): aggregate ≥ 0.95 × the component model's bound" in summary
+    assert 'robots (CPU): at R=2 the fleet does not lose to 2 separate engines' in summary
     assert (robots_run / 'robots_hz.png').read_bytes().startswith(PNG_MAGIC)
 
 
@@ -72,3 +77,32 @@ def test_jobs_cycle_workloads_and_split_threads():
     assert {j.threads for j in separate} == {1}
     (fleet,) = jobs_for('fleet', 4, opts, steps=3)
     assert fleet.threads == 2 and len(fleet.workloads) == 4
+
+
+def test_robots_config_runs_a_node_yaml_fleet_in_real_time(tmp_path):
+    """--robots-config: the YAML's robots through the node's frame loop at the given rates;
+    per robot its ticks, misses and language progress, and the two targets each."""
+    import json
+
+    config = str(REPO / 'config' / 'aloha_droid.yaml')
+    assert main(['bench', '--quick', '--parts', 'robots', '--robots-config', config,
+                 '--robot-rates', 'aloha=4', 'droid=6', '--robots-duration', '3', '--out',
+                 str(tmp_path), '--no-progress']) == 0
+    result = json.loads((tmp_path / 'result.json').read_text())
+    assert result['robots'] == []                   # the R sweep runs only with --robots
+    rows = {r['robot']: r for r in result['fleet_timing']}
+    assert set(rows) == {'aloha', 'droid'}
+    assert rows['aloha']['rate_hz'] == pytest.approx(4) and rows['droid']['rate_hz'] == 6
+    for row in rows.values():
+        # Ticks of its own grid only: at most its rate x the window (+1 at the edge).
+        assert 0 < row['ticks'] <= row['rate_hz'] * 3 + 1
+        assert row['budget'] == 'AdaptiveBudget' and row['preset'] == 'tiny'
+    summary = (tmp_path / 'summary.md').read_text()
+    assert 'Fleet timing: ' in summary and 'aloha at 4 Hz, deadline misses ≤ 2%' in summary
+    assert "droid's language makes progress" in summary
+    with pytest.raises(SystemExit, match='not among them'):
+        main(['bench', '--quick', '--parts', 'robots', '--robots-config', config,
+              '--robot-rates', 'arm=4', '--out', str(tmp_path / 'bad'), '--no-progress'])
+    with pytest.raises(SystemExit, match='NAME=HZ'):
+        main(['bench', '--quick', '--parts', 'robots', '--robots-config', config,
+              '--robot-rates', 'aloha', '--out', str(tmp_path / 'bad'), '--no-progress'])

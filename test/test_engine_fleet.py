@@ -321,3 +321,28 @@ def test_batched_rows_equal_rows_alone(setup):  # noqa: F811 - the fixture
                                    atol=1e-5, rtol=0)
     torch.testing.assert_close(runner.store.k[:, [1, 3, 5]], k_batched, atol=1e-5, rtol=0)
     assert runner.store.n_valid[[4, 0, 2]].tolist() == runner.store.n_valid[[1, 3, 5]].tolist()
+
+
+def test_rows_side_by_side_equal_rows_in_turn(setup):  # noqa: F811 - the fixture
+    """row_threads: each robot's prefill and denoise on its own thread, same outputs."""
+    model, libero = setup
+    policy = LanguagePolicy(max_new_tokens=3, eos_id=None)
+
+    def robots():
+        return [FleetRobot(f'r{i}', libero, policy, FixedBudget(1), seed=i) for i in range(3)]
+    threaded = make_fleet(model, robots(), max_prefill_rows=1, row_threads=2, debug=True)
+    in_turn = make_fleet(model, robots(), max_prefill_rows=1, debug=True)
+    try:
+        for frame in range(3):
+            observations = {f'r{i}': robot_obs('libero', 3 * frame + i) for i in range(3)}
+            a, b = threaded.step(observations), in_turn.step(observations)
+            for name in observations:
+                np.testing.assert_allclose(a.robots[name].action.actions,
+                                           b.robots[name].action.actions, atol=1e-5, rtol=0)
+                assert ([d.token_ids for d in a.robots[name].deltas]
+                        == [d.token_ids for d in b.robots[name].deltas])
+        assert threaded._rows is not None and in_turn._rows is None
+    finally:
+        threaded.close()
+    with pytest.raises(ValueError, match='row_threads'):
+        make_fleet(model, robots(), row_threads=0)

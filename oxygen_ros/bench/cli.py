@@ -214,9 +214,8 @@ def options_from_args(args: argparse.Namespace):
     changes['rtc'] = dataclasses.replace(base.rtc, **rtc_changes)
     changes['overload'] = overload_options_from_args(args)
     if args.robots_config:
-        from .fleet_timing import FleetTimingOptions, parse_rates
+        from .fleet_timing import FleetTimingOptions, node_values
 
-        parse_rates(tuple(args.robot_rates))   # a bad one is a one-line error now
         duration = args.robots_duration or (10.0 if args.quick else 60.0)
         if duration <= 0:
             raise SystemExit('--robots-duration must be > 0')
@@ -224,6 +223,7 @@ def options_from_args(args: argparse.Namespace):
             args.robots_config, tuple(args.robot_rates), duration,
             warmup_s=2.0 if args.quick else 5.0,
             preset=args.preset or ('tiny' if args.quick else None))   # None: the YAML's
+        node_values(changes['fleet_timing'])   # a bad YAML or rate is a one-line error now
     changes['out_dir'] = args.out
     return dataclasses.replace(base, **changes)
 

@@ -93,22 +93,36 @@ class _Sink:
         self.finished.append(self.clock())
 
 
+def node_values(options: FleetTimingOptions) -> dict:
+    """Return the YAML's parameter values with the rates given; SystemExit says what is bad."""
+    from oxygen_ros.runtime.params import load_node_params
+
+    try:
+        values = load_node_params(options.config)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f'--robots-config {options.config}: {err}') from None
+    rates = parse_rates(options.rates)
+    robots = list(values.get('robots') or [])
+    unknown = sorted(set(rates) - set(robots))
+    if not robots:
+        raise SystemExit(f'--robots-config {options.config}: no `robots` list (a fleet YAML '
+                         'such as config/aloha_droid.yaml)')
+    if unknown:
+        raise SystemExit(f'--robot-rates: {unknown} not among them: the YAML has robots '
+                         f'{robots}')
+    values.update({f'{name}.control_rate_hz': hz for name, hz in rates.items()})
+    return values
+
+
 def build(options: FleetTimingOptions):
     """Build the YAML's engine and a FrameLoop over it; return (engine, loop, sinks)."""
     from oxygen_ros.engine import random_observation
     from oxygen_ros.runtime.changes import gather_s
     from oxygen_ros.runtime.engine_setup import build_fleet
     from oxygen_ros.runtime.frame_loop import FrameLoop, RobotLoop
-    from oxygen_ros.runtime.params import FleetSettings, load_node_params
+    from oxygen_ros.runtime.params import FleetSettings
 
-    values = load_node_params(options.config)
-    rates = parse_rates(options.rates)
-    robots = list(values.get('robots') or [])
-    unknown = sorted(set(rates) - set(robots))
-    if not robots or unknown:
-        raise SystemExit(f'--robots-config {options.config}: robots {robots}; --robot-rates '
-                         f'names {unknown or "none"} not among them')
-    values.update({f'{name}.control_rate_hz': hz for name, hz in rates.items()})
+    values = node_values(options)
     if options.preset:
         values['preset'] = options.preset
     engine = build_fleet(FleetSettings.from_values(values))

@@ -40,7 +40,12 @@ TARGET_CAMERA_ARRIVED = 14 / 15         # frames that arrive whole / the camera 
 # The robots part (issue 14, item 3): R robots from one FleetEngine, at R = TARGET_ROBOTS.
 TARGET_ROBOTS = 4
 TARGET_FLEET_HZ_OVER_IDEAL = 0.9      # every robot's Hz / component-model fleet Hz
-TARGET_FLEET_OVER_SEPARATE = 1.5      # aggregate Hz, fleet / R separate engines side by side
+TARGET_FLEET_OVER_SEPARATE = 1.5      # aggregate Hz, fleet / R separate engines (accelerator)
+# On a CPU prefill is compute-bound, so 1.5x sits above what the arithmetic allows (issue 23):
+# there the fleet's aggregate must reach the component model's bound, and at R = 2 the fleet
+# must not lose to two separate engines.
+TARGET_FLEET_OVER_BOUND_CPU = 0.95     # aggregate Hz / (R x the component model's fleet Hz)
+TARGET_CPU_SEPARATE_R = 2              # R at which fleet aggregate >= separate aggregate
 TARGET_FLEET_MEMORY_OVER_ONE = 1.3    # fleet memory / one single-robot engine
 GPU_TARGET_ROBOTS, GPU_TARGET_ROBOT_HZ = 8, 10.0   # pi05 bf16: each of 8 robots >= 10 Hz
 ROBOT_STYLE = {'fleet': ('tab:blue', 'o'), 'separate': ('tab:red', 'v'),
@@ -276,15 +281,34 @@ def robots_targets(result: BenchResult) -> list[dict]:
          'measured': f'{where}: min robot {fleet["action_hz_min"]:.2f} Hz / ideal '
                      f'{fleet["ideal_fleet_hz"]:.2f} Hz = {fleet["hz_min_over_ideal"]:.3f}',
          'met': fleet['hz_min_over_ideal'] >= TARGET_FLEET_HZ_OVER_IDEAL},
-        {'target': f'robots: aggregate ≥ {TARGET_FLEET_OVER_SEPARATE:.1f} × {TARGET_ROBOTS} '
-                   'separate engines',
-         'measured': f'{where}: {fleet["aggregate_hz"]:.1f} vs {separate["aggregate_hz"]:.1f} '
-                     f'action rows/s = {fleet["aggregate_hz"] / separate["aggregate_hz"]:.2f}×'
-                     f' (sequential {at["sequential"]["aggregate_hz"]:.1f}); the component '
-                     f'model allows {ceiling:.2f}× over R engines sharing the device',
-
-         'met': fleet['aggregate_hz'] >= TARGET_FLEET_OVER_SEPARATE * separate['aggregate_hz']},
     ]
+    cpu = result.options.device == 'cpu'
+    if cpu:
+        bound = count * fleet['ideal_fleet_hz']
+        targets.append({
+            'target': f'robots (CPU): aggregate ≥ {TARGET_FLEET_OVER_BOUND_CPU:.2f} × the '
+                      'component model\'s bound, same run',
+            'measured': f'{where}: {fleet["aggregate_hz"]:.1f} vs {bound:.1f} action rows/s '
+                        f'= {fleet["aggregate_hz"] / bound:.2f}×',
+            'met': fleet['aggregate_hz'] >= TARGET_FLEET_OVER_BOUND_CPU * bound})
+        pair = _robot_rows(result, TARGET_CPU_SEPARATE_R)
+        if 'fleet' in pair and 'separate' in pair:
+            f, s = pair['fleet']['aggregate_hz'], pair['separate']['aggregate_hz']
+            targets.append({
+                'target': f'robots (CPU): at R={TARGET_CPU_SEPARATE_R} the fleet does not lose '
+                          f'to {TARGET_CPU_SEPARATE_R} separate engines',
+                'measured': f'{f:.1f} vs {s:.1f} action rows/s = {f / s:.2f}×',
+                'met': f >= s})
+    else:
+        targets.append({
+            'target': f'robots: aggregate ≥ {TARGET_FLEET_OVER_SEPARATE:.1f} × {TARGET_ROBOTS} '
+                      'separate engines',
+            'measured': f'{where}: {fleet["aggregate_hz"]:.1f} vs '
+                        f'{separate["aggregate_hz"]:.1f} action rows/s = '
+                        f'{fleet["aggregate_hz"] / separate["aggregate_hz"]:.2f}× (sequential '
+                        f'{at["sequential"]["aggregate_hz"]:.1f}); the component model '
+                        f'allows {ceiling:.2f}× over R engines sharing the device',
+            'met': fleet['aggregate_hz'] >= TARGET_FLEET_OVER_SEPARATE * separate['aggregate_hz']})
     if one is not None:
         ratio = fleet[key] / one[key]
         targets.append({
@@ -325,7 +349,8 @@ def robots_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
              f'S={first["steps"]}, {first["frames"]} measured ticks)', '',
              'fleet = one process, one model, one FleetEngine (prefills of the R frames: '
              f'{chunk_text}; one denoise over the R frames, decode steps over every robot\'s '
-             'requests); separate = R '
+             'requests; on the CPU each robot\'s prefill and denoise on its own thread, the '
+             'torch threads divided among them); separate = R '
              'processes with a single-robot engine each, side by side; sequential = one model, '
              'R single-robot engines served in turn. Robot Hz = H / mean frame time (fleet, '
              'sequential: the tick); latency = observation to actions (sequential: from the '

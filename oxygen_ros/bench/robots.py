@@ -7,7 +7,10 @@ fixed k), each in fresh worker processes so their memory peaks are their own:
     fleet       one process, one model, one FleetEngine: per tick the R frames prefilled in
                 calls of `prefill_rows` rows (default 1 on the CPU, where batching prefill rows
                 gains nothing and costs activations; all R on an accelerator), ONE denoise over
-                the R frames, decode steps over every robot's live requests
+                the R frames, decode steps over every robot's live requests. On the CPU with
+                R >= 2 the rows run side by side instead (the node's row_threads: each robot's
+                prefill and denoise on its own thread, the torch threads divided among them),
+                what R separate processes get from their cores
     separate    R processes, one single-robot oxygen engine each (its own weights), running
                 side by side on the same cores (max(1, threads // R) torch threads each)
     sequential  one process, one model, R single-robot oxygen engines served one after
@@ -118,7 +121,12 @@ def _build(job: RobotsJob):
                 for r, i, w in zip(robots, indices, job.workloads)}
 
     if job.system == 'fleet':
-        fleet = make_fleet(model, robots, max_prefill_rows=job.prefill_rows or None)
+        from ..runtime.engine_setup import row_threads   # the node's rule
+
+        rows = row_threads(job.device, len(robots), job.threads)
+        torch.set_num_threads(max(1, job.threads // rows))
+        fleet = make_fleet(model, robots, max_prefill_rows=job.prefill_rows or None,
+                           row_threads=rows)
 
         def serve(frame):
             result = fleet.step(observations(frame))

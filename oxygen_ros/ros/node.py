@@ -255,17 +255,17 @@ class OxygenNode(LifecycleNode):
         control, self._control = self._control, None
         if control is not None and not control.stop(STOP_TIMEOUT_S):
             self._stuck = control   # activate refuses while it lives
-            self._problems.note(ERROR, f'a control tick did not finish within '
-                                       f'{STOP_TIMEOUT_S:g} s of deactivate; activate is '
-                                       'refused until it has ended')
+            self._problems.note(ERROR, f'a control tick did not finish {STOP_TIMEOUT_S:g} s '
+                                       'after deactivate; activate is refused until it ends')
 
     def _release(self) -> None:
         """Drop timer, thread, subscriptions, publishers and the engine (frees model and KV)."""
         self._stop_control()
         for io in self._ios.values():
             io.destroy()
-        self._ios = {}
-        self._loop = self._engine = self._settings = None
+        if self._engine is not None:
+            self._engine.system.close()   # its row threads, if any
+        self._ios, self._loop, self._engine, self._settings = {}, None, None, None
 
     def destroy_node(self):
         """Detach the engine log bridge and release everything, then destroy the node."""

@@ -258,19 +258,29 @@ def time_capacity(model, frontend: Frontend, settings: Settings,
                                clock=clock)
 
 
+def row_threads(device: str, robots: int, threads: int) -> int:
+    """Return the row threads of a fleet (FleetEngine row_threads, the torch threads divided).
+
+    On a CPU with at least two torch threads, the robots' rows side by side, one per thread
+    at most (what R processes would get from their cores); one batched call elsewhere. On a
+    2-core robot computer (one inference thread) that is 1.
+    """
+    return min(robots, threads) if device == 'cpu' and robots > 1 else 1
+
+
 def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSettings,
-                        max_prefill_rows: int | None = 1,
+                        max_prefill_rows: int | None = 1, *, rows: int = 1,
                         clock: Callable[[], float] = time.perf_counter) -> Capacity:
     """Time ticks of a throwaway fleet in which every robot sends a frame (time_capacity).
 
-    frontends: robot type -> its frontend.
+    frontends: robot type -> its frontend; rows: its row threads (as the node's fleet).
     """
     node = fleet.node
     robots = [FleetRobot(name, frontends[s.robot], policy_for(s, frontends[s.robot].eos_id),
                          FixedBudget(_k_min(s)), kv_quota=TIMED_FRAMES + 3, seed=s.seed)
               for name, s in fleet.robots.items()]
     system = make_fleet(model, robots, kv_dtype=_kv_dtype(node),
-                        max_prefill_rows=max_prefill_rows, clock=clock)
+                        max_prefill_rows=max_prefill_rows, row_threads=rows, clock=clock)
     image_size = model.config.vision.image_size
 
     def tick(index: int) -> tuple[float, float, int]:
@@ -283,7 +293,10 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
     label = _timing_label(node)
     if len(robots) > 1:
         label += f' with {len(robots)} robots ticking together'
-    return capacity_from(time_ticks(tick, clock=clock), batch, label)
+    try:
+        return capacity_from(time_ticks(tick, clock=clock), batch, label)
+    finally:
+        system.close()
 
 
 def with_rate(settings: Settings, capacity: Capacity | None) -> Settings:
@@ -399,8 +412,10 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
                 raise
             raise EngineSetupError(f'{name}.{err}') from None
     max_prefill_rows = 1 if node.device == 'cpu' else None
+    rows = row_threads(node.device, len(fleet.robots), torch.get_num_threads())
+    torch.set_num_threads(max(1, torch.get_num_threads() // rows))   # divided among the rows
     auto = [name for name, s in fleet.robots.items() if not s.control_rate_hz]
-    capacity = (time_fleet_capacity(model, frontends, fleet, max_prefill_rows)
+    capacity = (time_fleet_capacity(model, frontends, fleet, max_prefill_rows, rows=rows)
                 if warmup or auto else None)
     asked = {name: s.control_rate_hz for name, s in fleet.robots.items()}
     fleet = dataclasses.replace(
@@ -409,7 +424,8 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     robots = [FleetRobot(name, frontends[s.robot], policies[name], budget_for(s),
                          kv_quota=s.kv_capacity or None, seed=s.seed)
               for name, s in fleet.robots.items()]
-    system = make_fleet(model, robots, kv_dtype=kv_dtype, max_prefill_rows=max_prefill_rows)
+    system = make_fleet(model, robots, kv_dtype=kv_dtype, max_prefill_rows=max_prefill_rows,
+                        row_threads=rows)
     if one:
         settings = fleet.robots[ONE_ROBOT]
         about = {'tokens_per_request': settings.tokens_per_request,
@@ -422,7 +438,8 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
         if capacity is not None:
             about.update(capacity.values(), capacity=capacity.describe(
                 max(s.control_rate_hz for s in fleet.robots.values())))
-        first = {'robots': ', '.join(f'{name} ({s.robot})' for name, s in fleet.robots.items())}
+        first = {'robots': ', '.join(f'{name} ({s.robot})' for name, s in fleet.robots.items()),
+                 'row_threads': rows}
     _describe(description, fleet.node, model, system.pool.num_slots, first, about)
     frontend = frontends[fleet.robots[ONE_ROBOT].robot] if one else None
     return Engine(system, frontend, description, warnings, fleet, capacity)
