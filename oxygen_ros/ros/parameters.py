@@ -269,7 +269,7 @@ class NodeParameters:
                 reasons.append(f'{param.name}: raising it while active loosens a safety limit '
                                f'({self.value(param.name):g} -> {param.value:g}); deactivate '
                                'first, or start the node with allow_unsafe_changes:=true')
-        if not reasons and served.kv_slots is not None:
+        if not reasons and served.kv_slots is not None and not self._declaring:
             why = check_fits(served.settings, served.kv_slots, runtime_changes(params))
             if why:
                 reasons.append(why)
