@@ -419,9 +419,11 @@ class FleetEngine:
                 frames[robot.name] = frame
                 self._admit(frame)
             working.append(robot)
-        live = sum(len(r.scheduler.active) for r in working)
+        # A robot's budget prices a decode step by all its rows: the others' live requests too.
+        live = sum(len(r.scheduler.active) for r in working) if len(working) > 1 else 0
         ks = {r.name: r.scheduler.choose_k(self.clock() - tick_start, deadline_s,
-                                           live - len(r.scheduler.active)) for r in working}
+                                           max(live - len(r.scheduler.active), 0))
+              for r in working}
         batch_sizes = self._token_steps(working, tick_start, deadline_s)
         reports = {}
         for robot in working:
@@ -432,6 +434,7 @@ class FleetEngine:
         act_s = act.act_s if act is not None else 0.0
         timings = self._timings(act_s, act_s + self.clock() - start)
         results = {}
+        usage = self.pool.usage()
         for robot in working:
             deltas, finished = reports[robot.name]
             frame = frames.get(robot.name)
@@ -441,11 +444,12 @@ class FleetEngine:
                 deltas=deltas, finished=finished, k=ks[robot.name],
                 decode_steps=len(scheduler.batch_sizes),
                 batch_sizes=list(scheduler.batch_sizes), active_requests=len(scheduler.active),
-                timings=timings, kv_usage=scheduler.pool.usage())
+                timings=timings, kv_usage=(usage if scheduler.pool is self.pool
+                                           else scheduler.pool.usage()))
         self.last_result = FleetResult(results, dict(act.rejected) if act else {},
                                        dict(act.failed) if act else {},
                                        act.prefill_rows if act else 0, batch_sizes, timings,
-                                       self.pool.usage())
+                                       usage)
         if self.debug:
             self.check()
         return self.last_result
@@ -475,6 +479,19 @@ class FleetEngine:
                      deadline_s: float | None) -> list[int]:
         """Run rounds of every robot's next step together; return rows of each decode step."""
         batch_sizes = []
+        if len(working) == 1:   # one robot: its plans one after another, nothing to merge
+            scheduler, runner = working[0].scheduler, self.runner
+            while (plan := scheduler.schedule(self.clock() - tick_start, deadline_s)) is not None:
+                try:
+                    if plan.first_token:
+                        token_ids = runner.first_tokens(plan.slots)
+                    else:
+                        token_ids = runner.decode(plan.slots, plan.gen_lens, plan.tokens)
+                except Exception as err:   # a language failure must not reach the action path
+                    scheduler.fail(plan.request_ids, err)
+                    continue
+                scheduler.update(plan, token_ids, runner.last_call_s)
+            return list(scheduler.batch_sizes)
         open_robots = list(working)
         # A robot's budget judges a step by all its rows: the other robots' rows of the round
         # before are added to its own.
