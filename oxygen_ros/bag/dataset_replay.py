@@ -185,7 +185,8 @@ class DatasetReplay(StopOnRequest):
                 summary.ticks += 1
                 summary.bag_time_s = now_s
                 if outcome.action is None:
-                    why = '; '.join(outcome.problems.values()) or 'no action'
+                    why = ('; '.join(outcome.problems.values()) or outcome.error
+                           or 'no action')
                     raise BagError(f'episode {index} frame {frame.index}: {why}')
                 predicted = outcome.action.actions                        # [H, A]
                 if predicted.shape[1] != recorded.shape[1]:

@@ -436,6 +436,8 @@ class Replay(StopOnRequest):
         sink.tick_ns = tick_ns
         (outcome,) = loop.tick(tick_ns * 1e-9, serve_all=True,
                                check_inputs=check_inputs).values()
+        if outcome.error:   # not the input's fault: the replay stops, as the engine failed
+            raise BagError(f'engine error at bag time {tick_ns * 1e-9:.3f} s: {outcome.error}')
         if outcome.rejected and p.on_bad_input == 'error':
             raise BagError(f'observation at bag time {tick_ns * 1e-9:.3f} s rejected by the '
                            f'engine: {outcome.rejected.removeprefix("observation rejected: ")}')
