@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / 'oxygen_ros'
-# folder -> the package's own layers it may import (besides itself). The modules at the top of
-# the package (cli.py, demo.py, record_demo.py, check_checkpoint.py) are the tools layer: they
-# may import anything.
+# folder -> the package's own layers it may import (besides itself). tools/ (and cli.py, the one
+# module at the top of the package besides __init__.py) may import anything; no layer has
+# 'tools' in its row, so nothing below the tools imports them.
 ALLOWED = {
     'model': set(),
     'kv': set(),
@@ -26,8 +26,11 @@ ALLOWED = {
     'bench': {'engine', 'runtime', 'model', 'kv', 'serve'},
     'serve': {'runtime', 'engine', 'model'},
     'dataset': set(),
+    'tools': {'model', 'kv', 'engine', 'runtime', 'ros', 'bag', 'serve', 'dataset', 'bench',
+              'msg'},
 }
-ROS_LAYERS = {'ros'}
+ROS_LAYERS = {'ros', 'tools'}   # tools sit above ros/ and bag/ (demo, soak, record-demo)
+ROOT_MODULES = {'__init__.py', 'cli.py'}   # every other module lives in a layer's folder
 ROS_FREE_LAYERS = sorted(set(ALLOWED) - ROS_LAYERS)
 OWN_LAYERS = set(ALLOWED) | {'msg'}
 
@@ -90,6 +93,12 @@ def test_every_folder_has_rules():
     folders = {d.name for d in PACKAGE_DIR.iterdir()
                if d.is_dir() and d.name != '__pycache__' and any(d.rglob('*.py'))}
     assert folders == set(ALLOWED), 'folders without layering rules (add them to ALLOWED)'
+
+
+def test_no_tool_module_at_the_package_root():
+    root = {path.name for path in PACKAGE_DIR.glob('*.py')}
+    assert root <= ROOT_MODULES, (f'modules at the top of oxygen_ros/: {sorted(root - ROOT_MODULES)}'
+                                  ' (command-line tools go in oxygen_ros/tools/)')
 
 
 @pytest.mark.parametrize('layer', sorted(ALLOWED))

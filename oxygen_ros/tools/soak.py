@@ -297,7 +297,7 @@ def run_soak(opts: SoakOptions, progress=print) -> dict:
     ros_args = ['--ros-args'] + [a for k, v in params.items()
                                  for a in ('-p', f'{k}:={v}')]
     log = open(opts.out / 'node.log', 'w')
-    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.soak', '--node', '--'] + ros_args,
+    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.tools.soak', '--node', '--'] + ros_args,
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     context = Context()
     rclpy.init(context=context)
@@ -468,4 +468,4 @@ if __name__ == '__main__':
     if sys.argv[1:2] == ['--node']:
         rest = sys.argv[2:]
         raise SystemExit(node_with_faults(rest[1:] if rest[:1] == ['--'] else rest))
-    raise SystemExit('usage: oxygen-ros soak ... (python -m oxygen_ros.soak --node is internal)')
+    raise SystemExit('usage: oxygen-ros soak ... (python -m oxygen_ros.tools.soak --node is internal)')
