@@ -97,8 +97,9 @@ def test_every_folder_has_rules():
 
 def test_no_tool_module_at_the_package_root():
     root = {path.name for path in PACKAGE_DIR.glob('*.py')}
-    assert root <= ROOT_MODULES, (f'modules at the top of oxygen_ros/: {sorted(root - ROOT_MODULES)}'
-                                  ' (command-line tools go in oxygen_ros/tools/)')
+    assert root <= ROOT_MODULES, (f'modules at the top of oxygen_ros/: '
+                                  f'{sorted(root - ROOT_MODULES)} (command-line tools go in '
+                                  'oxygen_ros/tools/)')
 
 
 @pytest.mark.parametrize('layer', sorted(ALLOWED))

@@ -63,8 +63,8 @@ def _dds_environment() -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog='python -m oxygen_ros.tools.demo', description=__doc__.split(
-        '\n\n')[0])
+    parser = argparse.ArgumentParser(prog='python -m oxygen_ros.tools.demo',
+                                     description=__doc__.split('\n\n')[0])
     parser.add_argument('--duration', type=float, default=0.0,
                         help='seconds to run (0 = until Ctrl-C)')
     parser.add_argument('--robot', default='libero', choices=('libero', 'droid', 'aloha'))
