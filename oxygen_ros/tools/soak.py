@@ -85,24 +85,22 @@ def _inject_faults(engine, rate: float, rng: random.Random, counts: dict) -> Non
 def node_with_faults(argv: list[str]) -> int:
     """Run oxygen_node with the faults that FAULT_ENV describes (the soak's node process)."""
     from oxygen_ros.ros import node
-    from oxygen_ros.runtime import engine_setup
+    from oxygen_ros.runtime.engine_setup import build_engine
 
     rate, seed = (float(x) for x in os.environ.get(FAULT_ENV, '0,0').split(','))
     rng, counts = random.Random(int(seed)), {'decode': 0, 'allocation': 0}
-    build = engine_setup.build_engine
 
-    def build_with_faults(settings, **kwargs):
-        engine = build(settings, **kwargs)
+    def build_with_faults(settings):
+        engine = build_engine(settings)   # the soak's node serves one robot
         _inject_faults(engine, rate, rng, counts)
         return engine
-    engine_setup.build_engine = build_with_faults
 
     def report():
         print(f'SOAK_FAULTS {json.dumps(counts)}', flush=True)
     import atexit
     atexit.register(report)
     signal.signal(signal.SIGUSR1, lambda *_: report())
-    return node.main(['oxygen_node'] + argv, fast_exit=False)
+    return node.main(['oxygen_node'] + argv, fast_exit=False, engine_builder=build_with_faults)
 
 
 # --- the chaotic robot ----------------------------------------------------------------------
@@ -297,8 +295,8 @@ def run_soak(opts: SoakOptions, progress=print) -> dict:
     ros_args = ['--ros-args'] + [a for k, v in params.items()
                                  for a in ('-p', f'{k}:={v}')]
     log = open(opts.out / 'node.log', 'w')
-    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.tools.soak', '--node', '--'] + ros_args,
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.tools.soak', '--node', '--']
+                            + ros_args, env=env, stdout=log, stderr=subprocess.STDOUT)
     context = Context()
     rclpy.init(context=context)
     executor = SingleThreadedExecutor(context=context)
@@ -468,4 +466,5 @@ if __name__ == '__main__':
     if sys.argv[1:2] == ['--node']:
         rest = sys.argv[2:]
         raise SystemExit(node_with_faults(rest[1:] if rest[:1] == ['--'] else rest))
-    raise SystemExit('usage: oxygen-ros soak ... (python -m oxygen_ros.tools.soak --node is internal)')
+    raise SystemExit('usage: oxygen-ros soak ... '
+                     '(python -m oxygen_ros.tools.soak --node is internal)')
