@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from oxygen_ros.runtime.procfs import status_kb
+
 FAULT_ENV = 'OXYGEN_ROS_SOAK_FAULTS'   # "rate,seed" for the node process
 EVENTS = ('drop_camera', 'restart_cameras', 'instruction', 'decode_budget', 'request_rate',
           'corrupt_image', 'nothing')
@@ -248,13 +250,9 @@ class ChaosRobot:
 
 
 def _rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f'/proc/{pid}/status').read_text().splitlines():
-            if line.startswith('VmRSS:'):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    """Resident memory of a process in MiB (None when it is gone)."""
+    kb = status_kb('VmRSS', pid)
+    return kb / 1024 if kb else None
 
 
 def _healthy_rate(actions: list[float], unhealthy: list[tuple[float, float]], start: float,
