@@ -32,7 +32,7 @@ def probe(args: argparse.Namespace) -> dict:
     from ..engine import LanguagePolicy, random_observation, random_setup
     from ..model import get_preset
     from .plan import SystemSpec
-    from .run import make_bench_system
+    from .systems import make_bench_system
 
     torch.set_num_threads(args.threads)
     runtime_kb = status_kb('VmRSS')

@@ -164,8 +164,9 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
     """
     import torch
 
-    from ..engine import LanguagePolicy, make_system, random_setup
+    from ..engine import LanguagePolicy, random_setup
     from ..model import get_preset
+    from .systems import make_system
 
     if threads:
         torch.set_num_threads(threads)

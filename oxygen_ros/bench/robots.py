@@ -93,8 +93,9 @@ def _build(job: RobotsJob):
     import torch
 
     from ..engine import (FixedBudget, FleetRobot, Frontend, identity_norm_stats,
-                          LanguagePolicy, make_fleet, make_system, random_setup)
+                          LanguagePolicy, make_fleet, random_setup)
     from ..model import get_preset
+    from .systems import make_system
 
     torch.set_num_threads(job.threads)
     cfg = get_preset(job.preset).replace(num_steps=job.steps)

@@ -27,9 +27,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ..engine import (action_only_policy, Engine, Frontend, identity_norm_stats,
-                      LanguagePolicy, make_engine, make_system, random_observation,
-                      random_setup, System, UnlimitedBudget)
+from ..engine import (Engine, Frontend, identity_norm_stats, random_observation, random_setup,
+                      System)
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
 from ..runtime.procfs import cpu_model
@@ -41,6 +40,7 @@ from .phases import measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 from .robots import run_robots_part
 from .rtc import RtcBenchOptions, run_rtc_part
+from .systems import make_bench_system
 
 # Deadline of oxygen-adaptive and of the deadline-miss count when no control rate is given:
 # the action path (P + D) plus this share of it for language (about k = 5 decode steps of the
@@ -112,22 +112,6 @@ def environment(opts: BenchOptions) -> dict:
     if opts.device.startswith('cuda'):
         env['gpu'] = torch.cuda.get_device_name(torch.device(opts.device))
     return env
-
-
-def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
-                      policy: LanguagePolicy, period_s: float, seed: int,
-                      runner_options: dict | None = None) -> System:
-    """Build one system of a group ('action-only' is an Engine with no requests)."""
-    if spec.name == 'action-only':
-        return make_engine('action-only', model, frontend, action_only_policy(policy),
-                           UnlimitedBudget(), seed=seed)
-    kwargs = {'seed': seed}
-    if spec.name == 'oxygen':
-        kwargs['k'] = spec.k
-    if spec.name == 'oxygen-adaptive':
-        kwargs.update(frame_period_s=period_s, k=spec.k or policy.max_request_len)
-    return make_system(spec.name, model, frontend, policy, runner_options=runner_options,
-                       **kwargs)
 
 
 def drain(system: System, log: SystemLog) -> None:
