@@ -41,7 +41,7 @@ import time
 DEFAULT_INSTRUCTIONS = ('pick up the black bowl and place it on the plate',
                         'open the top drawer of the cabinet',
                         'put the cream cheese in the bowl')
-CONFIG_DIR = Path(__file__).resolve().parents[1] / 'config'
+CONFIG_DIR = Path(__file__).resolve().parents[2] / 'config'   # the source tree's
 CAMERA_SIZE = 224                        # the demo cameras' image side (pixels)
 WARMUP_S = 10.0                          # after the first action chunk: not in the summary
 WINDOW_S = 5.0                           # tokens/s and misses are judged per window
