@@ -27,6 +27,7 @@ from ..runtime.procfs import reset_peak_rss, status_kb
 
 def probe(args: argparse.Namespace) -> dict:
     """Build the model and the system, serve frames, return the peaks (MiB)."""
+    import numpy.random  # noqa: F401 - numpy loads it at the first frame: runtime, not system
     import torch
 
     from ..engine import LanguagePolicy, random_observation, random_setup
