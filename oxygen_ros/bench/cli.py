@@ -267,8 +267,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def _run_and_report(args: argparse.Namespace) -> int:
-    from .report import evaluate_targets, write_report
+    from .report import write_report
     from .run import run_benchmark
+    from .targets import evaluate_targets
 
     opts = options_from_args(args)
     command = ('oxygen-ros ' + ' '.join(shlex.quote(a) for a in sys.argv[1:])

@@ -1,7 +1,8 @@
-"""The OxyGen engine: scheduler, model runner, output processor, budgets, the compared systems."""
+"""The OxyGen engine: scheduler, model runner, output processor, budgets, workloads.
 
-from oxygen_ros.engine.baselines import (action_only_policy, make_system, ParallelSystem,
-                                         SYSTEMS)
+The systems the benchmark compares it with (isolated, shared, parallel) are bench/systems.py.
+"""
+
 from oxygen_ros.engine.budget import (AdaptiveBudget, Budget, FixedBudget, StepCostModel,
                                       UnlimitedBudget)
 from oxygen_ros.engine.engine import Engine, make_engine
@@ -19,11 +20,10 @@ from oxygen_ros.engine.workload import (default_num_slots, get_workload, Languag
                                         Workload, WORKLOADS)
 from oxygen_ros.kv import FinishReason
 
-__all__ = ['action_only_policy', 'ActionOutput', 'AdaptiveBudget', 'Admission', 'Budget',
-           'Continuation', 'default_num_slots', 'Engine', 'FinishedRequest', 'FinishReason',
-           'FixedBudget', 'FleetActions', 'FleetEngine', 'FleetMember', 'FleetResult',
-           'FleetRobot', 'make_fleet', 'FrameResult', 'Frontend', 'get_workload',
-           'identity_norm_stats', 'LanguagePolicy', 'make_engine', 'make_system', 'ModelRunner',
-           'Observation', 'OutputProcessor', 'ParallelSystem', 'random_observation',
-           'random_setup', 'Scheduler', 'StepCostModel', 'StepPlan', 'System', 'SYSTEMS',
-           'TokenDelta', 'Timings', 'UnlimitedBudget', 'Workload', 'WORKLOADS']
+__all__ = ['ActionOutput', 'AdaptiveBudget', 'Admission', 'Budget', 'Continuation',
+           'default_num_slots', 'Engine', 'FinishedRequest', 'FinishReason', 'FixedBudget',
+           'FleetActions', 'FleetEngine', 'FleetMember', 'FleetResult', 'FleetRobot',
+           'make_fleet', 'FrameResult', 'Frontend', 'get_workload', 'identity_norm_stats',
+           'LanguagePolicy', 'make_engine', 'ModelRunner', 'Observation', 'OutputProcessor',
+           'random_observation', 'random_setup', 'Scheduler', 'StepCostModel', 'StepPlan',
+           'System', 'TokenDelta', 'Timings', 'UnlimitedBudget', 'Workload', 'WORKLOADS']

@@ -165,8 +165,11 @@ class _BridgeAttachment:
 class OxygenNode(LifecycleNode):
     """Lifecycle node running the π0.5 engine at a fixed control rate, for one robot or many."""
 
-    def __init__(self, node_name: str = NODE_NAME, **kwargs):
+    def __init__(self, node_name: str = NODE_NAME, *, engine_builder=None, **kwargs):
         super().__init__(node_name, **kwargs)
+        # engine_builder(settings) -> runtime engine, Settings for one robot, FleetSettings for
+        # several; None: engine_setup's build_engine / build_fleet. The soak injects faults.
+        self._engine_builder = engine_builder
         self._lifecycle = 'unconfigured'
         self._config_error = ''
         self._declaring = False
@@ -575,7 +578,7 @@ class OxygenNode(LifecycleNode):
         """One robot: its engine, its topics in the node's namespace, a FrameLoop."""
         from oxygen_ros.runtime.engine_setup import build_engine   # torch: load lazily
 
-        engine = build_engine(Settings.from_values(values))
+        engine = (self._engine_builder or build_engine)(Settings.from_values(values))
         self._settings = settings = engine.settings   # the control rate resolved
         io = self._ios[''] = RobotIO(self, settings, self._problems,
                                      lambda: self._max_instruction_chars)
@@ -595,7 +598,7 @@ class OxygenNode(LifecycleNode):
         fleet_settings = FleetSettings.from_values(values)
         from oxygen_ros.runtime.engine_setup import build_fleet   # torch: load lazily
 
-        engine = build_fleet(fleet_settings)
+        engine = (self._engine_builder or build_fleet)(fleet_settings)
         fleet_settings = engine.settings   # the robots' control rates resolved
         self._settings, self._fleet_settings = fleet_settings.node, fleet_settings
         loops = []
@@ -881,12 +884,13 @@ def default_discovery_to_localhost(environ=os.environ) -> str:
     return 'ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (oxygen_node default)'
 
 
-def main(args=None, *, fast_exit: bool = True) -> int:
+def main(args=None, *, fast_exit: bool = True, engine_builder=None) -> int:
     """Run oxygen_node until Ctrl-C (console script and `ros2 run oxygen_ros oxygen_node`).
 
     fast_exit: once the node and the ROS context are released, end the process at once. The
     interpreter's own teardown of torch takes over a second (measured 1.2 s here) and has
     nothing left to release; without it Ctrl-C ends the node well within a second.
+    engine_builder: passed to OxygenNode (the soak's fault injection).
     """
     discovery = default_discovery_to_localhost()
     rclpy.init(args=args)
@@ -894,7 +898,7 @@ def main(args=None, *, fast_exit: bool = True) -> int:
     code = 0
     executor = make_executor()
     try:
-        node = OxygenNode()
+        node = OxygenNode(engine_builder=engine_builder)
         node.get_logger().info(f'DDS discovery: {discovery}, ROS_DOMAIN_ID='
                                f'{os.environ.get("ROS_DOMAIN_ID", "0 (default)")}')
         executor.add_node(node)

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from oxygen_ros.engine import (AdaptiveBudget, Budget, FixedBudget, FleetRobot, Frontend,
-                               identity_norm_stats, LanguagePolicy, make_fleet, make_system,
+                               identity_norm_stats, LanguagePolicy, make_engine, make_fleet,
                                random_observation, random_setup)
 from oxygen_ros.engine.engine import pool_slot_bytes
 from oxygen_ros.engine.workload import default_num_slots
@@ -29,6 +29,7 @@ from oxygen_ros.model.tokenizer import PaligemmaTokenizer
 from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, resolve_rate,
                                          steady_batch, time_ticks, TIMED_FRAMES)
 from oxygen_ros.runtime.params import FleetSettings, Settings
+from oxygen_ros.runtime.procfs import meminfo_kb
 
 logger = logging.getLogger(__name__)
 
@@ -206,14 +207,8 @@ def available_memory_bytes(device: str) -> int | None:
     if device.startswith('cuda'):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
-    try:
-        with open('/proc/meminfo') as f:
-            for line in f:
-                if line.startswith('MemAvailable:'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    available_kb = meminfo_kb('MemAvailable')
+    return None if available_kb is None else available_kb * 1024
 
 
 def check_pool_fits(settings: Settings, config, policy: LanguagePolicy,
@@ -261,9 +256,9 @@ def time_capacity(model, frontend: Frontend, settings: Settings,
     and request numbering start at 0. See runtime/capacity.py for what is timed.
     """
     k_min = _k_min(settings)
-    system = make_system('oxygen', model, frontend, policy_for(settings, frontend.eos_id),
-                         k=k_min, num_slots=TIMED_FRAMES + 3, seed=settings.seed,
-                         runner_options={'kv_dtype': _kv_dtype(settings)}, clock=clock)
+    system = make_engine('oxygen', model, frontend, policy_for(settings, frontend.eos_id),
+                         FixedBudget(k_min), num_slots=TIMED_FRAMES + 3, seed=settings.seed,
+                         kv_dtype=_kv_dtype(settings), clock=clock)
     image_size = model.config.vision.image_size
 
     def tick(index: int) -> tuple[float, float, int]:
@@ -377,10 +372,9 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
                 if warmup or not asked_hz else None)
     settings = with_rate(settings, capacity)
     k = settings.decode_budget
-    system = make_system('oxygen' if k is not None else 'oxygen-adaptive', model, frontend,
-                         policy, k=k or 1, frame_period_s=settings.period_s,
-                         num_slots=settings.kv_capacity or None, seed=settings.seed,
-                         runner_options={'kv_dtype': kv_dtype})
+    system = make_engine('oxygen' if k is not None else 'oxygen-adaptive', model, frontend,
+                         policy, budget_for(settings), num_slots=settings.kv_capacity or None,
+                         seed=settings.seed, kv_dtype=kv_dtype)
     _describe(description, settings, model, system.pool.num_slots,
               describe_robot(frontend.adapter.spec),
               {'tokens_per_request': settings.tokens_per_request,
