@@ -145,6 +145,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                      help='smooth: the preset fine-tuned (default --preset; quick: small)')
     rtc.add_argument('--rtc-policy-steps', type=int, default=None, metavar='N',
                      help='smooth: optimiser steps (default 400; quick 250)')
+    rtc.add_argument('--rtc-max-guidance-weight', type=float, default=None, metavar='BETA',
+                     help="guided's β (default: the rtc_max_guidance_weight parameter's)")
     overload = bench.add_argument_group(
         'overload part', 'oxygen_node with config/<--node-robot>.yaml as shipped (auto rate), '
         'then asked --overload-factor x the rate it reported; the stand-in robot as in the '
@@ -201,7 +203,8 @@ def options_from_args(args: argparse.Namespace):
         ('robot', args.rtc_robot), ('frames', args.rtc_frames), ('delay', args.rtc_delay),
         ('control_hz', args.rtc_control_hz), ('period_rows', args.rtc_period_rows),
         ('policy', args.rtc_policy), ('policy_preset', args.rtc_policy_preset),
-        ('policy_steps', args.rtc_policy_steps)) if value is not None}
+        ('policy_steps', args.rtc_policy_steps),
+        ('max_guidance_weight', args.rtc_max_guidance_weight)) if value is not None}
     if (rtc_changes.get('frames', 2) < 2 or rtc_changes.get('delay', 0) < 0
             or rtc_changes.get('period_rows', 1) < 1 or rtc_changes.get('policy_steps', 1) < 1):
         raise SystemExit('--rtc-frames must be >= 2, --rtc-delay >= 0, --rtc-period-rows >= 1, '
@@ -222,13 +225,19 @@ def options_from_args(args: argparse.Namespace):
 
 
 def _rtc_policy_problem(rtc_changes: dict) -> str | None:
-    """Say what is wrong with --rtc-policy / --rtc-policy-preset (None: nothing)."""
+    """Say what is wrong with --rtc-policy(-preset) or --rtc-max-guidance-weight (or None)."""
     from pathlib import Path
 
     from oxygen_ros.model.config import PRESETS
 
     from .rtc import RANDOM, SMOOTH
 
+    from oxygen_ros.runtime.params import check_value
+
+    if 'max_guidance_weight' in rtc_changes:
+        why = check_value('rtc_max_guidance_weight', rtc_changes['max_guidance_weight'])
+        if why:
+            return f'--rtc-max-guidance-weight: {why}'
     policy = rtc_changes.get('policy', SMOOTH)
     if policy not in (SMOOTH, RANDOM) and not (Path(policy) / 'config.json').is_file():
         return (f'--rtc-policy {policy!r}: expected smooth, random or a checkpoint folder '

@@ -56,6 +56,7 @@ class RtcBenchOptions:
     policy: str = SMOOTH            # 'smooth', 'random' (the bench preset's) or a checkpoint
     policy_preset: str | None = None   # smooth: the preset fine-tuned (None: the bench's)
     policy_steps: int | None = None    # smooth: optimiser steps (None: the trainer's default)
+    max_guidance_weight: float | None = None   # β of guided (None: rtc_max_guidance_weight's)
 
 
 def synthetic_frame(robot: str, index: int, time_s: float, seed: int, image_size: int):
@@ -193,7 +194,9 @@ def run_rtc_part(options: RtcBenchOptions, model, frontend, seed: int,
     progress(f'rtc: act() p95 {1e3 * measured:.0f} ms over the warm-up; the episode ({timing}): '
              f'latency {1e3 * latency:.0f} ms, d = {d} rows, a frame every '
              f'{1e3 * period:.0f} ms ({round(period / P)} rows of {1e3 * P:.0f} ms)')
-    planners = {mode: RtcPlanner(RtcSettings(mode, delay=d), P, trace=True)
+    beta = {'max_guidance_weight': options.max_guidance_weight} if options.max_guidance_weight \
+        else {}
+    planners = {mode: RtcPlanner(RtcSettings(mode, delay=d, **beta), P, trace=True)
                 for mode in options.modes}
     for j in range(options.frames):
         index = options.warmup + j
@@ -210,6 +213,7 @@ def run_rtc_part(options: RtcBenchOptions, model, frontend, seed: int,
     for row in rows:
         same = tokens[row['mode']] == tokens[reference]
         row.update(robot=options.robot, policy=policy, frames=options.frames,
+                   max_guidance_weight=planners[row['mode']].settings.max_guidance_weight,
                    period_ms=1e3 * period,
                    timing=timing,
                    latency_ms=1e3 * latency, measured_act_p95_ms=1e3 * measured,
