@@ -47,7 +47,8 @@ def test_bench_rtc_part_reports_every_mode_on_the_same_frames(tmp_path):
 def test_bench_rtc_policy_is_checked_before_anything_runs(tmp_path, capsys):
     out = tmp_path / 'bench'
     for bad, says in ((['--rtc-policy', str(tmp_path / 'nothing')], 'checkpoint folder'),
-                      (['--rtc-policy-preset', 'huge'], 'expected one of')):
+                      (['--rtc-policy-preset', 'huge'], 'expected one of'),
+                      (['--rtc-max-guidance-weight', '500'], 'must be in')):
         with pytest.raises(SystemExit, match=says):
             main(['bench', '--quick', '--parts', 'rtc', '--out', str(out), *bad])
     assert not out.exists()

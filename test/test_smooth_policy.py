@@ -93,3 +93,23 @@ def test_cache_reuses_the_checkpoint(tmp_path, monkeypatch):
     assert sp.smooth_policy(few, cache_dir=tmp_path) == path
     assert sp.cache_key(dataclasses.replace(few, seed=1)) != path.name   # another policy
     assert [p.name for p in tmp_path.iterdir()] == [path.name]            # no staging left
+
+
+def test_smooth_policy_command_writes_a_checkpoint_the_checker_accepts(tmp_path, capsys):
+    from oxygen_ros.cli import main
+
+    out, cache = tmp_path / 'smooth', tmp_path / 'cache'
+    argv = ['smooth-policy', '--preset', 'tiny', '--steps', '3', '--cache-dir', str(cache)]
+    assert main(argv + ['--out', str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[-1] == str(out) and 'between two chunks' in printed
+    assert load_pi05(out).config.action_horizon == 4
+    assert main(['check-checkpoint', str(out), '--robot', 'libero', '--threads', '1']) == 0
+    capsys.readouterr()
+    assert main(argv) == 0                                   # the cached one: no training
+    printed = capsys.readouterr().out
+    assert 'fine-tuning' not in printed and printed.splitlines()[-1].startswith(str(cache))
+    with pytest.raises(SystemExit, match='exists'):
+        main(argv + ['--out', str(out)])
+    with pytest.raises(SystemExit, match='expected one of'):
+        main(['smooth-policy', '--preset', 'huge'])

@@ -363,6 +363,8 @@ def add_smooth_policy_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument('--out', default=None,
                         help='copy the checkpoint folder here (must not exist; default: print '
                         'the cached folder)')
+    parser.add_argument('--cache-dir', default=None,
+                        help=f'where trained policies are kept (default {CACHE_DIR})')
     parser.set_defaults(func=run_smooth_policy_command)
     return parser
 
@@ -392,7 +394,8 @@ def run_smooth_policy_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     opts = SmoothPolicyOptions(preset=args.preset, robot=args.robot, steps=args.steps,
                                seed=args.seed)
-    path = smooth_policy(opts, args.device, progress=lambda line: print(line, flush=True))
+    path = smooth_policy(opts, args.device, args.cache_dir,
+                         progress=lambda line: print(line, flush=True))
     if args.out:
         path = Path(shutil.copytree(path, args.out))
     info = json.loads((path / INFO_FILE).read_text())
