@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from oxygen_ros.model.rtc import DEFAULT_MAX_GUIDANCE_WEIGHT
+from oxygen_ros.model.config import DEFAULT_MAX_GUIDANCE_WEIGHT
 
 if TYPE_CHECKING:
     from oxygen_ros.kv.request import FinishReason

@@ -38,17 +38,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .config import DEFAULT_MAX_GUIDANCE_WEIGHT
+
 OFF, GUIDED, PREFIX = 'off', 'guided', 'prefix'
 MODES = (OFF, GUIDED, PREFIX)
 LINEAR, EXP = 'linear', 'exp'
 SCHEDULES = (LINEAR, EXP)
-# β, the cap of g(t). g is singular only at t = 1 (pure noise): the cap is meant for that step.
-# The paper's β = 5 goes with its 5 denoising steps, where g(t) <= 4.25 at every other step;
-# at π0.5's 10 steps g(0.9) = g(0.1) = 9.1, and β = 5 would cut those steps too: the last one
-# would close only g·|dt| = 50% of the remaining error instead of 91% (measured on a policy
-# with smooth chunks, bench --parts rtc: boundary jump 0.35x -> 0.24x of 'off' at d = 0).
-# 10 caps only t = 1 at 10 steps, as the paper's 5 does at 5; LeRobot's default is 10 too.
-DEFAULT_MAX_GUIDANCE_WEIGHT = 10.0
 
 # velocity(x_t [B, H, A], t [B] or per token [B, H]) -> v [B, H, A]: one denoise step of the
 # action expert over a slot's prefix K/V (Pi05Model.sample_actions binds the prefix).

@@ -36,7 +36,7 @@ import yaml
 from oxygen_ros.model.robot_spec import (BUILTIN_ROBOTS, get_robot, is_robot_path,
                                          JOINT_POSITION, RobotSpec, RobotSpecError,
                                          shipped_robots)
-from oxygen_ros.model.rtc import DEFAULT_MAX_GUIDANCE_WEIGHT
+from oxygen_ros.model.config import DEFAULT_MAX_GUIDANCE_WEIGHT
 
 NODE_NAME = 'oxygen_node'
 ROBOTS = BUILTIN_ROBOTS
