@@ -68,7 +68,7 @@ def test_checkpoint_round_trips_exactly_and_loads_as_the_node_loads_it(trained, 
     assert sp.read_info(path)['options'] == dataclasses.asdict(TINY)
 
     from oxygen_ros.bench.rtc import load_policy
-    from oxygen_ros.bench.rtc import synthetic_frame
+    from oxygen_ros.engine import synthetic_frame
 
     model, frontend, source = load_policy(path, 'libero', 'cpu', 'float32', 1)
     assert source.startswith('openpi checkpoint')

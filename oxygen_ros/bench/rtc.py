@@ -59,31 +59,6 @@ class RtcBenchOptions:
     max_guidance_weight: float | None = None   # β of guided (None: rtc_max_guidance_weight's)
 
 
-def synthetic_frame(robot: str, index: int, time_s: float, seed: int, image_size: int):
-    """Return frame `index` of a smooth synthetic episode observed at time_s (an Observation).
-
-    Each camera shows a sum of a few random plane waves drifting slowly (a picture that pans),
-    the state follows slow sines: consecutive frames differ a little, as on a robot.
-    """
-    from oxygen_ros.engine.types import Observation
-    from oxygen_ros.model.robot_spec import get_robot
-
-    spec = get_robot(robot)
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:image_size, 0:image_size] / image_size
-    images = {}
-    for camera in spec.camera_names:
-        waves = rng.uniform(-12, 12, (4, 2))                    # cycles per image, per wave
-        phases = rng.uniform(0, 2 * np.pi, (4, 3))
-        speed = rng.uniform(0.2, 0.6, 4)                        # radians per second
-        picture = sum(np.sin(2 * np.pi * (kx * x + ky * y)[..., None] + phase + w * time_s)
-                      for (kx, ky), phase, w in zip(waves, phases, speed))
-        images[camera] = np.clip(127.5 + 30 * picture, 0, 255).astype(np.uint8)
-    state = 0.8 * np.sin(0.5 * time_s + 0.4 * np.arange(spec.state_dim))
-    return Observation(images=images, state=state.astype(np.float32),
-                       instruction='pick up the black bowl', stamp=time_s, frame_index=index)
-
-
 # The episode's timing when the measured latency leaves nothing to continue: the issue's
 # 'inference_time ≈ 140 ms, about 3 rows at 20 Hz', one frame per 3 rows.
 ASSUMED_DELAY, ASSUMED_PERIOD_ROWS = 2, 3
@@ -156,7 +131,7 @@ def run_rtc_part(options: RtcBenchOptions, model, frontend, seed: int,
 
     policy: what the model is, for the report.
     """
-    from oxygen_ros.engine import FixedBudget, LanguagePolicy, make_engine
+    from oxygen_ros.engine import FixedBudget, LanguagePolicy, make_engine, synthetic_frame
     from oxygen_ros.runtime.actions import action_layout
     from oxygen_ros.runtime.params import RtcSettings
     from oxygen_ros.runtime.rtc import compare_runs, RtcPlanner

@@ -110,8 +110,7 @@ def flow_matching_loss(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Te
 
 def observation_bank(robot: str, count: int, seed: int, image_size: int) -> list:
     """Synthetic observations (panning waves and noise images, three instructions)."""
-    from oxygen_ros.engine import random_observation
-    from .rtc import synthetic_frame
+    from oxygen_ros.engine import random_observation, synthetic_frame
 
     bank = []
     for i in range(count):

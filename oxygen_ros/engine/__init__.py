@@ -8,7 +8,7 @@ from oxygen_ros.engine.engine import Engine, make_engine
 from oxygen_ros.engine.fleet import (FleetActions, FleetEngine, FleetMember, FleetResult,
                                      FleetRobot, make_fleet)
 from oxygen_ros.engine.frontend import (Frontend, identity_norm_stats, random_observation,
-                                        random_setup)
+                                        random_setup, synthetic_frame)
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner
 from oxygen_ros.engine.scheduler import Admission, Scheduler, StepPlan
@@ -25,5 +25,5 @@ __all__ = ['action_only_policy', 'ActionOutput', 'AdaptiveBudget', 'Admission', 
            'FleetRobot', 'make_fleet', 'FrameResult', 'Frontend', 'get_workload',
            'identity_norm_stats', 'LanguagePolicy', 'make_engine', 'make_system', 'ModelRunner',
            'Observation', 'OutputProcessor', 'ParallelSystem', 'random_observation',
-           'random_setup', 'Scheduler', 'StepCostModel', 'StepPlan', 'System', 'SYSTEMS',
-           'TokenDelta', 'Timings', 'UnlimitedBudget', 'Workload', 'WORKLOADS']
+           'random_setup', 'Scheduler', 'StepCostModel', 'StepPlan', 'synthetic_frame', 'System',
+           'SYSTEMS', 'TokenDelta', 'Timings', 'UnlimitedBudget', 'Workload', 'WORKLOADS']
