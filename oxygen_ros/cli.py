@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "slot and a quarter-length prompt")
     phases.set_defaults(func=_phases)
 
-    from .bench.cli import add_bench_parser
+    from .bench.cli import add_bench_parser, add_smooth_policy_parser
     add_bench_parser(sub)
+    add_smooth_policy_parser(sub)
 
     from .bag.cli import add_record_demo_parser, add_replay_parser
     add_replay_parser(sub)

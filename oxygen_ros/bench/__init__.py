@@ -13,6 +13,7 @@ node.py      part 'node': oxygen_node as a process (with a stand-in robot and a 
 overload.py  part 'overload': the node with the shipped YAML, then asked twice its rate
 serve.py     part 'serve': the policy server's per-request overhead
 rtc.py       part 'rtc': real-time chunking off / guided / prefix on one episode
+smooth_policy.py  the rtc part's default policy: a flow-matching fine-tune with smooth chunks
 targets.py   each target with its measured value and whether it is met
 report.py    CSV, result.json, the markdown summary
 plots.py     the PNG plots

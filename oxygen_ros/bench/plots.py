@@ -328,6 +328,7 @@ def plot_rtc(result: BenchResult):
                                    np.array(p['boundary_times_s']))
              for p in result.rtc_paths}
     first = result.rtc[0]
+    policy = first.get('policy', 'random weights').split(':')[0].split(' (')[0]
     return plot_paths(paths, 0, result.rtc_paths[0]['column'],
-                      f'real-time chunking, {first["robot"]} synthetic episode: d = '
+                      f'real-time chunking, {first["robot"]} synthetic episode, {policy}: d = '
                       f'{first["delay_rows"]} rows; {_subtitle(result, hz=False)}')

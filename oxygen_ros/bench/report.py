@@ -193,7 +193,10 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
     parts = [f'# oxygen_ros benchmark ({"quick" if opts.quick else "full"})', '']
     if command:
         parts += ['```', command, '```', '']
-    parts += [f'Preset `{opts.preset}` (random weights) on {env.get("gpu", env["cpu"])} '
+    weights = ('random weights; the rtc part: its own policy, below'
+               if result.rtc and result.rtc[0].get('policy', '').split(':')[0] != 'random weights'
+               else 'random weights')
+    parts += [f'Preset `{opts.preset}` ({weights}) on {env.get("gpu", env["cpu"])} '
               f'({env["cores"]} cores), {opts.device} {opts.dtype}, torch {env["torch"]}, '
               f'{opts.threads} torch threads (parallel baseline: 1 per process; memory probes: '
               f'1). Load average {env["loadavg_start"]:.2f} at start, '
@@ -295,12 +298,17 @@ def rtc_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
                      r['row_step_mean'], r['total_variation'], r['total_variation_vs_off'],
                      r['act_ms_p50'], r['act_ms_p50_vs_off'], f'{r["frozen_rows_max_diff"]:g}',
                      r['tokens_identical_to_off']] for r in result.rtc]), '',
+             f'Policy: {first.get("policy") or "random weights"}.', '',
              'Every mode is played from the same row of each chunk (the first past the delay '
              'd), so a jump (L2 over the action columns, robot units, between the last row '
              'played of the old chunk and the first of the new one) compares what the chunks '
              'hold. The gap is the first new row against the old chunk\'s row for the same '
              'time; the row step, the mean distance between two consecutive rows of one chunk, '
-             'is the floor of any jump (random weights give rough chunks). The episode\'s '
+             'is the floor of any jump. A trained policy\'s chunks are smooth (row step << the '
+             'jump without RTC) and differ from one noise to the next, which is what RTC '
+             'removes; random weights give rough chunks (row step ≈ jump), where no boundary '
+             'can be smoother than the chunk itself. act() is timed with the modes taking '
+             'turns frame by frame (a shared machine slows each alike). The episode\'s '
              f'latency: {first["latency_ms"]:.0f} ms (act() p95 over the warm-up: '
              f'{first["measured_act_p95_ms"]:.0f} ms; timing "assumed": that left the new '
              'chunk no committed row past d, so d = 2 and a frame every 3 rows, as on a '

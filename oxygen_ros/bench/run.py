@@ -39,7 +39,7 @@ from .overload import OverloadBenchOptions, run_overload_part
 from .phases import measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 from .robots import run_robots_part
-from .rtc import RtcBenchOptions, run_rtc_part
+from .rtc import rtc_policy, RtcBenchOptions, run_rtc_part
 from .systems import make_bench_system
 
 # Deadline of oxygen-adaptive and of the deadline-miss count when no control rate is given:
@@ -78,7 +78,9 @@ class BenchOptions:
                                        phase_repeats=3, memory_frames=2,
                                        node=NodeBenchOptions.quick(),
                                        rtc=RtcBenchOptions(frames=8, warmup=3, delay=1,
-                                                           period_rows=2),
+                                                           period_rows=2,
+                                                           policy_preset='small',
+                                                           policy_steps=250),
                                        overload=OverloadBenchOptions.quick()), **changes)
 
 
@@ -466,8 +468,10 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
     if 'rtc' in opts.plan.parts:
         start = time.perf_counter()
         steps = opts.plan.default_steps
-        rows, paths = run_rtc_part(opts.rtc, models.model(steps),
-                                   models.frontend(steps, opts.rtc.robot), opts.seed, say)
+        model, frontend, policy = rtc_policy(
+            opts.rtc, opts.preset, opts.device, opts.dtype, opts.threads, opts.seed,
+            lambda: (models.model(steps), models.frontend(steps, opts.rtc.robot)), say)
+        rows, paths = run_rtc_part(opts.rtc, model, frontend, opts.seed, say, policy)
         result.rtc.extend(rows)
         result.rtc_paths.extend(paths)
         part_seconds['rtc'] = time.perf_counter() - start

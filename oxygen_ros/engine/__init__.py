@@ -9,7 +9,7 @@ from oxygen_ros.engine.engine import Engine, make_engine
 from oxygen_ros.engine.fleet import (FleetActions, FleetEngine, FleetMember, FleetResult,
                                      FleetRobot, make_fleet)
 from oxygen_ros.engine.frontend import (Frontend, identity_norm_stats, random_observation,
-                                        random_setup)
+                                        random_setup, synthetic_frame)
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner
 from oxygen_ros.engine.scheduler import Admission, Scheduler, StepPlan
@@ -26,4 +26,5 @@ __all__ = ['ActionOutput', 'AdaptiveBudget', 'Admission', 'Budget', 'Continuatio
            'make_fleet', 'FrameResult', 'Frontend', 'get_workload', 'identity_norm_stats',
            'LanguagePolicy', 'make_engine', 'ModelRunner', 'Observation', 'OutputProcessor',
            'random_observation', 'random_setup', 'Scheduler', 'StepCostModel', 'StepPlan',
-           'System', 'TokenDelta', 'Timings', 'UnlimitedBudget', 'Workload', 'WORKLOADS']
+           'synthetic_frame', 'System', 'TokenDelta', 'Timings', 'UnlimitedBudget', 'Workload',
+           'WORKLOADS']
