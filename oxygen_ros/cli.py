@@ -50,7 +50,7 @@ def _phases(args: argparse.Namespace) -> int:
 
 def _record_demo(args: argparse.Namespace) -> int:
     # rclpy is imported only by this sub-command (the rest of the CLI runs without ROS).
-    from .record_demo import record_demo_main
+    from .tools.record_demo import record_demo_main
 
     return record_demo_main(args)
 
@@ -73,23 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
                              "slot and a quarter-length prompt")
     phases.set_defaults(func=_phases)
 
-    from .bench.cli import add_bench_parser
+    from .bench.cli import add_bench_parser, add_smooth_policy_parser
     add_bench_parser(sub)
+    add_smooth_policy_parser(sub)
 
     from .bag.cli import add_record_demo_parser, add_replay_parser
     add_replay_parser(sub)
     add_record_demo_parser(sub, _record_demo)
 
-    from .soak import add_parser as add_soak_parser   # rclpy only when it runs
+    from .tools.soak import add_parser as add_soak_parser   # rclpy only when it runs
     add_soak_parser(sub)
 
     from .serve.cli import add_serve_parser
     add_serve_parser(sub)
 
-    from .check_checkpoint import add_parser as add_check_parser
+    from .tools.check_checkpoint import add_parser as add_check_parser
     add_check_parser(sub)
 
-    from .robot_spec_cli import add_parser as add_robot_spec_parser
+    from .tools.robot_spec import add_parser as add_robot_spec_parser
     add_robot_spec_parser(sub)
     return parser
 

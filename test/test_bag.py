@@ -484,7 +484,7 @@ def test_cli_ctrl_c_closes_output(tmp_path, params, sig):
 # --- recording over DDS -------------------------------------------------------------------------
 def test_record_demo_then_replay(tmp_path, params):
     pytest.importorskip('rclpy')
-    from oxygen_ros.record_demo import record_demo
+    from oxygen_ros.tools.record_demo import record_demo
 
     counts = record_demo(tmp_path / 'rec', params, 1.5, image_size=IMAGE_HW[0], camera_hz=10,
                          state_hz=20)

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from oxygen_ros.bench.node import (analyze, camera_arrival, camera_rate, cpu_between, NodeRun,
-                                   ThreadCpu, tick_records)
+from oxygen_ros.bench.cpu import cpu_between, ThreadCpu
+from oxygen_ros.bench.node import analyze, camera_arrival, camera_rate, NodeRun, tick_records
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from oxygen_ros.engine import (FixedBudget, Frontend, LanguagePolicy, make_engine, make_system,
+from oxygen_ros.bench.systems import make_system
+from oxygen_ros.engine import (FixedBudget, Frontend, LanguagePolicy, make_engine,
                                random_observation, random_setup)
 from oxygen_ros.engine.budget import AdaptiveBudget
 from oxygen_ros.model import get_preset

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from oxygen_ros.bench.systems import make_system
 from oxygen_ros.engine import (FixedBudget, FleetEngine, FleetMember, FleetRobot, Frontend,
-                               identity_norm_stats, LanguagePolicy, make_fleet, make_system,
-                               Observation, random_observation, Scheduler)
+                               identity_norm_stats, LanguagePolicy, make_fleet, Observation,
+                               random_observation, Scheduler)
 from oxygen_ros.kv import KVPool, SlotError
 from test_engine import CFG, INSTRUCTIONS, oracle, setup  # noqa: F401 - the model fixture
 from test_engine_scheduler import FakeClock, FakeFrontend, FakeRunner, reference

@@ -1,4 +1,4 @@
-"""The demo (`make demo` = `python -m oxygen_ros.demo`) on the tiny preset: it runs the real
+"""The demo (`make demo` = `python -m oxygen_ros.tools.demo`) on the tiny preset: it runs the real
 node process and publishers, shows actions and narration, and stops cleanly on --duration and
 on Ctrl-C (SIGINT to the whole process group, as a terminal sends it)."""
 
@@ -29,7 +29,7 @@ def _terminal_signals():
 
 def _demo(tmp_path, *extra):
     return subprocess.Popen(
-        [sys.executable, '-m', 'oxygen_ros.demo', *ARGS, '--log-dir', str(tmp_path), *extra],
+        [sys.executable, '-m', 'oxygen_ros.tools.demo', *ARGS, '--log-dir', str(tmp_path), *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED='1'), start_new_session=True,
         preexec_fn=_terminal_signals)
@@ -108,14 +108,14 @@ def test_demo_stops_cleanly_on_ctrl_c(tmp_path):
 
 
 def test_rate_auto_is_the_nodes_own():
-    from oxygen_ros.demo import node_overrides, parse_args
+    from oxygen_ros.tools.demo import node_overrides, parse_args
 
     assert node_overrides(parse_args([]))['control_rate_hz'] == 0.0      # auto: the node's
     assert node_overrides(parse_args(['--rate', '4']))['control_rate_hz'] == 4.0
 
 
 def test_cameras_send_raw_frames_unless_jpeg_is_asked():
-    from oxygen_ros.demo import node_command, parse_args
+    from oxygen_ros.tools.demo import node_command, parse_args
 
     raw, jpeg = (' '.join(node_command(parse_args(argv))) for argv in ([], ['--jpeg']))
     assert 'compressed' not in raw

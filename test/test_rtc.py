@@ -107,7 +107,8 @@ def test_guided_inpainting_contracts_the_error_by_the_guidance_schedule():
     """
     noise, target = noise_and_target(1)
     velocity = torch.randn(1, H, A)
-    plan = rtc.RowPlan(target, np.ones(H, np.float32), delay=H)           # every row weight 1
+    plan = rtc.RowPlan(target, np.ones(H, np.float32), delay=H,           # every row weight 1
+                       max_guidance_weight=BETA)
     out = rtc.sample(constant_expert(velocity), noise, STEPS,
                      rtc.Inpainting.from_rows([plan], H, A))
     start_error = torch.from_numpy(target) - (noise - velocity)           # Y - Â at t = 1
@@ -116,6 +117,23 @@ def test_guided_inpainting_contracts_the_error_by_the_guidance_schedule():
     assert factor == pytest.approx(0.0106, abs=1e-4)
     torch.testing.assert_close(ratio, torch.full_like(ratio, factor), rtol=1e-3, atol=1e-5)
     assert torch.all((torch.from_numpy(target) - out).abs() <= factor * start_error.abs() + 1e-5)
+
+
+def test_default_beta_lands_an_x_independent_expert_on_the_target_at_the_first_step():
+    """The default β = 10 = n caps only t = 1, where g·|dt| = 1: Â moves all the way to Y.
+
+    (β = 5, the paper's for its 5 steps, would also cap t = 0.9 and 0.1 at 10 steps.)
+    """
+    assert rtc.DEFAULT_MAX_GUIDANCE_WEIGHT == STEPS
+    assert contraction(STEPS, rtc.DEFAULT_MAX_GUIDANCE_WEIGHT) == 0.0
+    noise, target = noise_and_target(2)
+    velocity = torch.randn(1, H, A)
+    plan = rtc.row_plan('guided', target, H, delay=H - 1, overlap_end=H)
+    assert plan.max_guidance_weight == rtc.DEFAULT_MAX_GUIDANCE_WEIGHT
+    out = rtc.sample(constant_expert(velocity), noise, STEPS,
+                     rtc.Inpainting.from_rows([plan], H, A))
+    torch.testing.assert_close(out[0, :H - 1], torch.from_numpy(target[:H - 1]),
+                               rtol=0, atol=1e-5)
 
 
 def gaussian_expert(mean, std):
@@ -138,7 +156,8 @@ def test_guided_inpainting_matches_a_hand_written_vjp_of_a_known_field():
     noise, target = noise_and_target(2)
     mean, std = 0.2, 0.8
     expert = gaussian_expert(mean, std)
-    plan = rtc.row_plan('guided', target, H, delay=3, overlap_end=8, schedule='exp')
+    plan = rtc.row_plan('guided', target, H, delay=3, overlap_end=8, schedule='exp',
+                        max_guidance_weight=BETA)
     out = rtc.sample(expert, noise, STEPS, rtc.Inpainting.from_rows([plan], H, A))
     # the same loop by hand: v' = v - g(t) J W (Y - Â), J = (1 - t) std² / var
     w = torch.from_numpy(plan.weights)[:, None]
@@ -159,7 +178,7 @@ def test_guided_inpainting_matches_a_hand_written_vjp_of_a_known_field():
     assert gap < 0.5 * (free[0, :3] - torch.from_numpy(target[:3])).abs().mean()
     # only the robot's columns are guided (the padding's error would steer the rest)
     narrow = rtc.sample(expert, noise, STEPS, rtc.Inpainting.from_rows(
-        [rtc.row_plan('guided', target, H, 3, 8, columns=2)], H, A))
+        [rtc.row_plan('guided', target, H, 3, 8, columns=2, max_guidance_weight=BETA)], H, A))
     torch.testing.assert_close(narrow[..., :2], out[..., :2], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(narrow[..., 2:], free[..., 2:], rtol=0, atol=1e-6)
 

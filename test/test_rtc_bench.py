@@ -22,7 +22,8 @@ def read_csv(path):
 
 def test_bench_rtc_part_reports_every_mode_on_the_same_frames(tmp_path):
     out = tmp_path / 'bench'
-    assert main(['bench', '--quick', '--parts', 'rtc', '--out', str(out), '--no-progress']) == 0
+    assert main(['bench', '--quick', '--parts', 'rtc', '--out', str(out), '--no-progress',
+                 '--threads', '1']) == 0
     rows = read_csv(out / 'rtc.csv')
     assert list(rows) == MODES
     off, guided, prefix = (rows[m] for m in MODES)
@@ -32,18 +33,41 @@ def test_bench_rtc_part_reports_every_mode_on_the_same_frames(tmp_path):
     assert float(off['frozen_rows_max_diff']) > 0
     assert float(guided['gap_mean']) < float(off['gap_mean'])    # it continues the old chunk
     assert all(r['tokens_identical_to_off'] == 'True' for r in rows.values())
+    # The default policy behaves like a trained one: smooth chunks that differ from one noise
+    # to the next (random weights: row step ≈ jump), and guided makes the boundary smooth.
+    assert off['policy'].startswith('smooth policy: preset small')
+    assert float(off['row_step_mean']) < 0.5 * float(off['jump_mean'])
+    assert float(guided['jump_mean']) < 0.6 * float(off['jump_mean'])
     summary = (out / 'summary.md').read_text()
     assert '## Real-time chunking' in summary and 'boundary jump guided' in summary
+    assert 'Policy: smooth policy' in summary
     assert (out / 'rtc_boundaries.png').read_bytes().startswith(PNG_MAGIC)
 
 
+def test_bench_rtc_policy_is_checked_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / 'bench'
+    for bad, says in ((['--rtc-policy', str(tmp_path / 'nothing')], 'checkpoint folder'),
+                      (['--rtc-policy-preset', 'huge'], 'expected one of'),
+                      (['--rtc-max-guidance-weight', '500'], 'must be in')):
+        with pytest.raises(SystemExit, match=says):
+            main(['bench', '--quick', '--parts', 'rtc', '--out', str(out), *bad])
+    assert not out.exists()
+
+
 def test_replay_rtc_compare_on_a_recorded_bag(tmp_path, capsys):
+    """The bag half, on the smooth policy's checkpoint (the quick bench's: cached)."""
+    from oxygen_ros.bench.run import BenchOptions
+    from oxygen_ros.bench.smooth_policy import smooth_policy, SmoothPolicyOptions
+
+    quick = BenchOptions.quick_defaults().rtc
+    checkpoint = smooth_policy(SmoothPolicyOptions(preset=quick.policy_preset,
+                                                   steps=quick.policy_steps))
     params = load_params(None, {'robot': 'libero', 'preset': 'tiny'})
     bag = write_demo_bag(tmp_path / 'demo', params, 2.0, image_hw=(48, 64))
     out = tmp_path / 'compare'
-    rc = main(['replay', str(bag), '--out', str(out), '--rtc-compare', '--preset', 'tiny',
-               '--rate', 'max', '--quiet', '--threads', '1', '--rtc-delay', '1',
-               '--tokens', '4', '--k', '2'])
+    rc = main(['replay', str(bag), '--out', str(out), '--rtc-compare', '--checkpoint',
+               str(checkpoint), '--rate', 'max', '--quiet', '--threads', '1', '--rtc-delay',
+               '1', '--tokens', '4', '--k', '2'])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     rows = read_csv(out / 'rtc.csv')
@@ -53,6 +77,7 @@ def test_replay_rtc_compare_on_a_recorded_bag(tmp_path, capsys):
     assert float(rows['prefix']['frozen_rows_max_diff']) == 0.0
     assert rows['off']['chunks'] == rows['guided']['chunks'] == rows['prefix']['chunks']
     assert float(rows['guided']['gap_mean']) < float(rows['off']['gap_mean'])
+    assert float(rows['guided']['jump_mean']) < 0.6 * float(rows['off']['jump_mean'])
     assert (out / 'rtc_boundaries.png').read_bytes().startswith(PNG_MAGIC)
     assert main(['replay', str(bag), '--out', str(out), '--rtc-compare', '--preset',
                  'tiny']) == 2                                    # the output exists

@@ -46,7 +46,7 @@ def test_rtc_parameters_refused_with_a_reason_and_applied_while_active(rclpy_con
             assert not result.successful, name
             assert result.reason and reason in result.reason, result.reason
         assert node.get_parameter('rtc_mode').value == 'guided'   # the old values are kept
-        assert node.get_parameter('rtc_max_guidance_weight').value == 5.0
+        assert node.get_parameter('rtc_max_guidance_weight').value == 10.0
         assert node.loop.only.rtc.settings.mode == 'guided'
 
         # a valid change applies from the next tick: prefix holds row 0 at the committed path

@@ -2,7 +2,7 @@
 
 Errors are one line on stderr and exit code 2 (no traceback); Ctrl-C prints the summary of
 what was written and exits with 130. The record-demo handler itself lives with the rclpy
-code (oxygen_ros.record_demo); oxygen_ros.cli passes it in, so this module stays ROS-free.
+code (oxygen_ros.tools.record_demo); oxygen_ros.cli passes it in, so this module stays ROS-free.
 """
 
 from __future__ import annotations

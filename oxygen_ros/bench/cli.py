@@ -22,6 +22,7 @@ examples:
   oxygen-ros bench --parts robots               # R = 1 2 4 8 robots: one engine vs R engines
   oxygen-ros bench --quick --parts robots       # the same in miniature (tiny preset, R = 1 2)
   oxygen-ros bench --parts rtc                  # real-time chunking off / guided / prefix
+                                                # on a smooth policy (trained once, cached)
 """
 
 
@@ -144,6 +145,17 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     rtc.add_argument('--rtc-control-hz', type=float, default=None,
                      help='asked frame rate of the episode (default 10; frames are never '
                      'closer than the latency)')
+    rtc.add_argument('--rtc-policy', default=None, metavar='smooth|random|CHECKPOINT',
+                     help="the episode's policy: 'smooth' (default: --preset's action expert "
+                     'fine-tuned on smooth demonstrations, trained once and cached; see '
+                     "`oxygen-ros smooth-policy`), 'random' (--preset's random weights: rough "
+                     'chunks, nothing for RTC to smooth) or a checkpoint folder')
+    rtc.add_argument('--rtc-policy-preset', default=None, metavar='PRESET',
+                     help='smooth: the preset fine-tuned (default --preset; quick: small)')
+    rtc.add_argument('--rtc-policy-steps', type=int, default=None, metavar='N',
+                     help='smooth: optimiser steps (default 400; quick 250)')
+    rtc.add_argument('--rtc-max-guidance-weight', type=float, default=None, metavar='BETA',
+                     help="guided's β (default: the rtc_max_guidance_weight parameter's)")
     overload = bench.add_argument_group(
         'overload part', 'oxygen_node with config/<--node-robot>.yaml as shipped (auto rate), '
         'then asked --overload-factor x the rate it reported; the stand-in robot as in the '
@@ -200,11 +212,17 @@ def options_from_args(args: argparse.Namespace):
     changes['node'] = node_options_from_args(args)
     rtc_changes = {name: value for name, value in (
         ('robot', args.rtc_robot), ('frames', args.rtc_frames), ('delay', args.rtc_delay),
-        ('control_hz', args.rtc_control_hz), ('period_rows', args.rtc_period_rows))
-        if value is not None}
+        ('control_hz', args.rtc_control_hz), ('period_rows', args.rtc_period_rows),
+        ('policy', args.rtc_policy), ('policy_preset', args.rtc_policy_preset),
+        ('policy_steps', args.rtc_policy_steps),
+        ('max_guidance_weight', args.rtc_max_guidance_weight)) if value is not None}
     if (rtc_changes.get('frames', 2) < 2 or rtc_changes.get('delay', 0) < 0
-            or rtc_changes.get('period_rows', 1) < 1):
-        raise SystemExit('--rtc-frames must be >= 2, --rtc-delay >= 0, --rtc-period-rows >= 1')
+            or rtc_changes.get('period_rows', 1) < 1 or rtc_changes.get('policy_steps', 1) < 1):
+        raise SystemExit('--rtc-frames must be >= 2, --rtc-delay >= 0, --rtc-period-rows >= 1, '
+                         '--rtc-policy-steps >= 1')
+    policy_problem = _rtc_policy_problem(rtc_changes)
+    if policy_problem:
+        raise SystemExit(policy_problem)
     if 'robot' in rtc_changes:
         from oxygen_ros.model.robot_spec import get_robot
         try:
@@ -226,6 +244,30 @@ def options_from_args(args: argparse.Namespace):
         node_values(changes['fleet_timing'])   # a bad YAML or rate is a one-line error now
     changes['out_dir'] = args.out
     return dataclasses.replace(base, **changes)
+
+
+def _rtc_policy_problem(rtc_changes: dict) -> str | None:
+    """Say what is wrong with --rtc-policy(-preset) or --rtc-max-guidance-weight (or None)."""
+    from pathlib import Path
+
+    from oxygen_ros.model.config import PRESETS
+
+    from .rtc import RANDOM, SMOOTH
+
+    from oxygen_ros.runtime.params import check_value
+
+    if 'max_guidance_weight' in rtc_changes:
+        why = check_value('rtc_max_guidance_weight', rtc_changes['max_guidance_weight'])
+        if why:
+            return f'--rtc-max-guidance-weight: {why}'
+    policy = rtc_changes.get('policy', SMOOTH)
+    if policy not in (SMOOTH, RANDOM) and not (Path(policy) / 'config.json').is_file():
+        return (f'--rtc-policy {policy!r}: expected smooth, random or a checkpoint folder '
+                '(with config.json)')
+    preset = rtc_changes.get('policy_preset')
+    if preset is not None and preset not in PRESETS:
+        return f'--rtc-policy-preset {preset!r}: expected one of {sorted(PRESETS)}'
+    return None
 
 
 def node_options_from_args(args: argparse.Namespace):
@@ -289,8 +331,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def _run_and_report(args: argparse.Namespace) -> int:
-    from .report import evaluate_targets, write_report
+    from .report import write_report
     from .run import run_benchmark
+    from .targets import evaluate_targets
 
     opts = options_from_args(args)
     command = ('oxygen-ros ' + ' '.join(shlex.quote(a) for a in sys.argv[1:])
@@ -310,4 +353,78 @@ def _run_and_report(args: argparse.Namespace) -> int:
         print(f'[{verdict}] {target["target"]}: {target["measured"]}')
     print(f'wrote {", ".join(str(p) for p in paths.values())} '
           f'in {time.perf_counter() - start:.0f} s')
+    return 0
+
+
+def add_smooth_policy_parser(sub) -> argparse.ArgumentParser:
+    """Register `smooth-policy`: write the RTC benchmark's smooth policy as a checkpoint."""
+    from .smooth_policy import CACHE_DIR, SmoothPolicyOptions
+
+    defaults = SmoothPolicyOptions()
+    parser = sub.add_parser(
+        'smooth-policy', help='a checkpoint that behaves like a trained policy (smooth, '
+        'multi-modal chunks) for real-time chunking benchmarks',
+        description='Fine-tune the action expert of a random-weight preset with openpi\'s '
+        'flow-matching loss on synthetic smooth demonstrations (one per noise: the chunks are '
+        'smooth and multi-modal, as a trained policy\'s are), save it as an openpi checkpoint '
+        f'(cached in {CACHE_DIR}) and print its folder: for `oxygen-ros replay --checkpoint`, '
+        'the node\'s checkpoint parameter, or `bench --rtc-policy`. Synthetic data only: its '
+        'chunks do not depend on what the cameras see.',
+        epilog='example:\n  oxygen-ros smooth-policy --preset small --out /tmp/smooth\n'
+               '  oxygen-ros replay BAG --out OUT --rtc-compare --checkpoint /tmp/smooth',
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--preset', default=defaults.preset,
+                        help=f'random-weight preset to start from (default {defaults.preset})')
+    parser.add_argument('--robot', default=defaults.robot,
+                        help='robot (a shipped name or a robot YAML) whose action columns move '
+                        f'and whose norm-stats id the checkpoint uses (default {defaults.robot})')
+    parser.add_argument('--steps', type=int, default=defaults.steps,
+                        help=f'optimiser steps (default {defaults.steps})')
+    parser.add_argument('--seed', type=int, default=defaults.seed)
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--threads', type=int, default=1, help='torch threads (default 1)')
+    parser.add_argument('--out', default=None,
+                        help='copy the checkpoint folder here (must not exist; default: print '
+                        'the cached folder)')
+    parser.add_argument('--cache-dir', default=None,
+                        help=f'where trained policies are kept (default {CACHE_DIR})')
+    parser.set_defaults(func=run_smooth_policy_command)
+    return parser
+
+
+def run_smooth_policy_command(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+    import shutil
+
+    import torch
+
+    from oxygen_ros.model.config import PRESETS
+    from oxygen_ros.model.robot_spec import get_robot
+
+    from .smooth_policy import INFO_FILE, smooth_policy, SmoothPolicyOptions
+
+    if args.preset not in PRESETS:
+        raise SystemExit(f'--preset {args.preset!r}: expected one of {sorted(PRESETS)}')
+    if args.steps < 1:
+        raise SystemExit(f'--steps must be >= 1, got {args.steps}')
+    try:
+        get_robot(args.robot)
+    except ValueError as err:   # RobotSpecError: unknown name, unreadable file
+        raise SystemExit(f'--robot: {err}') from None
+    if args.out and Path(args.out).exists():
+        raise SystemExit(f'--out {args.out}: exists (give a new folder)')
+    torch.set_num_threads(args.threads)
+    opts = SmoothPolicyOptions(preset=args.preset, robot=args.robot, steps=args.steps,
+                               seed=args.seed)
+    path = smooth_policy(opts, args.device, args.cache_dir,
+                         progress=lambda line: print(line, flush=True))
+    if args.out:
+        path = Path(shutil.copytree(path, args.out))
+    info = json.loads((path / INFO_FILE).read_text())
+    smooth = info['smoothness']
+    print(f'loss {info["loss_first"]:.4f} -> {info["loss_last"]:.4f} over {args.steps} steps; '
+          f'chunks without RTC: row step {smooth["row_step"]:.3f}, '
+          f'{smooth["across_chunks"]:.3f} between two chunks ({smooth["ratio"]:.2f}x)')
+    print(path)
     return 0

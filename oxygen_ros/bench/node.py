@@ -48,16 +48,17 @@ import time
 import numpy as np
 
 from oxygen_ros.model.robot_spec import get_robot
-from oxygen_ros.runtime.control import thread_cpu, THREAD_NAME
 from oxygen_ros.runtime.dds_profile import profile_environment
 from oxygen_ros.runtime.inputs import LOSS_WINDOW_S
 from oxygen_ros.runtime.params import (camera_param_name, load_node_params, NODE_NAME,
                                        ROBOT_IO, RtcSettings)
+from oxygen_ros.runtime.procfs import process_cpu_s
 from oxygen_ros.runtime.rtc import RtcPlanner
+
+from .cpu import cpu_between, OtherLoad, ThreadCpu
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PACKAGE_ROOT / 'config'
-CONTROL_THREAD_NAME = THREAD_NAME      # native name of the node's control thread
 ASKED_SHARE = 0.9                      # asked rate = this share of 1 / p50(engine frame time)
 BENCH_INSTRUCTION = 'pick up the black bowl and place it on the plate'
 TOKEN_WINDOW_S = 5.0                   # tokens/s is also reported per window of this length
@@ -163,8 +164,9 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
     """
     import torch
 
-    from ..engine import LanguagePolicy, make_system, random_setup
+    from ..engine import LanguagePolicy, random_setup
     from ..model import get_preset
+    from .systems import make_system
 
     if threads:
         torch.set_num_threads(threads)
@@ -215,7 +217,7 @@ def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
             obs = camera_observation(robot, index, *camera_hw, seed=seed,
                                      instruction=instruction)
             if index == warmup:
-                other = OtherLoad([0])
+                other = OtherLoad()
             continuation = rtc.continuation(obs) if rtc is not None else None
             action = (system.act(obs, continuation) if continuation is not None
                       else system.act(obs))
@@ -231,112 +233,6 @@ def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
             system.close()
     return EngineReference(act_s, frame_s, decoded, k,
                            other.percent() if other is not None else math.nan)
-
-
-# ---- CPU of the node's threads ------------------------------------------------------------
-
-class ThreadCpu:
-    """CPU seconds of each thread of a process, by native thread name, sampled from /proc.
-
-    A background thread re-reads /proc/<pid>/task every `interval_s`, so threads that end
-    between two marks still count with their last sample.
-    """
-
-    def __init__(self, pid: int, interval_s: float = 0.25):
-        self.pid = pid
-        self.interval_s = interval_s
-        self._seen: dict[int, tuple[str, float]] = {}   # tid -> (name, CPU seconds)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name='bench_cpu_sampler',
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.poll()
-
-    def poll(self) -> None:
-        threads = thread_cpu(self.pid)
-        if threads is None:
-            return   # the process is gone: keep the last samples
-        with self._lock:
-            self._seen.update(threads)
-
-    def mark(self) -> tuple[float, dict[int, tuple[str, float]]]:
-        """(monotonic time, per-thread CPU) now: one end of a window."""
-        self.poll()
-        with self._lock:
-            return time.monotonic(), dict(self._seen)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-
-
-def cpu_between(start, end, control_name: str = CONTROL_THREAD_NAME) -> dict:
-    """CPU of a window between two ThreadCpu marks, in % of one core, split by thread name.
-
-    A thread is classed by its name at the end of the window (the control thread may be
-    renamed after it started).
-    """
-    (t0, before), (t1, after) = start, end
-    wall = max(t1 - t0, 1e-9)
-    by_name: dict[str, float] = {}
-    for tid, (name, seconds) in after.items():
-        used = seconds - (before[tid][1] if tid in before else 0.0)
-        by_name[name] = by_name.get(name, 0.0) + max(used, 0.0)
-    total = sum(by_name.values())
-    control = by_name.get(control_name)
-    return {
-        'wall_s': wall,
-        'total_pct': 100 * total / wall,
-        'control_pct': math.nan if control is None else 100 * control / wall,
-        'outside_control_pct': math.nan if control is None else 100 * (total - control) / wall,
-        'control_thread_found': control is not None,
-        'by_name_pct': {name: 100 * s / wall for name, s in sorted(
-            by_name.items(), key=lambda item: -item[1])},
-    }
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds of a whole process so far (nan when it is gone)."""
-    try:
-        with open(f'/proc/{pid}/stat') as stat:
-            fields = stat.read().rpartition(')')[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
-    except (OSError, IndexError, ValueError):
-        return math.nan
-
-
-class OtherLoad:
-    """CPU used by other processes over a window, in % of all cores (from /proc/stat).
-
-    Machine busy time minus the CPU of `pids` (this benchmark's processes; 0 = this one). A
-    few % is background; tens of % mean the measurement shared the cores with other work.
-    Unlike run.OtherLoad it subtracts processes by pid: the node, robot and monitor are
-    children that are not reaped while measured, so rusage does not count them yet.
-    """
-
-    def __init__(self, pids: list[int]):
-        self.pids = pids
-        self._start = self._snapshot()
-
-    def _snapshot(self) -> tuple[float, float, float]:
-        try:
-            with open('/proc/stat') as stat:
-                fields = [float(v) for v in stat.readline().split()[1:]]
-            busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf('SC_CLK_TCK')
-        except OSError:
-            busy = math.nan
-        ours = sum(process_cpu_s(pid or os.getpid()) for pid in self.pids)
-        return busy, ours, time.monotonic()
-
-    def percent(self) -> float:
-        busy, ours, now = self._snapshot()
-        busy0, ours0, start = self._start
-        cores = os.cpu_count() or 1
-        return max(0.0, 100 * ((busy - busy0) - (ours - ours0)) / ((now - start) * cores))
 
 
 # ---- 2./3. the processes ------------------------------------------------------------------
@@ -572,7 +468,7 @@ def run_node(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threa
             f'{opts.duration_s:g} s measured')
         _sleep_until(first['t'] + opts.warmup_s, children)
         robot_cpu_start = process_cpu_s(robot.pid)
-        other = OtherLoad([0] + [child.pid for child in children])
+        other = OtherLoad([child.pid for child in children])
         active_start = sampler.mark()
         _sleep_until(active_start[0] + opts.duration_s, children)
         active_end = sampler.mark()

@@ -14,10 +14,14 @@ Per mode (runtime.rtc.compare_runs): the boundary jumps and gaps, the played pat
 variation, act() p50, and how far the frozen rows lie from the committed ones; plus whether
 the language tokens equal the 'off' run's (RTC must not touch the language path).
 
-Random weights make rough chunks: two rows of one chunk lie about as far apart as two rows of
-different chunks, so the literal jump (last old row -> first new row) cannot fall below the
-path's own row step there. The gap (first new row -> the old chunk's row for the same time)
-leaves that step out; both are reported, with the row step.
+The policy (rtc_policy): by default a smooth policy (bench/smooth_policy.py: the preset's
+action expert fine-tuned with openpi's flow-matching loss on smooth demonstrations, cached), a
+checkpoint folder, or random weights. Random weights make rough chunks: two rows of one chunk
+lie about as far apart as two rows of different chunks, so the literal jump (last old row ->
+first new row) cannot fall below the path's own row step and RTC has nothing to show. A
+trained policy's chunks are smooth and differ from one noise to the next: there the jump is
+what RTC removes. The gap (first new row -> the old chunk's row for the same time) leaves the
+row step out; both are reported, with the row step.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from oxygen_ros.runtime.rtc import delay_rows
 TARGET_JUMP_GUIDED = 0.3        # boundary jump guided / off (mean over the boundaries)
 TARGET_ACT_GUIDED = 2.0         # act() p50 guided / off
 TARGET_ACT_PREFIX = 1.05        # act() p50 prefix / off
+SMOOTH, RANDOM = 'smooth', 'random'   # RtcBenchOptions.policy, besides a checkpoint folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,31 +53,10 @@ class RtcBenchOptions:
     modes: tuple[str, ...] = ('off', 'guided', 'prefix')
     column: int = 0                 # action column plotted
     tokens: int = 5                 # N of the language request each frame starts (k = N)
-
-
-def synthetic_frame(robot: str, index: int, time_s: float, seed: int, image_size: int):
-    """Return frame `index` of a smooth synthetic episode observed at time_s (an Observation).
-
-    Each camera shows a sum of a few random plane waves drifting slowly (a picture that pans),
-    the state follows slow sines: consecutive frames differ a little, as on a robot.
-    """
-    from oxygen_ros.engine.types import Observation
-    from oxygen_ros.model.robot_spec import get_robot
-
-    spec = get_robot(robot)
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:image_size, 0:image_size] / image_size
-    images = {}
-    for camera in spec.camera_names:
-        waves = rng.uniform(-12, 12, (4, 2))                    # cycles per image, per wave
-        phases = rng.uniform(0, 2 * np.pi, (4, 3))
-        speed = rng.uniform(0.2, 0.6, 4)                        # radians per second
-        picture = sum(np.sin(2 * np.pi * (kx * x + ky * y)[..., None] + phase + w * time_s)
-                      for (kx, ky), phase, w in zip(waves, phases, speed))
-        images[camera] = np.clip(127.5 + 30 * picture, 0, 255).astype(np.uint8)
-    state = 0.8 * np.sin(0.5 * time_s + 0.4 * np.arange(spec.state_dim))
-    return Observation(images=images, state=state.astype(np.float32),
-                       instruction='pick up the black bowl', stamp=time_s, frame_index=index)
+    policy: str = SMOOTH            # 'smooth', 'random' (the bench preset's) or a checkpoint
+    policy_preset: str | None = None   # smooth: the preset fine-tuned (None: the bench's)
+    policy_steps: int | None = None    # smooth: optimiser steps (None: the trainer's default)
+    max_guidance_weight: float | None = None   # β of guided (None: rtc_max_guidance_weight's)
 
 
 # The episode's timing when the measured latency leaves nothing to continue: the issue's
@@ -100,10 +84,54 @@ def episode_timing(options: RtcBenchOptions, measured_s: float, step_s: float,
     return d, rows * step_s, timing
 
 
+def rtc_policy(options: RtcBenchOptions, preset: str, device: str, dtype: str, threads: int,
+               seed: int, random_weights, progress=lambda line: None):
+    """Return the episode's (model, frontend, description) as options.policy says.
+
+    random_weights() -> (model, frontend) of the bench preset with random weights.
+    """
+    if options.policy == RANDOM:
+        model, frontend = random_weights()
+        return model, frontend, f'random weights (preset {preset})'
+    if options.policy == SMOOTH:
+        from .smooth_policy import read_info, smooth_policy, SmoothPolicyOptions
+
+        steps = {'steps': options.policy_steps} if options.policy_steps else {}
+        smooth = SmoothPolicyOptions(preset=options.policy_preset or preset,
+                                     robot=options.robot, seed=seed, **steps)
+        path = smooth_policy(smooth, device, progress=progress)
+        made = read_info(path)
+        smoothness = made['smoothness']
+        what = (f'smooth policy: preset {smooth.preset} with its action expert fine-tuned '
+                f'{smooth.steps} steps on smooth demonstrations (loss {made["loss_first"]:.3f} '
+                f'-> {made["loss_last"]:.3f}; its chunks: row step '
+                f'{smoothness["row_step"]:.3f} vs {smoothness["across_chunks"]:.3f} between '
+                f'two chunks), {path}')
+    else:
+        path, what = options.policy, f'checkpoint {options.policy}'
+    model, frontend, _ = load_policy(path, options.robot, device, dtype, threads)
+    return model, frontend, what
+
+
+def load_policy(path, robot: str, device: str, dtype: str, threads: int):
+    """Load a checkpoint folder as the node does: (model, frontend of `robot`, description)."""
+    from oxygen_ros.runtime.engine_setup import load_model, robot_spec
+    from oxygen_ros.runtime.params import robot_defaults, Settings
+
+    settings = Settings.from_values({**robot_defaults(robot), 'checkpoint': str(path),
+                                     'device': device, 'dtype': dtype,
+                                     'torch_threads': threads})
+    model, make_frontend, description, _ = load_model(settings)
+    return model, make_frontend(robot_spec(settings)), description['source']
+
+
 def run_rtc_part(options: RtcBenchOptions, model, frontend, seed: int,
-                 progress=lambda line: None) -> tuple[list[dict], list[dict]]:
-    """Run the episode once per mode; return (one row per mode, the plotted paths)."""
-    from oxygen_ros.engine import FixedBudget, LanguagePolicy, make_engine
+                 progress=lambda line: None, policy: str = '') -> tuple[list[dict], list[dict]]:
+    """Run the episode once per mode; return (one row per mode, the plotted paths).
+
+    policy: what the model is, for the report.
+    """
+    from oxygen_ros.engine import FixedBudget, LanguagePolicy, make_engine, synthetic_frame
     from oxygen_ros.runtime.actions import action_layout
     from oxygen_ros.runtime.params import RtcSettings
     from oxygen_ros.runtime.rtc import compare_runs, RtcPlanner
@@ -111,8 +139,8 @@ def run_rtc_part(options: RtcBenchOptions, model, frontend, seed: int,
     layout = action_layout(options.robot)
     P = layout.step_period_s
     image_size = model.config.vision.image_size
-    policy = LanguagePolicy(max_new_tokens=options.tokens, seed=seed, eos_id=None)
-    engines = {mode: make_engine('oxygen', model, frontend, policy,
+    language = LanguagePolicy(max_new_tokens=options.tokens, seed=seed, eos_id=None)
+    engines = {mode: make_engine('oxygen', model, frontend, language,
                                  FixedBudget(options.tokens), seed=seed)
                for mode in options.modes}
     act_s: dict[str, list[float]] = {mode: [] for mode in options.modes}
@@ -141,7 +169,9 @@ def run_rtc_part(options: RtcBenchOptions, model, frontend, seed: int,
     progress(f'rtc: act() p95 {1e3 * measured:.0f} ms over the warm-up; the episode ({timing}): '
              f'latency {1e3 * latency:.0f} ms, d = {d} rows, a frame every '
              f'{1e3 * period:.0f} ms ({round(period / P)} rows of {1e3 * P:.0f} ms)')
-    planners = {mode: RtcPlanner(RtcSettings(mode, delay=d), P, trace=True)
+    beta = {'max_guidance_weight': options.max_guidance_weight} if options.max_guidance_weight \
+        else {}
+    planners = {mode: RtcPlanner(RtcSettings(mode, delay=d, **beta), P, trace=True)
                 for mode in options.modes}
     for j in range(options.frames):
         index = options.warmup + j
@@ -157,7 +187,9 @@ def run_rtc_part(options: RtcBenchOptions, model, frontend, seed: int,
     name = layout.names[options.column]
     for row in rows:
         same = tokens[row['mode']] == tokens[reference]
-        row.update(robot=options.robot, frames=options.frames, period_ms=1e3 * period,
+        row.update(robot=options.robot, policy=policy, frames=options.frames,
+                   max_guidance_weight=planners[row['mode']].settings.max_guidance_weight,
+                   period_ms=1e3 * period,
                    timing=timing,
                    latency_ms=1e3 * latency, measured_act_p95_ms=1e3 * measured,
                    tokens_identical_to_off=same,

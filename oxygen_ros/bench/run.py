@@ -16,11 +16,9 @@ import dataclasses
 import json
 import logging
 import math
-import multiprocessing
 import os
 from pathlib import Path
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -29,11 +27,12 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ..engine import (action_only_policy, Engine, Frontend, identity_norm_stats,
-                      LanguagePolicy, make_engine, make_system, random_observation,
-                      random_setup, System, UnlimitedBudget)
+from ..engine import (Engine, Frontend, identity_norm_stats, random_observation, random_setup,
+                      System)
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
+from ..runtime.procfs import cpu_model
+from .cpu import OtherLoad
 from .fleet_timing import FleetTimingOptions, run_fleet_timing
 from .measure import compare_tokens, max_action_diff, summarize, SystemLog
 from .node import NodeBenchOptions, run_node_part
@@ -41,7 +40,8 @@ from .overload import OverloadBenchOptions, run_overload_part
 from .phases import measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 from .robots import run_robots_part
-from .rtc import RtcBenchOptions, run_rtc_part
+from .rtc import rtc_policy, RtcBenchOptions, run_rtc_part
+from .systems import make_bench_system
 
 # Deadline of oxygen-adaptive and of the deadline-miss count when no control rate is given:
 # the action path (P + D) plus this share of it for language (about k = 5 decode steps of the
@@ -80,7 +80,9 @@ class BenchOptions:
                                        phase_repeats=3, memory_frames=2,
                                        node=NodeBenchOptions.quick(),
                                        rtc=RtcBenchOptions(frames=8, warmup=3, delay=1,
-                                                           period_rows=2),
+                                                           period_rows=2,
+                                                           policy_preset='small',
+                                                           policy_steps=250),
                                        overload=OverloadBenchOptions.quick()), **changes)
 
 
@@ -108,13 +110,7 @@ class BenchResult:
 
 def environment(opts: BenchOptions) -> dict:
     """Describe what the numbers depend on: versions, threads, CPU, device, machine load."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open('/proc/cpuinfo') as info:
-            cpu = next(line.split(':', 1)[1].strip() for line in info
-                       if line.startswith('model name'))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model() or platform.processor() or platform.machine()
     env = {'torch': torch.__version__, 'python': platform.python_version(), 'cpu': cpu,
            'cores': os.cpu_count(), 'torch_threads': torch.get_num_threads(),
            'device': opts.device, 'dtype': opts.dtype, 'preset': opts.preset,
@@ -122,68 +118,6 @@ def environment(opts: BenchOptions) -> dict:
     if opts.device.startswith('cuda'):
         env['gpu'] = torch.cuda.get_device_name(torch.device(opts.device))
     return env
-
-
-class OtherLoad:
-    """CPU time used by other processes while a block of work ran, in % of all cores.
-
-    Machine busy time comes from /proc/stat; this process's own time (and its children's,
-    including live parallel workers) is subtracted. A few % is background; tens of % means the
-    measured frames competed with other work for the cores.
-    """
-
-    def __init__(self):
-        self._start = self._snapshot()
-
-    @staticmethod
-    def _machine_busy_s() -> float:
-        try:
-            with open('/proc/stat') as stat:
-                fields = [float(v) for v in stat.readline().split()[1:]]
-        except OSError:
-            return math.nan
-        idle = fields[3] + fields[4]   # idle + iowait
-        return (sum(fields[:8]) - idle) / os.sysconf('SC_CLK_TCK')
-
-    @staticmethod
-    def _own_cpu_s() -> float:
-        own = 0.0
-        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-            usage = resource.getrusage(who)
-            own += usage.ru_utime + usage.ru_stime
-        for child in multiprocessing.active_children():   # not reaped yet: not in RUSAGE
-            try:
-                with open(f'/proc/{child.pid}/stat') as stat:
-                    fields = stat.read().rpartition(')')[2].split()
-                own += (float(fields[11]) + float(fields[12])) / os.sysconf('SC_CLK_TCK')
-            except (OSError, IndexError, ValueError):
-                pass
-        return own
-
-    def _snapshot(self) -> tuple[float, float, float]:
-        return self._machine_busy_s(), self._own_cpu_s(), time.perf_counter()
-
-    def percent(self) -> float:
-        busy, own, wall = self._snapshot()
-        busy0, own0, wall0 = self._start
-        cores = os.cpu_count() or 1
-        return max(0.0, 100 * ((busy - busy0) - (own - own0)) / ((wall - wall0) * cores))
-
-
-def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
-                      policy: LanguagePolicy, period_s: float, seed: int,
-                      runner_options: dict | None = None) -> System:
-    """Build one system of a group ('action-only' is an Engine with no requests)."""
-    if spec.name == 'action-only':
-        return make_engine('action-only', model, frontend, action_only_policy(policy),
-                           UnlimitedBudget(), seed=seed)
-    kwargs = {'seed': seed}
-    if spec.name == 'oxygen':
-        kwargs['k'] = spec.k
-    if spec.name == 'oxygen-adaptive':
-        kwargs.update(frame_period_s=period_s, k=spec.k or policy.max_request_len)
-    return make_system(spec.name, model, frontend, policy, runner_options=runner_options,
-                       **kwargs)
 
 
 def drain(system: System, log: SystemLog) -> None:
@@ -541,8 +475,10 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
     if 'rtc' in opts.plan.parts:
         start = time.perf_counter()
         steps = opts.plan.default_steps
-        rows, paths = run_rtc_part(opts.rtc, models.model(steps),
-                                   models.frontend(steps, opts.rtc.robot), opts.seed, say)
+        model, frontend, policy = rtc_policy(
+            opts.rtc, opts.preset, opts.device, opts.dtype, opts.threads, opts.seed,
+            lambda: (models.model(steps), models.frontend(steps, opts.rtc.robot)), say)
+        rows, paths = run_rtc_part(opts.rtc, model, frontend, opts.seed, say, policy)
         result.rtc.extend(rows)
         result.rtc_paths.extend(paths)
         part_seconds['rtc'] = time.perf_counter() - start

@@ -158,3 +158,26 @@ def random_observation(robot: str | RobotSpec, frame_index: int, seed: int = 0,
     state = rng.uniform(-1, 1, spec.state_dim).astype(np.float32)
     return Observation(images=images, state=state, instruction=instruction,
                        stamp=frame_index * 0.1, frame_index=frame_index)
+
+
+def synthetic_frame(robot: str | RobotSpec, index: int, time_s: float, seed: int,
+                    image_size: int) -> Observation:
+    """Return frame `index` of a smooth synthetic episode observed at time_s (an Observation).
+
+    Each camera shows a sum of a few random plane waves drifting slowly (a picture that pans),
+    the state follows slow sines: consecutive frames differ a little, as on a robot.
+    """
+    spec = get_robot(robot)
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:image_size, 0:image_size] / image_size
+    images = {}
+    for camera in spec.camera_names:
+        waves = rng.uniform(-12, 12, (4, 2))                    # cycles per image, per wave
+        phases = rng.uniform(0, 2 * np.pi, (4, 3))
+        speed = rng.uniform(0.2, 0.6, 4)                        # radians per second
+        picture = sum(np.sin(2 * np.pi * (kx * x + ky * y)[..., None] + phase + w * time_s)
+                      for (kx, ky), phase, w in zip(waves, phases, speed))
+        images[camera] = np.clip(127.5 + 30 * picture, 0, 255).astype(np.uint8)
+    state = 0.8 * np.sin(0.5 * time_s + 0.4 * np.arange(spec.state_dim))
+    return Observation(images=images, state=state.astype(np.float32),
+                       instruction='pick up the black bowl', stamp=time_s, frame_index=index)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from oxygen_ros.model.config import DEFAULT_MAX_GUIDANCE_WEIGHT
+
 if TYPE_CHECKING:
     from oxygen_ros.kv.request import FinishReason
 
@@ -44,7 +46,7 @@ class Continuation:
     mode: str = 'guided'            # 'guided' (soft, ΠGDM) or 'prefix' (rows 0..d-1 held)
     overlap_end: int = 0            # rows >= this are free (0: every committed row guided)
     schedule: str = 'exp'           # weight decay over the overlap: 'linear' or 'exp'
-    max_guidance_weight: float = 5.0   # β, the cap of the guidance weight
+    max_guidance_weight: float = DEFAULT_MAX_GUIDANCE_WEIGHT   # β, the guidance cap
 
 
 @dataclasses.dataclass

@@ -346,7 +346,27 @@ class Pi05Model(nn.Module):
         """
         steps = num_steps or self.config.num_steps
         B, H, _ = noise.shape
-        P, kv, device = prefix.prefix_len, prefix.kv, noise.device
+        context = self.action_context(prefix, H, noise.device)
+        velocity = self._velocity_fn or self.denoise_velocity
+        if inpaint is not None:
+            return rtc.sample(lambda x, t: velocity(*context, x, t), noise, steps, inpaint)
+        x_t = noise.float()
+        dt = -1.0 / steps
+        for step in range(steps):
+            t = torch.full((B,), 1.0 - step / steps, device=noise.device)
+            x_t = x_t + dt * velocity(*context, x_t, t)
+        return x_t
+
+    def action_context(self, prefix: PrefixCache, horizon: int, device
+                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor,
+                                  torch.Tensor, torch.Tensor]:
+        """Return what every denoise step of `prefix`'s rows reads: denoise_velocity's first four.
+
+        (prefix_kv: per layer (K, V) [B, P, G, D], prefix_bias [B, P], cos, sin [B, H, D] at
+        the action tokens' positions). The K/V are views of the store for host slot ids that
+        form a run, else one gather per layer.
+        """
+        P, kv = prefix.prefix_len, prefix.kv
         run = host_run(prefix.slots)
         # In place when the store has the compute dtype; a narrower store (bf16 K/V under a
         # float32 model) is widened here, once per frame.
@@ -354,20 +374,10 @@ class Pi05Model(nn.Module):
         prefix_kv = [(slot_rows(kv.k[i], prefix.slots, run, 0, P).to(dtype),
                       slot_rows(kv.v[i], prefix.slots, run, 0, P).to(dtype))  # 2 x [B, P, G, D]
                      for i in range(self.config.backbone.depth)]
-        prefix_bias = key_bias(prefix.valid.to(device), self.compute_dtype)   # [B, P]
-        positions = prefix.n_valid.to(device)[:, None] + torch.arange(H, device=device)
-        cos, sin = self.rope_tables(P + H, device)
-        cos, sin = cos[positions], sin[positions]                           # [B, H, D]
-        velocity = self._velocity_fn or self.denoise_velocity
-        if inpaint is not None:
-            return rtc.sample(lambda x, t: velocity(prefix_kv, prefix_bias, cos, sin, x, t),
-                              noise, steps, inpaint)
-        x_t = noise.float()
-        dt = -1.0 / steps
-        for step in range(steps):
-            t = torch.full((B,), 1.0 - step / steps, device=device)
-            x_t = x_t + dt * velocity(prefix_kv, prefix_bias, cos, sin, x_t, t)
-        return x_t
+        prefix_bias = key_bias(prefix.valid.to(device), dtype)                # [B, P]
+        positions = prefix.n_valid.to(device)[:, None] + torch.arange(horizon, device=device)
+        cos, sin = self.rope_tables(P + horizon, device)
+        return prefix_kv, prefix_bias, cos[positions], sin[positions]        # cos, sin [B, H, D]
 
     def denoise_velocity(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
                          prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

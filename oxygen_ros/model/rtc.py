@@ -38,6 +38,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .config import DEFAULT_MAX_GUIDANCE_WEIGHT
+
 OFF, GUIDED, PREFIX = 'off', 'guided', 'prefix'
 MODES = (OFF, GUIDED, PREFIX)
 LINEAR, EXP = 'linear', 'exp'
@@ -85,13 +87,14 @@ class RowPlan:
     weights: np.ndarray           # float [H] guidance weight per row (guided; 0 = free)
     delay: int                    # d: rows 0..d-1 play before the chunk arrives
     hold: bool = False            # prefix mode: rows 0..d-1 held clean instead of guided
-    max_guidance_weight: float = 5.0   # β
+    max_guidance_weight: float = DEFAULT_MAX_GUIDANCE_WEIGHT   # β
     columns: int | None = None    # guided columns (the robot's; None: all): the padding
     #                               columns' error would otherwise steer the real ones
 
 
 def row_plan(mode: str, target: np.ndarray, horizon: int, delay: int, overlap_end: int,
-             schedule: str = EXP, max_guidance_weight: float = 5.0,
+             schedule: str = EXP,
+             max_guidance_weight: float = DEFAULT_MAX_GUIDANCE_WEIGHT,
              columns: int | None = None) -> RowPlan | None:
     """Plan one row: guided (weights over the overlap) or prefix (delay rows frozen).
 

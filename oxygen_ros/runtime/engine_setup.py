@@ -28,6 +28,7 @@ from oxygen_ros.model.tokenizer import PaligemmaTokenizer
 from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, resolve_rate,
                                          steady_batch, time_ticks, TIMED_FRAMES)
 from oxygen_ros.runtime.params import FleetSettings, Settings
+from oxygen_ros.runtime.procfs import meminfo_kb
 
 logger = logging.getLogger(__name__)
 
@@ -200,14 +201,8 @@ def available_memory_bytes(device: str) -> int | None:
     if device.startswith('cuda'):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
-    try:
-        with open('/proc/meminfo') as f:
-            for line in f:
-                if line.startswith('MemAvailable:'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    available_kb = meminfo_kb('MemAvailable')
+    return None if available_kb is None else available_kb * 1024
 
 
 def check_pool_fits(settings: Settings, config, policy: LanguagePolicy,

@@ -36,6 +36,7 @@ import yaml
 from oxygen_ros.model.robot_spec import (BUILTIN_ROBOTS, get_robot, is_robot_path,
                                          JOINT_POSITION, RobotSpec, RobotSpecError,
                                          shipped_robots)
+from oxygen_ros.model.config import DEFAULT_MAX_GUIDANCE_WEIGHT
 
 NODE_NAME = 'oxygen_node'
 ROBOTS = BUILTIN_ROBOTS
@@ -97,7 +98,7 @@ class RtcSettings:
     schedule: str = 'exp'            # weight decay over the overlap: linear | exp
     delay: int = AUTO_DELAY          # d in rows; AUTO_DELAY: from the latency p95
     execution_horizon: int = 0       # rows >= this are free (0: every committed row guided)
-    max_guidance_weight: float = 5.0   # β, the cap of the guidance weight (the paper's 5)
+    max_guidance_weight: float = DEFAULT_MAX_GUIDANCE_WEIGHT   # β, the guidance cap
 
     @property
     def enabled(self) -> bool:
@@ -359,7 +360,8 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('rtc_execution_horizon', 0, 'Rows of a chunk guided toward the committed one '
               "(the overlap's end, the paper's H - s); 0 = every row the committed chunk still "
               'covers.', configure_time=False, int_range=(0, 1000)),
-    ParamSpec('rtc_max_guidance_weight', 5.0, 'β: cap of the guidance weight (guided mode).',
+    ParamSpec('rtc_max_guidance_weight', DEFAULT_MAX_GUIDANCE_WEIGHT,
+              'β: cap of the guidance weight (guided mode; caps the t = 1 step at 10 steps).',
               configure_time=False, float_range=(0.01, 100.0)),
     ParamSpec('tokenizer', '', "SentencePiece model; '' = the checkpoint's tokenizer.model, or "
               'a tiny tokenizer trained offline (random weights).',
@@ -560,7 +562,7 @@ class Settings:
     rtc_schedule: str = 'exp'
     rtc_delay: int = AUTO_DELAY
     rtc_execution_horizon: int = 0
-    rtc_max_guidance_weight: float = 5.0
+    rtc_max_guidance_weight: float = DEFAULT_MAX_GUIDANCE_WEIGHT
     spec: RobotSpec | None = None      # the robot's spec, resolved from `robot` at check
 
     @property

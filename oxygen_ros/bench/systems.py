@@ -1,5 +1,6 @@
-"""The compared systems behind the one System protocol, and make_system.
+"""The systems the benchmark compares, behind the one System protocol (engine/system.py).
 
+    action-only  prefill + denoise, no language at all (the latency and memory reference)
     isolated   action task (prefill + denoise), then language task with its OWN second prefill
                and a full N-token decode, sequentially in the same frame (the paper's baseline)
     shared     one prefill shared by both tasks, but no cross-frame batching: each request
@@ -8,7 +9,10 @@
                (the naive parallel baseline: it doubles weights and prefill work)
     oxygen     shared prefill + cross-frame continuous batching, fixed k
     oxygen-adaptive  the same with a deadline-adaptive k
-All of them produce the same greedy tokens and the same actions for the same frames.
+All of them produce the same greedy tokens and the same actions for the same frames. Only the
+benchmark (and the tests) builds them: the node, the replay and the server run oxygen engines
+(runtime/engine_setup.py). isolated and shared are Engines without a prefix shared across
+frames or without a decode budget; parallel is ParallelSystem below.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ from oxygen_ros.engine.frontend import Frontend
 from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
 from oxygen_ros.engine.workload import LanguagePolicy
 from oxygen_ros.model.config import Pi05Config
+from oxygen_ros.engine.system import System
 from oxygen_ros.model.pi05 import Pi05Model
+
+from .plan import SystemSpec
 
 logger = logging.getLogger(__name__)
 
@@ -246,3 +253,19 @@ def make_system(name: str, model: Pi05Model, frontend: Frontend, policy: Languag
     return make_engine(name, model, frontend, policy, budget, share_prefix=name != 'isolated',
                        num_slots=num_slots, seed=seed, debug=debug, clock=clock,
                        **(runner_options or {}))
+
+
+def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
+                      policy: LanguagePolicy, period_s: float, seed: int,
+                      runner_options: dict | None = None) -> System:
+    """Build one system of a group ('action-only' is an Engine with no requests)."""
+    if spec.name == 'action-only':
+        return make_engine('action-only', model, frontend, action_only_policy(policy),
+                           UnlimitedBudget(), seed=seed)
+    kwargs = {'seed': seed}
+    if spec.name == 'oxygen':
+        kwargs['k'] = spec.k
+    if spec.name == 'oxygen-adaptive':
+        kwargs.update(frame_period_s=period_s, k=spec.k or policy.max_request_len)
+    return make_system(spec.name, model, frontend, policy, runner_options=runner_options,
+                       **kwargs)

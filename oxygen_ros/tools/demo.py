@@ -1,7 +1,7 @@
 """The demo: oxygen_node on a random-weight CPU model, fed by simulated cameras, with a live view.
 
-    python -m oxygen_ros.demo [--duration 60] [--rate auto] [--preset pi05-cpu]
-    python -m oxygen_ros.demo --robots arm_left,arm_right    # one node serving two arms
+    python -m oxygen_ros.tools.demo [--duration 60] [--rate auto] [--preset pi05-cpu]
+    python -m oxygen_ros.tools.demo --robots arm_left,arm_right    # one node serving two arms
 
 Two processes, as on a robot: the node runs in its own process (its model work never starves
 the camera publishers or the view, and it is exactly the `oxygen_node` a robot runs), while
@@ -41,7 +41,7 @@ import time
 DEFAULT_INSTRUCTIONS = ('pick up the black bowl and place it on the plate',
                         'open the top drawer of the cabinet',
                         'put the cream cheese in the bowl')
-CONFIG_DIR = Path(__file__).resolve().parents[1] / 'config'
+CONFIG_DIR = Path(__file__).resolve().parents[2] / 'config'   # the source tree's
 CAMERA_SIZE = 224                        # the demo cameras' image side (pixels)
 WARMUP_S = 10.0                          # after the first action chunk: not in the summary
 WINDOW_S = 5.0                           # tokens/s and misses are judged per window
@@ -63,8 +63,8 @@ def _dds_environment() -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog='python -m oxygen_ros.demo', description=__doc__.split(
-        '\n\n')[0])
+    parser = argparse.ArgumentParser(prog='python -m oxygen_ros.tools.demo',
+                                     description=__doc__.split('\n\n')[0])
     parser.add_argument('--duration', type=float, default=0.0,
                         help='seconds to run (0 = until Ctrl-C)')
     parser.add_argument('--robot', default='libero', choices=('libero', 'droid', 'aloha'))
