@@ -1,6 +1,6 @@
 """The soak (issue 11): the node over DDS for 60 s under random events and injected faults.
 
-`oxygen-ros soak --duration 1800` is the long run (figures in the README); this is CI's.
+`oxygen-ros soak --duration 1800` is the long run (figures in docs/node.md); this is CI's.
 """
 
 import pytest

@@ -15,7 +15,7 @@ BENCH_EPILOG = """\
 examples:
   oxygen-ros bench --quick                      # seconds: tiny preset, every code path
   oxygen-ros bench --parts nk                   # the libero N x k sweep (S=10), CPU preset
-  oxygen-ros bench                              # every sweep + memory (the README numbers)
+  oxygen-ros bench                              # every sweep + memory (docs/benchmark.md)
   oxygen-ros bench --preset pi05 --device cuda --dtype bfloat16 --parts nk memory
   oxygen-ros bench --parts node                 # oxygen_node process vs the engine (~2 min)
   oxygen-ros bench --parts overload             # shipped YAML, then 2x overload: narration

@@ -191,7 +191,7 @@ def build_groups(opts: PlanOptions) -> list[Group]:
 
 
 def full_options(**changes) -> PlanOptions:
-    """Return the paper's sweeps on the CPU preset (the README's results section)."""
+    """Return the paper's sweeps on the CPU preset (docs/benchmark.md)."""
     return dataclasses.replace(PlanOptions(), **changes)
 
 

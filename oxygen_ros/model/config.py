@@ -140,7 +140,7 @@ PRESETS: dict[str, Pi05Config] = {
                        expert=GEMMA_VARIANTS['gemma_300m'], vision=SIGLIP_SO400M),
     # CPU benchmark preset: real image size and tokens per image (3 × 256 + 200 = 968 prefix
     # positions), 10 denoise steps, multi-query heads, an LM head over a real-sized share of
-    # the decode cost. Sized so one prefill is ~0.1 s on 2 cores (see README for FLOPs).
+    # the decode cost. Sized so one prefill is ~0.1 s on 2 cores (docs/model.md for FLOPs).
     'pi05-cpu': _small(width=256, expert_width=128, depth=6, heads=8, head_dim=32, vocab=16384,
                        v_hidden=192, v_depth=4, v_heads=4, image_size=224, patch=14,
                        max_tokens=200),

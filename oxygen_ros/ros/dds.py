@@ -34,7 +34,7 @@ def default_discovery_to_localhost(environ=os.environ) -> str:
 
     ROS's own default is the whole subnet (domain 0): any peer there could replace the task,
     feed cameras or reconfigure the node. A robot that must be reached from other machines
-    says so with ROS_AUTOMATIC_DISCOVERY_RANGE=SUBNET (README, "DDS and security"). Returns
+    says so with ROS_AUTOMATIC_DISCOVERY_RANGE=SUBNET (docs/node.md, "DDS and security"). Returns
     what was decided, for the startup log. Must run before rclpy.init().
     """
     chosen = {k: environ[k] for k in DISCOVERY_VARIABLES if environ.get(k)}
