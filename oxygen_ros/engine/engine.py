@@ -282,7 +282,7 @@ def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: Languag
     """Build an Engine: pool sized by default_num_slots(policy, sizing_k) unless num_slots.
 
     sizing_k: the smallest k the budget may use (None: requests finish in their frame).
-    runner_options: ModelRunner's max_holes_per_row / bucket_sizes / compile_decode.
+    runner_options: ModelRunner's max_holes_per_row / bucket_sizes / kv_dtype.
     """
     max_forced_tokens = forced_token_room(policy, max_forced_tokens)
     max_gen_len = generated_entries(policy, max_forced_tokens)

@@ -419,7 +419,7 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
 
     max_prefill_rows: rows per prefill call (None: every framed robot in one call).
 
-    runner_options: ModelRunner's max_holes_per_row / bucket_sizes / compile_decode / kv_dtype.
+    runner_options: ModelRunner's max_holes_per_row / bucket_sizes / kv_dtype.
     Raises ValueError for an empty fleet, repeated names, a frontend made for another model
     or an unknown pressure policy.
     """
