@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+import time
 
 import torch
 
@@ -17,6 +18,8 @@ from oxygen_ros.engine import (AdaptiveBudget, Budget, FixedBudget, FleetRobot, 
                                identity_norm_stats, LanguagePolicy, make_fleet, make_system,
                                random_observation, random_setup)
 from oxygen_ros.engine.engine import pool_slot_bytes
+from oxygen_ros.engine.hardware import choose_dtype
+from oxygen_ros.engine.prepare import CompilePlan, prepare_model, seal
 from oxygen_ros.engine.workload import default_num_slots
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
@@ -67,6 +70,33 @@ def _dtype(name: str) -> torch.dtype:
     return {'float32': torch.float32, 'bfloat16': torch.bfloat16}[name]
 
 
+def resolve_dtype(settings: Settings, config) -> tuple[torch.dtype, str]:
+    """Return the compute dtype to build `config` in, and why: the parameter, or probed."""
+    if settings.dtype != 'auto':
+        return _dtype(settings.dtype), 'set by parameter dtype'
+    return choose_dtype(config, settings.device)
+
+
+def _model_config(settings: Settings):
+    """Return the Pi05Config the settings load (checkpoint's config.json or the preset)."""
+    if settings.checkpoint:
+        path = Path(settings.checkpoint).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f'checkpoint folder {path} does not exist')
+        try:
+            config = checkpoint_config(path)
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            raise EngineSetupError(
+                f'checkpoint {path}: cannot read {CONFIG_FILE}: {err}') from None
+    else:
+        config = get_preset(settings.preset)
+    if settings.denoise_steps:
+        config = config.replace(num_steps=settings.denoise_steps)
+    return config
+
+
 def _check_device(device: str) -> None:
     if device.startswith('cuda') and not torch.cuda.is_available():
         raise EngineSetupError(f"device {device!r}: CUDA is not available to this torch "
@@ -86,10 +116,7 @@ def slots_needed(every_n_frames: int, tokens_per_request: int, k: int | None) ->
     return default_num_slots(policy, k or 1)
 
 
-def _random_weights(settings: Settings, device: str, dtype: torch.dtype):
-    config = get_preset(settings.preset)
-    if settings.denoise_steps:
-        config = config.replace(num_steps=settings.denoise_steps)
+def _random_weights(settings: Settings, device: str, dtype: torch.dtype, config):
     model, frontend = random_setup(config, settings.robot, seed=settings.seed, device=device,
                                    dtype=dtype)
     warnings = []
@@ -106,17 +133,11 @@ def _random_weights(settings: Settings, device: str, dtype: torch.dtype):
                                             f'seed {settings.seed})'}, warnings
 
 
-def _checkpoint(settings: Settings, device: str, dtype: torch.dtype):
+def _checkpoint(settings: Settings, device: str, dtype: torch.dtype, config):
     path = Path(settings.checkpoint).expanduser()
-    config = None
-    if settings.denoise_steps:
-        try:
-            config = checkpoint_config(path)
-        except OSError as err:
-            raise EngineSetupError(
-                f'checkpoint {path}: cannot read {CONFIG_FILE}: {err}') from None
-        config = config.replace(num_steps=settings.denoise_steps)
-    loaded = load_pi05(path, config=config, device=device, dtype=dtype)
+    # config.json's own config unless something in it was overridden (denoise steps)
+    loaded = load_pi05(path, config=config if settings.denoise_steps else None, device=device,
+                       dtype=dtype)
     stats = loaded.norm_stats
 
     def norm_stats_of(robot: str):
@@ -198,6 +219,12 @@ def warm_up(model, frontend: Frontend, settings: Settings) -> None:
                                    image_size=model.config.vision.image_size))
 
 
+def warm_up_frame(frontend: Frontend, settings: Settings, image_size: int) -> dict:
+    """Prepare a synthetic frame of the settings' robot (its cameras, a prompt): tensors."""
+    obs = random_observation(settings.robot, 0, settings.seed, image_size=image_size)
+    return frontend.prepare(obs).tensors
+
+
 def load_model(settings: Settings):
     """Load weights (checkpoint or random preset) once.
 
@@ -209,11 +236,16 @@ def load_model(settings: Settings):
     _check_device(settings.device)
     # Process-wide: threads that start torch work later (the control thread) use it too.
     torch.set_num_threads(inference_threads(settings.torch_threads))
-    dtype = _dtype(settings.dtype)
     try:
+        config = _model_config(settings)
+        dtype, why = resolve_dtype(settings, config)
+        logger.info('dtype %s: %s', str(dtype).removeprefix('torch.'), why)
         if settings.checkpoint:
-            return _checkpoint(settings, settings.device, dtype)
-        return _random_weights(settings, settings.device, dtype)
+            loaded = _checkpoint(settings, settings.device, dtype, config)
+        else:
+            loaded = _random_weights(settings, settings.device, dtype, config)
+        loaded[2]['dtype_reason'] = why
+        return loaded
     except (CheckpointError, FileNotFoundError, EngineSetupError):
         raise
     except (ValueError, OSError, RuntimeError) as err:
@@ -222,21 +254,25 @@ def load_model(settings: Settings):
         raise EngineSetupError(f'loading the model failed: {err}') from err
 
 
-def _kv_dtype(settings: Settings) -> torch.dtype:
-    return _dtype(settings.dtype if settings.kv_dtype == 'auto' else settings.kv_dtype)
+def _kv_dtype(settings: Settings, model) -> torch.dtype:
+    return model.compute_dtype if settings.kv_dtype == 'auto' else _dtype(settings.kv_dtype)
 
 
 def _describe(description: dict, settings: Settings, model, kv_slots: int,
-              first: dict, last: dict) -> dict:
+              first: dict, last: dict, plan: CompilePlan, started: float) -> dict:
     config = model.config
     description.update(first)
     description.update({
-        'device': settings.device, 'dtype': settings.dtype,
-        'kv_dtype': str(_kv_dtype(settings)).removeprefix('torch.'),
-        'torch_threads': torch.get_num_threads(),
+        'device': settings.device, 'dtype': str(model.compute_dtype).removeprefix('torch.'),
+        'kv_dtype': str(_kv_dtype(settings, model)).removeprefix('torch.'),
+        'torch_threads': torch.get_num_threads(), 'compile': plan.describe(),
+        'compile_s': round(plan.seconds, 2),
+        'configure_s': round(time.perf_counter() - started, 2),
         'prefix_len': config.prefix_len, 'horizon': config.action_horizon,
         'denoise_steps': config.num_steps, **last, 'kv_slots': kv_slots,
     })
+    logger.info('engine ready in %.1f s (%s, %s; %s)', description['configure_s'],
+                description['dtype'], settings.device, description['compile'])
     return description
 
 
@@ -246,14 +282,17 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
     Raises EngineSetupError (or CheckpointError / FileNotFoundError / ValueError from the
     loaders) with a message that names the file or parameter at fault.
     """
+    started = time.perf_counter()
     model, make_frontend, description, warnings = load_model(settings)
     try:
         frontend = make_frontend(settings.robot)
     except ValueError as err:
         raise EngineSetupError(f'loading the model failed: {err}') from err
     policy = policy_for(settings, frontend.eos_id)
-    kv_dtype = _kv_dtype(settings)
+    kv_dtype = _kv_dtype(settings, model)
     check_pool_fits(settings, model.config, policy, kv_dtype)
+    plan = prepare_model(model, settings.device, settings.compile)
+    compile_start = time.perf_counter()
     if warmup:
         warm_up(model, frontend, settings)
     k = settings.decode_budget
@@ -261,8 +300,12 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
                          policy, k=k or 1, frame_period_s=settings.period_s,
                          num_slots=settings.kv_capacity or None, seed=settings.seed,
                          runner_options={'kv_dtype': kv_dtype})
+    if warmup:
+        system.runner.warm_up_compiled(frames=[warm_up_frame(
+            frontend, settings, model.config.vision.image_size)])
+        seal(model, plan, compile_start)
     _describe(description, settings, model, system.pool.num_slots, {'robot': settings.robot},
-              {'tokens_per_request': settings.tokens_per_request})
+              {'tokens_per_request': settings.tokens_per_request}, plan, started)
     return Engine(system, frontend, description, warnings)
 
 
@@ -284,9 +327,10 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     Raises as build_engine does; a robot's problem names the robot.
     """
     node = fleet.node
+    started = time.perf_counter()
     model, make_frontend, description, warnings = load_model(node)
     frontends, robots = {}, []
-    kv_dtype = _kv_dtype(node)
+    kv_dtype = _kv_dtype(node, model)
     for name, settings in fleet.robots.items():
         try:
             if settings.robot not in frontends:
@@ -301,11 +345,20 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
             raise EngineSetupError(f'{name}.{err}') from None
         robots.append(FleetRobot(name, frontend, policy, budget_for(settings),
                                  kv_quota=settings.kv_capacity or None, seed=settings.seed))
+    plan = prepare_model(model, node.device, node.compile)
+    compile_start = time.perf_counter()
     if warmup:
         first = next(iter(fleet.robots.values()))
         warm_up(model, frontends[first.robot], first)
     system = make_fleet(model, robots, kv_dtype=kv_dtype,
                         max_prefill_rows=1 if node.device == 'cpu' else None)
+    if warmup:
+        # Robots due in the same tick denoise together: batches of 1 and of several rows.
+        system.runner.warm_up_compiled(
+            action_rows=(1, 2), frames=[warm_up_frame(frontends[s.robot], s,
+                                                      model.config.vision.image_size)
+                                        for s in fleet.robots.values()])
+        seal(model, plan, compile_start)
     _describe(description, node, model, system.pool.num_slots, {'robots': ', '.join(
-        f'{name} ({s.robot})' for name, s in fleet.robots.items())}, {})
+        f'{name} ({s.robot})' for name, s in fleet.robots.items())}, {}, plan, started)
     return Engine(system, None, description, warnings)

@@ -36,6 +36,7 @@ import yaml
 NODE_NAME = 'oxygen_node'
 ROBOTS = ('libero', 'droid', 'aloha')
 DTYPES = ('float32', 'bfloat16')
+COMPILE_CHOICES = ('auto', 'on', 'off')
 _DEVICE_RE = re.compile(r'^(cpu|cuda(:\d+)?|mps)$')
 
 # Robot -> (camera names, joint names). Camera names are the robot adapters' observation keys;
@@ -219,8 +220,13 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('preset', 'pi05-cpu', 'Model preset used with random weights (checkpoint empty).',
               check=_check_preset),
     ParamSpec('device', 'cpu', "Torch device: 'cpu', 'cuda', 'cuda:N'.", check=_check_device),
-    ParamSpec('dtype', 'float32', 'Compute dtype of the model and the KV cache.',
-              check=_check_choice(DTYPES)),
+    ParamSpec('dtype', 'auto', "Compute dtype of the model and the KV cache; 'auto' = "
+              'bfloat16 where the device multiplies it fast (CUDA, AMX / AVX512-BF16: a '
+              'timing probe at configure decides), else float32.',
+              check=_check_choice(('auto',) + DTYPES)),
+    ParamSpec('compile', 'auto', "torch.compile the denoise loop and decode step at configure "
+              "(CUDA graphs on a GPU): 'auto' = where it pays (not test-sized models), 'on', "
+              "'off'.", check=_check_choice(COMPILE_CHOICES)),
     ParamSpec('torch_threads', 0, "Torch intra-op threads of the control thread's inference; "
               '0 = every core but one (the executor, DDS and camera drivers keep one).',
               int_range=(0, 256)),
@@ -449,7 +455,7 @@ class Settings:
     checkpoint: str
     preset: str
     device: str
-    dtype: str
+    dtype: str                         # 'auto' is resolved when the model loads
     kv_dtype: str
     torch_threads: int
     control_nice: int
@@ -471,6 +477,7 @@ class Settings:
     diagnostics_period_s: float
     seed: int
     tokenizer: str
+    compile: str = 'auto'              # torch.compile: auto, on, off
 
     @property
     def period_s(self) -> float:
@@ -560,7 +567,8 @@ class Settings:
             stale_frame_timeout_s=float(merged['stale_frame_timeout_s']),
             max_instruction_chars=int(merged['max_instruction_chars']),
             diagnostics_period_s=float(merged['diagnostics_period_s']),
-            seed=int(merged['seed']), tokenizer=merged['tokenizer']), []
+            seed=int(merged['seed']), tokenizer=merged['tokenizer'],
+            compile=merged['compile']), []
 
 
 @dataclasses.dataclass(frozen=True)
