@@ -41,6 +41,11 @@ TARGET_FLEET_MEMORY_OVER_ONE = 1.3    # fleet memory / one single-robot engine
 GPU_TARGET_ROBOTS, GPU_TARGET_ROBOT_HZ = 8, 10.0   # pi05 bf16: each of 8 robots >= 10 Hz
 ROBOT_STYLE = {'fleet': ('tab:blue', 'o'), 'separate': ('tab:red', 'v'),
                'sequential': ('tab:orange', 'D')}
+# Floors (issue 21): time / floor of a LIBERO frame's phases, per preset.
+TARGET_X_FLOOR = {'pi05-cpu': {'action': 3.0, 'denoise': 3.0, 'decode 1': 3.0},
+                  'pi05': {'action': 1.5}}
+TARGET_DECODE_BANDWIDTH = 0.8         # pi05 decode step: bytes / time >= 80% of copy bandwidth
+TARGET_BUILD_OVER_WEIGHTS = 1.3       # peak RSS of building / loading / weights' size
 
 
 # ---- files ------------------------------------------------------------------------------------
@@ -79,6 +84,10 @@ def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
     if result.memory:
         paths['memory'] = out / 'memory.csv'
         write_csv(result.memory, paths['memory'])
+    for name, rows in (('floors', result.floors), ('builds', result.builds)):
+        if rows:
+            paths[name] = out / f'{name}.csv'
+            write_csv(rows, paths[name])
     if result.robots:
         paths['robots'] = out / 'robots.csv'
         write_csv(result.robots, paths['robots'])
@@ -166,6 +175,7 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
                             f'; {r["kv_dtype"]} KV store: {r[key] / mem["action-only"][key]:.3f}×'
                             f' (pool {r["kv_pool_mb"]:.1f} MB)' for r in narrow),
             'met': ratio <= TARGET_MEMORY_OVER_ACTION_ONLY})
+    targets += floor_targets(result)
     targets += node_targets(result)
     targets += serve_targets(result.serve)
     targets += robots_targets(result)
@@ -191,6 +201,80 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
             'met': head[0]['speedup'] >= GPU_TARGET_HEADLINE
             and best['speedup'] >= GPU_TARGET_BEST})
     return targets
+
+
+def floor_targets(result: BenchResult) -> list[dict]:
+    """Time / floor of the phases (part floors) and peak RSS of building (part build)."""
+    targets = []
+    rows = {r['phase']: r for r in result.floors}
+    preset = result.options.preset
+    for phase, limit in TARGET_X_FLOOR.get(preset, {}).items():
+        if phase in rows:
+            r = rows[phase]
+            targets.append({'target': f'{preset}: {r["label"]} ≤ {limit:g} × floor',
+                            'measured': f'{r["x_floor"]:.2f}× ({r["ms"]:.1f} ms vs floor '
+                                        f'{r["floor_ms"]:.1f} ms, {r["bound"]})',
+                            'met': r['x_floor'] <= limit})
+    if preset == 'pi05' and 'decode 1' in rows and 'machine' in result.environment:
+        r = rows['decode 1']
+        share = r['mb_moved'] * 1e6 / (r['ms'] / 1e3) / \
+            result.environment['machine']['copy_bytes_per_s']
+        targets.append({'target': f'pi05: decode step ≥ {TARGET_DECODE_BANDWIDTH:.0%} of the '
+                                  'copy bandwidth',
+                        'measured': f'{share:.0%}', 'met': share >= TARGET_DECODE_BANDWIDTH})
+    for r in result.builds:
+        what = 'random weights built' if r['what'] == 'random' else 'checkpoint loaded + fused'
+        targets.append({'target': f'{r["preset"]} {what}: peak RSS ≤ '
+                                  f'{TARGET_BUILD_OVER_WEIGHTS:g} × weights',
+                        'measured': f'{r["peak_over_weights"]:.2f}× ({r["above_runtime_mb"]:.0f}'
+                                    f' MB above runtime for {r["weights_mb"]:.0f} MB of weights)',
+                        # at pi05's size; a small model's figure is the runtime's noise
+                        'met': r['peak_over_weights'] <= TARGET_BUILD_OVER_WEIGHTS
+                        if r['preset'] == 'pi05' else None})
+    return targets
+
+
+def floors_section(result: BenchResult) -> list[str]:
+    """Lead with the ratio to the floor: each phase of a frame against this machine's limit."""
+    if not result.floors:
+        return []
+    env, opts = result.environment, result.options
+    machine = env.get('machine', {})
+    rates = ', '.join(f'{name} {flops / 1e9:.0f} GFLOP/s'
+                      for name, flops in machine.get('matmul_flops', {}).items())
+    compiled = next(iter(env.get('compile', {}).values()), {})
+    action = next(r for r in result.floors if r['phase'] == 'action')
+    return [f'## At the machine\'s limit: the action path runs at {action["x_floor"]:.1f}× its '
+            f'floor', '',
+            f'{opts.preset}, one {opts.plan.workloads[0]} frame, {opts.dtype} '
+            f'({env.get("dtype_reason", "")}), {env.get("torch_threads")} torch threads. '
+            f'Measured in this run: matmul {rates}; copy '
+            f'{machine.get("copy_bytes_per_s", 0) / 1e9:.1f} GB/s. Passes '
+            f'{compiled.get("passes", "eager")}; warm-up and compile '
+            f'{compiled.get("warm_up_s", 0):.0f} s.', '',
+            table(['phase', 'ms', 'eager ms', 'GFLOP', 'MB moved', 'floor ms', 'bound',
+                   '× floor'],
+                  [[r['label'], r['ms'], r['eager_ms'], r['gflop'], r['mb_moved'],
+                    r['floor_ms'], r['bound'], r['x_floor']] for r in result.floors]), '',
+            'floor = max(GFLOP / matmul peak of the dtype, MB moved / copy bandwidth); work '
+            'counts the positions computed (floors.py). eager: the same pass with compilation '
+            'off, timed side by side.', '']
+
+
+def build_section(result: BenchResult) -> list[str]:
+    """Peak RSS of building random weights and of loading a checkpoint (part build)."""
+    if not result.builds:
+        return []
+    loads = ', '.join(f'{r.get("load_over_weights", math.nan):.2f}× weights'
+                      for r in result.builds if r['what'] == 'load')
+    return ['## Building at the model\'s size (fresh process each)', '',
+            table(['preset', 'dtype', 'what', 'weights MB', 'peak RSS MB', 'above runtime MB',
+                   '/ weights', 's'],
+                  [[r['preset'], r['dtype'], r['what'], r['weights_mb'], r['peak_rss_mb'],
+                    r['above_runtime_mb'], r['peak_over_weights'], r['seconds']]
+                   for r in result.builds]), '',
+            "'load' = load_pi05 (memory-mapped) then fuse, as configure does; load alone: "
+            f'{loads}.', '']
 
 
 def node_targets(result: BenchResult) -> list[dict]:
@@ -422,6 +506,7 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
                   'systems were measured (column other_load_pct).** Means and p99s carry that '
                   'noise; the p50-based columns are the robust ones. Rerun on a quiet machine '
                   'for the paper-definition numbers.', '']
+    parts += floors_section(result)
     parts += ['## Targets', '',
               table(['target', 'measured', 'met'],
                     [[t['target'], t['measured'], t['met']] for t in evaluate_targets(result)]),
@@ -483,6 +568,7 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
                   'processes. MKL fast memory manager '
                   f'{"on" if result.memory[0].get("mkl_fast_mm", True) else "off"} in the '
                   'probes (MKL_DISABLE_FAST_MM; it caches a GEMM buffer per row count).', '']
+    parts += build_section(result)
     parts += robots_section(result, paths)
     parts += node_section(result, paths)
     parts += ['## Files', ''] + [f'- `{p.name}`' for p in paths.values()] + ['']
