@@ -195,7 +195,7 @@ class PhaseProbe:
                           self._kv.k.dtype)
 
     def _passes(self) -> dict:
-        passes = {'vision': lambda: self.model.vision.vision_model(self._shown_images),
+        passes = {'vision': lambda: self.model.vision_features(self._shown_images),
                   'prefill': self._run_prefills,
                   'denoise': lambda: self.model.sample_actions(self._prefix, self._noise)}
         passes.update({f'decode {b}': (lambda b=b: self._decode(b)) for b in self.batches})
