@@ -237,7 +237,9 @@ def test_floor_is_the_binding_limit_and_work_counts_computed_positions():
     libero = phase_work(model, 2, 2 * 256 + 43, (1, 4), 17)
     every = phase_work(model, 3, 968, (1, 4), 17)
     assert libero['prefill'].flops < 0.65 * every['prefill'].flops   # 555 of 968 positions
-    assert libero['denoise'] == every['denoise']                     # attends all P anyway
+    assert libero['denoise'] == every['denoise']                     # all P keys by default
+    packed = phase_work(model, 2, 2 * 256 + 43, (1,), 17, denoise_keys=555)['denoise']
+    assert packed.flops < libero['denoise'].flops and packed.bytes < libero['denoise'].bytes
     assert libero['decode 4'].flops == pytest.approx(4 * libero['decode 1'].flops)
     assert libero['decode 4'].bytes < 1.2 * libero['decode 1'].bytes  # weights read once
     machine = hardware.MachinePeaks('cpu', 1, {'float32': 1e11}, 1e10)

@@ -5,10 +5,10 @@ Work is counted for what the passes compute, not for the static shapes:
   prefill   the vision tower plus the backbone over the valid prefix positions (prefill packs
             them: a LIBERO frame computes 555 of 968), attention n x n among them; the K/V of
             all P positions are written to the pool;
-  denoise   S steps of the expert over H action tokens, attending to all P prefix keys (the
-            masked ones too: the step computes them) and to the H action keys; every step
-            reads the expert's weights and the prefix K/V once; the adaRMS modulations of all
-            steps once per frame;
+  denoise   S steps of the expert over H action tokens, attending to the prefix keys it
+            computes (on the CPU the valid ones, packed once per frame; on an accelerator all
+            P, masked) and to the H action keys; every step reads the expert's weights and
+            those prefix K/V once; the adaRMS modulations of all steps once per frame;
   decode B  one token for each of B rows: the backbone and the tied LM head read once, each
             row's K/V over P + J positions.
 FLOPs are 2 x multiply-adds of the matmuls (norms, softmax and element-wise work are left out:
@@ -47,12 +47,14 @@ def _layer_macs(width: int, heads: int, kv_heads: int, head_dim: int, mlp: int) 
 
 def phase_work(model: Pi05Model, shown_images: int, valid_positions: int,
                batches: tuple[int, ...], attend_len: int,
-               kv_dtype: torch.dtype | None = None) -> dict[str, Work]:
+               kv_dtype: torch.dtype | None = None,
+               denoise_keys: int | None = None) -> dict[str, Work]:
     """Work of 'vision', 'prefill', 'denoise' and 'decode B' (each B of `batches`).
 
     shown_images: camera images through the vision tower in one prefill; valid_positions:
     prefix positions the backbone computes (image tokens of shown cameras + prompt tokens);
-    attend_len: generated positions J a decode step attends (besides the P prefix ones).
+    attend_len: generated positions J a decode step attends (besides the P prefix ones);
+    denoise_keys: prefix keys a denoise step attends (default P; Pi05Model.denoise_inputs).
     """
     cfg = model.config
     b, e, v = cfg.backbone, cfg.expert, cfg.vision
@@ -75,7 +77,8 @@ def phase_work(model: Pi05Model, shown_images: int, valid_positions: int,
                    vision.bytes + layers_bytes + P * kv_entry)
     # denoise: S expert passes over H tokens attending P + H keys; modulations once
     e_layer = _layer_macs(e.width, e.num_heads, e.num_kv_heads, e.head_dim, e.mlp_dim)
-    step_macs = e.depth * (H * e_layer + 2 * H * (P + H) * e.num_heads * e.head_dim)
+    keys = P if denoise_keys is None else denoise_keys
+    step_macs = e.depth * (H * e_layer + 2 * H * (keys + H) * e.num_heads * e.head_dim)
     step_macs += 2 * H * cfg.action_dim * e.width
     frame_macs = S * ((2 * e.depth + 1) * 3 * e.width ** 2 + 2 * e.width ** 2)
     modulation_bytes = (sum(_param_bytes(layer.input_layernorm)
@@ -86,7 +89,7 @@ def phase_work(model: Pi05Model, shown_images: int, valid_positions: int,
     step_bytes = (sum(_param_bytes(layer.self_attn) + _param_bytes(layer.mlp)
                       for layer in model.expert.layers)
                   + _param_bytes(model.action_in_proj) + _param_bytes(model.action_out_proj)
-                  + P * kv_entry)
+                  + keys * kv_entry)
     denoise = Work(2 * (S * step_macs + frame_macs), S * step_bytes + modulation_bytes)
     work = {'vision': vision, 'prefill': prefill, 'denoise': denoise}
     # decode: one token per row; weights once per step, K/V per row
