@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 import shutil
 import struct
@@ -28,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from .memory import read_status_kb
+from .memory import package_env, probe_main, read_status_kb
 
 SAFETENSORS_DTYPES = {'float32': 'F32', 'bfloat16': 'BF16'}
 CHUNK_BYTES = 64 << 20
@@ -101,11 +100,8 @@ def probe(args: argparse.Namespace) -> dict:
 
 
 def _run(args: list[str]) -> dict:
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.pathsep.join(filter(None, [package_root, env.get('PYTHONPATH')]))
-    done = subprocess.run([sys.executable, '-m', 'oxygen_ros.bench.build'] + args, env=env,
-                          capture_output=True, text=True, timeout=3600)
+    done = subprocess.run([sys.executable, '-m', 'oxygen_ros.bench.build'] + args,
+                          env=package_env(), capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f'build probe {args} failed:\n{done.stderr[-3000:]}')
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -145,10 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    result = probe(build_parser().parse_args(argv))
-    sys.stdout.write(json.dumps(result) + '\n')
-    sys.stdout.flush()
-    return 0
+    return probe_main(probe, build_parser(), argv)
 
 
 if __name__ == '__main__':

@@ -38,6 +38,7 @@ from ..engine.runner import ModelRunner
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
 from .measure import compare_tokens, max_action_diff, summarize, SystemLog
+from .memory import package_env
 from .node import NodeBenchOptions, run_node_part
 from .phases import floor_rows, measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
@@ -383,9 +384,7 @@ def group_rows(group: Group, logs: dict[SystemSpec, SystemLog], horizon: int,
 
 def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict]:
     """Peak memory of each system of `group` in fresh processes (1 torch thread each)."""
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.pathsep.join(filter(None, [package_root, env.get('PYTHONPATH')]))
+    env = package_env()
     # Why: MKL's fast memory manager keeps a packing buffer per GEMM row count (3.2 MB each
     # for rows 4..8 of the pi05-cpu LM head), so decode batches of 4..8 rows would leave
     # ~16 MB cached that no request uses. Off for every probe alike (MKL reads it at load;

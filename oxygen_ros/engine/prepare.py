@@ -108,8 +108,11 @@ def compile_settings(device: str, dtype: torch.dtype) -> tuple[str, dict]:
     if torch.device(device).type == 'cuda':
         return 'reduce-overhead', {}
     if dtype == torch.bfloat16:
-        # (the autotuner's per-matmul timing tables would fill the node's log)
-        return 'max-autotune-no-cudagraphs', {'freezing': True,
+        # No oneDNN weight prepacking: its packed tensors do not pickle, so every graph
+        # holding one bypassed the compile cache (a restart compiled for minutes again); the
+        # autotuned GEMM templates pack their own weights, which the cache keeps. (And the
+        # autotuner's per-matmul timing tables would fill the node's log.)
+        return 'max-autotune-no-cudagraphs', {'freezing': True, 'cpp.weight_prepack': False,
                                               'autotune_num_choices_displayed': 0,
                                               'max_autotune_report_choices_stats': False}
     return 'default', {}
