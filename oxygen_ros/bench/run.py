@@ -33,7 +33,7 @@ from ..engine import (action_only_policy, Engine, Frontend, identity_norm_stats,
                       LanguagePolicy, make_engine, make_system, random_observation,
                       random_setup, System, UnlimitedBudget)
 from ..engine.hardware import choose_dtype, DTYPE_NAMES, measure_machine
-from ..engine.prepare import CompilePlan, prepare_model, seal
+from ..engine.prepare import CompilePlan, prepare_model, runner_options, seal
 from ..engine.runner import ModelRunner
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
@@ -221,7 +221,8 @@ class ModelCache:
                     robot, 0, seed=self.opts.seed, image_size=cfg.vision.image_size)).tensors
                     for robot in sorted({get_workload(w).robot
                                          for w in self.opts.plan.workloads})]
-                ModelRunner(model, 2, 16).warm_up_compiled(action_rows=(1, 2), frames=frames)
+                runner = ModelRunner(model, 2, 16, **runner_options(plan, self.opts.device))
+                runner.warm_up_compiled(action_rows=(1, 2), frames=frames)
             seal(model, plan, started)
             self.prepared[steps] = plan
             self._models[steps] = model
@@ -300,7 +301,9 @@ def run_group(group: Group, models: ModelCache, period_s: float, opts: BenchOpti
                                 image_size=model.config.vision.image_size)
     probe = PhaseProbe(model, group_batches(group), seed=opts.seed,
                        frames=[frontend.prepare(sample).tensors])
-    systems = {spec: make_bench_system(spec, model, frontend, policy, period_s, opts.seed)
+    options = runner_options(models.prepared[group.steps], opts.device)   # GPU: buckets
+    systems = {spec: make_bench_system(spec, model, frontend, policy, period_s, opts.seed,
+                                       options)
                for spec in group.systems}
     logs = {spec: SystemLog() for spec in group.systems}
     first_frame = {spec: group.max_warmup - group.warmup(spec) for spec in group.systems}

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 COMPILE_CHOICES = ('auto', 'on', 'off')
 MIN_COMPILE_PARAMS = 1_000_000
 MAX_CPU_COMPILE_PARAMS = 128_000_000
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # decode batch sizes of a CUDA-graph runner
 
 
 @dataclasses.dataclass
@@ -130,11 +131,21 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
     plan.mode = mode + (' + frozen weights' if config.get('freezing') else '')
     if plan.any:
         use_persistent_cache()
-    model.compile_prefill(mode, config) if plan.prefill else model.compile_prefill(None)
+    # Prefill's length changes with the prompt: CUDA graphs would record one per length, so
+    # on a GPU it compiles without them (compute-bound, its launches cost little).
+    prefill_mode = 'default' if mode == 'reduce-overhead' else mode
+    model.compile_prefill(prefill_mode, config) if plan.prefill else model.compile_prefill(None)
     model.compile_actions(mode, config) if plan.denoise else model.compile_actions(None)
     model.compile_decode(mode, kv, config) if plan.decode else model.compile_decode(None)
     logger.info('model passes %s', plan.describe())
     return plan
+
+
+def runner_options(plan: CompilePlan, device: str) -> dict:
+    """ModelRunner options that go with a plan: decode batch buckets for CUDA graphs."""
+    if plan.decode and torch.device(device).type == 'cuda':
+        return {'bucket_sizes': DECODE_BUCKETS}   # a few graphs, not one per batch size
+    return {}
 
 
 def seal(model: Pi05Model, plan: CompilePlan, started: float) -> None:

@@ -282,9 +282,10 @@ class ModelRunner:
             lengths = sorted({attend_bucket(1, s.max_gen_len),
                               attend_bucket(s.max_gen_len, s.max_gen_len)})
             sizes = sorted({min(size, s.num_slots) for size in (1, 2)} | set(self.bucket_sizes))
-            for B in sizes:
+            for B in sizes:   # a bucket larger than the pool repeats slots, as decode pads
+                rows = [row % s.num_slots for row in range(B)]
                 for attend_len in lengths:
-                    self._step(list(range(B)), [s.scratch_gen_len] * B, [0] * B, attend_len)
+                    self._step(rows, [s.scratch_gen_len] * B, [0] * B, attend_len)
         if model._denoise_fn is not None:
             H, A = self.action_shape
             for rows in sorted({min(r, s.num_slots) for r in action_rows}):

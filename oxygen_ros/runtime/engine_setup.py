@@ -19,7 +19,7 @@ from oxygen_ros.engine import (AdaptiveBudget, Budget, FixedBudget, FleetRobot, 
                                random_observation, random_setup)
 from oxygen_ros.engine.engine import pool_slot_bytes
 from oxygen_ros.engine.hardware import choose_dtype
-from oxygen_ros.engine.prepare import CompilePlan, prepare_model, seal
+from oxygen_ros.engine.prepare import CompilePlan, prepare_model, runner_options, seal
 from oxygen_ros.engine.workload import default_num_slots
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
@@ -299,7 +299,8 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
     system = make_system('oxygen' if k is not None else 'oxygen-adaptive', model, frontend,
                          policy, k=k or 1, frame_period_s=settings.period_s,
                          num_slots=settings.kv_capacity or None, seed=settings.seed,
-                         runner_options={'kv_dtype': kv_dtype})
+                         runner_options={'kv_dtype': kv_dtype,
+                                         **runner_options(plan, settings.device)})
     if warmup:
         system.runner.warm_up_compiled(frames=[warm_up_frame(
             frontend, settings, model.config.vision.image_size)])
@@ -351,7 +352,8 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
         first = next(iter(fleet.robots.values()))
         warm_up(model, frontends[first.robot], first)
     system = make_fleet(model, robots, kv_dtype=kv_dtype,
-                        max_prefill_rows=1 if node.device == 'cpu' else None)
+                        max_prefill_rows=1 if node.device == 'cpu' else None,
+                        **runner_options(plan, node.device))
     if warmup:
         # Robots due in the same tick denoise together: batches of 1 and of several rows.
         system.runner.warm_up_compiled(
