@@ -124,7 +124,7 @@ def probe_main(run, parser: argparse.ArgumentParser, argv: list[str] | None = No
 
 
 def package_env() -> dict:
-    """The environment of a probe process: this one's, with the package importable."""
+    """Return the environment of a probe process: this one's, the package importable."""
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [package_root, env.get('PYTHONPATH')]))

@@ -142,7 +142,7 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
 
 
 def runner_options(plan: CompilePlan, device: str) -> dict:
-    """ModelRunner options that go with a plan: decode batch buckets for CUDA graphs."""
+    """Return the ModelRunner options of a plan: decode batch buckets for CUDA graphs."""
     if plan.decode and torch.device(device).type == 'cuda':
         return {'bucket_sizes': DECODE_BUCKETS}   # a few graphs, not one per batch size
     return {}
