@@ -44,7 +44,7 @@ lint: setup
 	$(PY) -m pydocstyle --config setup.cfg oxygen_ros
 
 demo: setup
-	$(PY) -m oxygen_ros.demo --duration $(DEMO_DURATION)
+	$(PY) -m oxygen_ros.tools.demo --duration $(DEMO_DURATION)
 
 colcon-check: setup
 	bash scripts/colcon_check.sh

@@ -7,10 +7,12 @@
     ros2 launch oxygen_ros oxygen.launch.py robots:=arm_left,arm_right robot:=droid
 
 Arguments:
-  config         libero | droid | aloha | two_arms | aloha_droid | a path to a parameter YAML;
-                 default: the robot's
-  robot          libero | droid | aloha; default: the config's (libero if neither is given);
-                 with several robots, the type of those whose section does not set one
+  config         libero | droid | aloha | so101 | two_arms | aloha_droid | a path to a
+                 parameter YAML; default: the robot's
+  robot          a shipped robot (libero | droid | aloha | so101) or the path of a robot YAML
+                 (docs/robots.md; then give a config whose cameras and joints are its);
+                 default: the config's (libero if neither is given); with several robots, the
+                 type of those whose section does not set one
   robots         comma-separated robot names: one node serves them all, each in its own
                  namespace (<robot>/actions, ...); default: the config's (one robot)
   checkpoint     openpi checkpoint directory; default: the config's ('' = random weights)
@@ -20,6 +22,9 @@ Arguments:
   autostart      true: this launch file configures, then activates the node; false: leave it
                  unconfigured for `ros2 lifecycle set` or a lifecycle manager
   log_level      debug | info | warn | error
+  dds_profile    Fast DDS profile of the processes started here: '' = the shipped
+                 config/fastdds_large_frames.xml (raw camera frames; docs/cameras.md) unless
+                 the environment names one; a path; 'none' = Fast DDS's defaults
 
 The node's own self-activation is switched off (autostart:=false as a node parameter): the
 launch file requests configure, and activate once the node reports "inactive", through
@@ -33,7 +38,7 @@ import os
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
 from launch.actions import (DeclareLaunchArgument, EmitEvent, LogInfo, OpaqueFunction,
-                            RegisterEventHandler)
+                            RegisterEventHandler, SetEnvironmentVariable)
 from launch.events import matches_action
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
@@ -46,7 +51,8 @@ NODE_NAME = 'oxygen_node'
 ARGUMENTS = (
     ('config', '', 'libero, droid, aloha, two_arms, aloha_droid, or a parameter YAML path '
                    '(default: the robot)'),
-    ('robot', '', "libero, droid or aloha (default: the config's robot)"),
+    ('robot', '', "a shipped robot (libero, droid, aloha, so101) or a robot YAML's path "
+                  "(default: the config's robot)"),
     ('robots', '', "comma-separated robot names served by one node (default: the config's)"),
     ('checkpoint', '', "openpi checkpoint directory (default: the config's)"),
     ('namespace', '', 'namespace of the node and its relative topics'),
@@ -54,12 +60,18 @@ ARGUMENTS = (
     ('use_sim_time', 'false', 'follow /clock (bag replay)'),
     ('autostart', 'true', 'configure and activate the lifecycle node from this launch file'),
     ('log_level', 'info', 'debug, info, warn or error'),
+    ('dds_profile', '', "Fast DDS profile: '' = the shipped one for raw camera frames (unless "
+                        "the environment names one), a path, or 'none'"),
 )
+PROFILE_NAME = 'fastdds_large_frames.xml'
 
 
 def _config_path(config: str, robot: str) -> str:
     if config.endswith(('.yaml', '.yml')) or os.sep in config:
         return os.path.expanduser(config)
+    if not config and (robot.endswith(('.yaml', '.yml')) or os.sep in robot):
+        raise RuntimeError(f'robot:={robot} is a robot YAML: give config:=<a parameter file> '
+                           'with its camera_names and joint_names too (copy config/so101.yaml)')
     name = config or robot or 'libero'
     return os.path.join(get_package_share_directory(PACKAGE), 'config', name + '.yaml')
 
@@ -79,6 +91,30 @@ def _robot_names(text: str) -> list:
     if len(set(names)) != len(names):
         raise RuntimeError(f'robots: names must be unique, got {names}')
     return names
+
+
+def _dds_profile(choice: str) -> list:
+    """Set the Fast DDS profile for the processes this file starts (ros2 launch's own env)."""
+    from oxygen_ros.runtime.dds_profile import (FASTDDS_VARIABLE, FASTRTPS_VARIABLE,
+                                                profile_environment)
+
+    if choice == 'none':
+        return []
+    path = os.path.expanduser(choice) if choice else os.path.join(
+        get_package_share_directory(PACKAGE), 'config', PROFILE_NAME)
+    if not os.path.isfile(path):
+        raise RuntimeError(f'dds_profile: no file {path}')
+    # A profile the environment names is kept unless one is given here.
+    variables = profile_environment(path, keep_existing=not choice)
+    if not variables:
+        named = [f'{k}={os.environ[k]}' for k in (FASTDDS_VARIABLE, FASTRTPS_VARIABLE)
+                 if os.environ.get(k)]
+        return [LogInfo(msg=f'Fast DDS profile from the environment: {", ".join(named)} '
+                            f'(raw camera frames need a large shared-memory segment, as in '
+                            f'{path})')]
+    return [action for name, value in variables.items() for action in (
+        SetEnvironmentVariable(name, value),
+        LogInfo(msg=f'{name}={value} (Fast DDS profile for raw camera frames)'))]
 
 
 def _change_state(node, transition_id: int) -> EmitEvent:
@@ -107,7 +143,7 @@ def _launch_node(context):
         parameters=[path, overrides], remappings=_remappings(arg('camera_remaps')),
         arguments=['--ros-args', '--log-level', arg('log_level')],
         output='screen', emulate_tty=True)
-    actions = [
+    actions = _dds_profile(arg('dds_profile')) + [
         node,
         RegisterEventHandler(OnStateTransition(
             target_lifecycle_node=node, goal_state='active',

@@ -25,12 +25,18 @@ def _phases(args: argparse.Namespace) -> int:
     frames = None
     if args.robot:   # prefill costs what a frame holds: time a frame of this robot
         from .engine import random_observation, random_setup
-        model, frontend = random_setup(cfg, args.robot, seed=args.seed, device=args.device,
+        from .model.robot_spec import get_robot, RobotSpecError
+        try:
+            robot = get_robot(args.robot)
+        except RobotSpecError as err:
+            print(f'oxygen-ros phases: error: {err}', file=sys.stderr)
+            return 2
+        model, frontend = random_setup(cfg, robot, seed=args.seed, device=args.device,
                                        dtype=dtype)
         frames = [frontend.prepare(random_observation(
-            args.robot, 0, seed=args.seed, image_size=cfg.vision.image_size)).tensors]
+            robot, 0, seed=args.seed, image_size=cfg.vision.image_size)).tensors]
         shown = int(frames[0]['image_masks'].sum()) * cfg.tokens_per_image
-        what = (f'one {args.robot} frame: {shown + int(frames[0]["token_masks"].sum())} of '
+        what = (f'one {robot.name} frame: {shown + int(frames[0]["token_masks"].sum())} of '
                 f'{cfg.prefix_len} prefix positions valid')
     else:
         model = Pi05Model.build(cfg, dtype, args.device).init_random(args.seed).eval()
@@ -60,7 +66,7 @@ def _phases(args: argparse.Namespace) -> int:
 
 def _record_demo(args: argparse.Namespace) -> int:
     # rclpy is imported only by this sub-command (the rest of the CLI runs without ROS).
-    from .record_demo import record_demo_main
+    from .tools.record_demo import record_demo_main
 
     return record_demo_main(args)
 
@@ -83,26 +89,31 @@ def build_parser() -> argparse.ArgumentParser:
     phases.add_argument('--repeats', type=int, default=5)
     phases.add_argument('--threads', type=int, default=0, help='torch threads (0 = default)')
     phases.add_argument('--seed', type=int, default=0)
-    phases.add_argument('--robot', choices=['libero', 'droid', 'aloha'], default=None,
-                        help="time prefill on a synthetic frame of this robot (its cameras and "
-                             "prompt); default: every camera slot and a quarter-length prompt")
+    phases.add_argument('--robot', default=None,
+                        help="time prefill on a synthetic frame of this robot (a shipped name "
+                             "or a robot YAML: its cameras and prompt); default: every camera "
+                             "slot and a quarter-length prompt")
     phases.set_defaults(func=_phases)
 
-    from .bench.cli import add_bench_parser
+    from .bench.cli import add_bench_parser, add_smooth_policy_parser
     add_bench_parser(sub)
+    add_smooth_policy_parser(sub)
 
     from .bag.cli import add_record_demo_parser, add_replay_parser
     add_replay_parser(sub)
     add_record_demo_parser(sub, _record_demo)
 
-    from .soak import add_parser as add_soak_parser   # rclpy only when it runs
+    from .tools.soak import add_parser as add_soak_parser   # rclpy only when it runs
     add_soak_parser(sub)
 
     from .serve.cli import add_serve_parser
     add_serve_parser(sub)
 
-    from .check_checkpoint import add_parser as add_check_parser
+    from .tools.check_checkpoint import add_parser as add_check_parser
     add_check_parser(sub)
+
+    from .tools.robot_spec import add_parser as add_robot_spec_parser
+    add_robot_spec_parser(sub)
     return parser
 
 

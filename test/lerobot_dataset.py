@@ -86,12 +86,13 @@ def write_v21(root, lengths=(6, 5), size=16) -> Path:
     return root
 
 
-def _write_video(file, frames):
+def _write_video(file, frames, codec='ffv1', pix_fmt='bgr0', fps=FPS):
+    """Encode frames uint8 [T, H, W, 3]; ffv1 is lossless (frames compare exactly)."""
     file.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(file), 'w') as container:
-        stream = container.add_stream('ffv1', rate=FPS)     # lossless: frames compare exactly
+        stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = 'bgr0'
+        stream.pix_fmt = pix_fmt
         for image in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(image, format='rgb24')):
                 container.mux(packet)
@@ -139,4 +140,73 @@ def write_v30(root, lengths=(6, 5), size=16) -> Path:
     pq.write_table(pa.table(episodes), root / 'meta/episodes/chunk-000/file-000.parquet')
     for cam in CAMERAS:
         _write_video(root / f'videos/{cam}/chunk-000/file-000.mp4', np.stack(video_frames[cam]))
+    return root
+
+
+# --- a dataset of an unknown robot: reachy2's "apple_storage" layout --------------------------
+def unknown_robot_info(fps=30, cameras=(('observation.image', 240, 320),), state_dim=19,
+                       action_dim=19, channel_first=True, names=None, codec='h264'):
+    """meta/info.json features as LeRobot v2.1 writes them for reachy2 "apple_storage".
+
+    One 'video' camera `observation.image` [3, 240, 320] (channel, height, width; h264),
+    19-dim state and action without names, 30 fps. names: per-dim names of state and action.
+    """
+    features = {
+        'observation.state': {'dtype': 'float32', 'shape': [state_dim], 'names': names},
+        'action': {'dtype': 'float32', 'shape': [action_dim], 'names': names},
+    }
+    for key, height, width in cameras:
+        shape, axes = (([3, height, width], ['channel', 'height', 'width']) if channel_first
+                       else ([height, width, 3], ['height', 'width', 'channel']))
+        features[key] = {'dtype': 'video', 'shape': shape, 'names': axes,
+                         'info': {'video.fps': float(fps), 'video.height': height,
+                                  'video.width': width, 'video.channels': 3,
+                                  'video.codec': codec, 'video.pix_fmt': 'yuv420p',
+                                  'video.is_depth_map': False, 'has_audio': False}}
+    for name in ('timestamp',):
+        features[name] = {'dtype': 'float32', 'shape': [1], 'names': None}
+    for name in ('frame_index', 'episode_index', 'index', 'task_index'):
+        features[name] = {'dtype': 'int64', 'shape': [1], 'names': None}
+    return features
+
+
+def write_unknown_robot_v21(root, lengths=(5, 3), fps=30, **feature_options) -> Path:
+    """A v2.1 dataset of an unknown robot, videos encoded with h264 (libx264, yuv420p)."""
+    root = Path(root)
+    (root / 'meta').mkdir(parents=True)
+    features = unknown_robot_info(fps=fps, **feature_options)
+    cameras = [k for k, f in features.items() if f['dtype'] == 'video']
+    state_dim = features['observation.state']['shape'][0]
+    action_dim = features['action']['shape'][0]
+    info = {'codebase_version': 'v2.1', 'robot_type': 'reachy2', 'fps': fps,
+            'total_episodes': len(lengths), 'total_frames': sum(lengths), 'total_tasks': 1,
+            'chunks_size': 1000,
+            'data_path': 'data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet',
+            'video_path': 'videos/chunk-{episode_chunk:03d}/{video_key}/'
+                          'episode_{episode_index:06d}.mp4',
+            'features': features}
+    (root / 'meta/info.json').write_text(json.dumps(info, indent=2))
+    task = 'store the apple'
+    (root / 'meta/tasks.jsonl').write_text(json.dumps({'task_index': 0, 'task': task}) + '\n')
+    (root / 'meta/episodes.jsonl').write_text(''.join(
+        json.dumps({'episode_index': e, 'tasks': [task], 'length': n}) + '\n'
+        for e, n in enumerate(lengths)))
+    start = 0
+    for episode, length in enumerate(lengths):
+        rng = np.random.default_rng(100 + episode)
+        rows = {'observation.state': rng.uniform(-1, 1, (length, state_dim)).tolist(),
+                'action': rng.uniform(-1, 1, (length, action_dim)).tolist(),
+                'timestamp': [i / fps for i in range(length)],
+                'frame_index': list(range(length)), 'episode_index': [episode] * length,
+                'index': list(range(start, start + length)), 'task_index': [0] * length}
+        file = root / f'data/chunk-000/episode_{episode:06d}.parquet'
+        file.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table(rows), file)
+        for key in cameras:
+            height, width = features[key]['info']['video.height'], features[key]['info'][
+                'video.width']
+            frames = rng.integers(0, 256, (length, height, width, 3), dtype=np.uint8)
+            _write_video(root / f'videos/chunk-000/{key}/episode_{episode:06d}.mp4', frames,
+                         'libx264', 'yuv420p', fps)
+        start += length
     return root

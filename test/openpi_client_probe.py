@@ -1,7 +1,7 @@
 """Drive a server with openpi's own client (openpi-client, unmodified); print what came back.
 
 Runs in .venv-openpi-client (numpy<2, openpi-client pinned), not in the project's venv:
-    python openpi_client_probe.py PORT ROBOT REQUESTS
+    python openpi_client_probe.py PORT ROBOT REQUESTS [API_KEY]
 Observations are built as openpi's example clients build them for each robot. Prints one JSON
 object: the metadata, every response's keys, action shapes/dtypes and language, and the text
 of the error a malformed observation raises.
@@ -38,7 +38,9 @@ def observation(robot, i):
 
 def main():
     port, robot, requests = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    client = websocket_client_policy.WebsocketClientPolicy(host='127.0.0.1', port=port)
+    api_key = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
+    client = websocket_client_policy.WebsocketClientPolicy(host='127.0.0.1', port=port,
+                                                           api_key=api_key)
     out = {'metadata': client.get_server_metadata(), 'responses': []}
     for i in range(requests):
         result = client.infer(observation(robot, i))

@@ -19,7 +19,33 @@ from oxygen_ros.msg import ActionChunk, LanguageChunk
 from oxygen_ros.ros import qos
 
 # Subscription callbacks taking (msg, info) get DDS timestamps since rclpy 4 (Iron).
-_HAS_MESSAGE_INFO = hasattr(rclpy.subscription, 'MessageInfo')
+HAS_MESSAGE_INFO = hasattr(rclpy.subscription, 'MessageInfo')
+
+
+def sent_ns(item: tuple) -> int:
+    """When a Collector item was sent (system clock ns): its DDS source timestamp, or on
+    Humble (no message info) its receipt time, the closest there is."""
+    _, source_ns, received = item
+    return source_ns or time.time_ns() - round((time.monotonic() - received) * 1e9)
+
+
+def assert_nothing_published_after(collectors, t_ns: int, settle_s: float = 0.5,
+                                   allowed: int = 0) -> None:
+    """Assert that at most `allowed` action and token messages the collectors got were sent
+    after `t_ns` (time.time_ns()).
+
+    Why send times: a message published before `t_ns` may reach a busy test process later;
+    only what the node published after it matters. settle_s gives one sent after it the time
+    to arrive (a longer delay weakens the check, it never fails it).
+    """
+    time.sleep(settle_s)
+    late = []
+    for collector in (collectors if isinstance(collectors, (list, tuple)) else [collectors]):
+        with collector.lock:
+            late += [(kind, sent_ns(item)) for kind, items in (
+                ('action', collector.actions), ('tokens', collector.tokens))
+                for item in items if sent_ns(item) > t_ns]
+    assert len(late) <= allowed, late
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
@@ -96,7 +122,7 @@ class Collector(Node):
             target.append(item)
 
     def _on(self, target: list):
-        if not _HAS_MESSAGE_INFO:   # Humble: no message info, source timestamps unknown (0)
+        if not HAS_MESSAGE_INFO:   # Humble: no message info, source timestamps unknown (0)
             return lambda msg: self._append(target, (msg, 0, time.monotonic()))
 
         def callback(msg, info):   # two parameters: rclpy then passes the message info

@@ -152,7 +152,7 @@ def test_replay_writes_every_output_with_fields_intact(tmp_path, demo_bag, param
 
 def test_replay_matches_engine_on_the_same_observations(tmp_path, demo_bag, params):
     _, frames = replay(demo_bag, tmp_path / 'out', params)
-    live, _ = build_engine(params.settings)      # the node's engine, fed the same frames
+    live = build_engine(params.settings)[0]      # the node's engine, fed the same frames
     for obs, result in frames:
         again = live.step(obs)
         np.testing.assert_array_equal(again.action.actions, result.action.actions)
@@ -484,7 +484,7 @@ def test_cli_ctrl_c_closes_output(tmp_path, params, sig):
 # --- recording over DDS -------------------------------------------------------------------------
 def test_record_demo_then_replay(tmp_path, params):
     pytest.importorskip('rclpy')
-    from oxygen_ros.record_demo import record_demo
+    from oxygen_ros.tools.record_demo import record_demo
 
     counts = record_demo(tmp_path / 'rec', params, 1.5, image_size=IMAGE_HW[0], camera_hz=10,
                          state_hz=20)
@@ -506,3 +506,25 @@ def test_bag_layer_loads_no_ros():
     out = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True,
                          text=True, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert out.stdout.strip() == '[]'
+
+
+def test_bag_of_a_robot_described_in_yaml(tmp_path):
+    """A bag of an SO-101 (two cameras, 6 joints): the replay reads the robot's YAML."""
+    import yaml
+
+    from oxygen_ros.model.robot_spec import get_robot
+
+    spec = yaml.safe_load(Path(get_robot('so101').source).read_text())
+    spec['name'] = 'my_arm'
+    robot = tmp_path / 'my_arm.yaml'
+    robot.write_text(yaml.safe_dump(spec))
+    arm = load_params(None, {**ENGINE, 'robot': str(robot)})
+    assert [c[0] for c in arm.cameras()] == ['front', 'wrist']
+    bag = write_bag(tmp_path / 'in', arm)
+    out = tmp_path / 'out'
+    assert cli_main(['replay', str(bag), '--out', str(out), '--robot', str(robot)]
+                    + CLI_ENGINE) == 0
+    chunks = [m for _, m in read_bag(out)[0]['/actions']]
+    assert len(chunks) == TICKS
+    assert {(c.action_dim, tuple(c.names)) for c in chunks} == {(6, tuple(spec['actions'][
+        'names']))}

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from oxygen_ros.bench.node import (analyze, camera_rate, cpu_between, NodeRun, ThreadCpu,
-                                   tick_records)
+from oxygen_ros.bench.cpu import cpu_between, ThreadCpu
+from oxygen_ros.bench.node import analyze, camera_arrival, camera_rate, NodeRun, tick_records
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
@@ -76,6 +76,20 @@ def test_camera_rate_from_the_inputs_status():
                                    'joint_states (/joint_states)': 'ok, age 0.01 s, 9999 msgs'}}
     assert camera_rate([inputs(99.0, 100), inputs(109.0, 250)], 100.0, 110.0) == 15.0
     assert math.isnan(camera_rate([], 100.0, 110.0))
+
+
+def test_camera_arrival_from_the_nodes_loss_counts():
+    def inputs(t, lost_a, lost_b):
+        return {'t': t, 'inputs': {
+            "camera 'image' (/camera/image/image_raw)":
+                f'ok, age 0.03 s, 50 msgs, {lost_a} of 150 sent lost in transport',
+            "camera 'wrist_image' (/camera/wrist_image/image_raw)":
+                f'ok, age 0.03 s, 50 msgs, {lost_b} of 150 sent lost in transport',
+            'joint_states (/joint_states)': 'ok, age 0.01 s, 9999 msgs'}}
+    figures = camera_arrival([inputs(100.0, 90, 0), inputs(109.0, 6, 0)], 99.0, 110.0)
+    assert figures == {'camera_arrived_hz_min': 14.4, 'camera_lost_pct_max': 4.0}
+    assert math.isnan(camera_arrival([inputs(100.0, 0, 0)], 99.0, 104.0)[
+        'camera_arrived_hz_min'])                       # shorter than the node's window
 
 
 def test_cpu_between_splits_the_control_thread():

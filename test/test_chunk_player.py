@@ -2,6 +2,7 @@
 chunk_player node closing the loop with a simulated robot over DDS.
 """
 
+import os
 import threading
 
 import numpy as np
@@ -98,27 +99,34 @@ def test_chunk_player_drives_a_simulated_robot_to_the_goal(rclpy_context):
     from oxygen_ros.ros import qos
     from oxygen_ros.ros.chunk_player import ChunkPlayer
     from oxygen_ros.ros.conversions import seconds_to_duration
-    from ros_helpers import wait_for
+    from ros_helpers import HAS_MESSAGE_INFO, wait_for
 
     names = ['j1', 'j2', 'j3']
     lock = threading.Lock()
     robot_q = np.zeros(3)
     commands = []
+    # Topics of its own: another process of this domain (a stand-in robot another test left,
+    # a second test run) may publish joint_states or actions too.
+    ns = dict(namespace=f'chunk_player_test_{os.getpid()}', context=rclpy_context)
 
-    robot = Node('sim_robot', context=rclpy_context)
+    robot = Node('sim_robot', **ns)
     state_pub = robot.create_publisher(JointState, 'joint_states', qos.SENSOR)
 
-    def on_command(msg):
+    def on_command(msg, info):   # two parameters: rclpy passes the message info
         with lock:
             robot_q[:] = msg.data                       # a stiff position controller
-            commands.append(robot.get_clock().now().nanoseconds * 1e-9)
+            # When the player sent it (source timestamp): a busy executor here may run
+            # several queued commands back to back, which says nothing about the player.
+            commands.append(info['source_timestamp'] * 1e-9 if info else
+                            robot.get_clock().now().nanoseconds * 1e-9)
     # Deeper than the player's profile (compatible with it): the robot sees every command.
-    robot.create_subscription(Float64MultiArray, 'commands', on_command,
+    robot.create_subscription(Float64MultiArray, 'commands',
+                              on_command if HAS_MESSAGE_INFO else (lambda m: on_command(m, None)),
                               QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
     robot.create_timer(0.01, lambda: state_pub.publish(JointState(
         name=names, position=robot_q.tolist())))
 
-    policy = Node('fake_policy', context=rclpy_context)
+    policy = Node('fake_policy', **ns)
     seen = {}
     chunk_pub = policy.create_publisher(ActionChunk, 'actions', qos.ACTIONS)
     policy.create_subscription(JointState, 'joint_states',
@@ -128,8 +136,12 @@ def test_chunk_player_drives_a_simulated_robot_to_the_goal(rclpy_context):
         if 'q' not in seen:
             return
         q = seen['q']
-        step = np.clip(TARGET - q, -0.02, 0.02)         # at most 0.02 rad per row
-        rows = np.array([q + (i + 1) * step for i in range(10)])
+        # Row i moves at most 0.02 rad per row from q and stops at TARGET, as a policy's
+        # chunk ends at its goal. (Rows that went on past the goal made the loop a limit
+        # cycle around it, +-0.08 rad, whose phase the timers fixed: with steady timers the
+        # three joints were never within tolerance at once.)
+        reach = 0.02 * np.arange(1, 11)[:, None]
+        rows = q + np.clip(TARGET - q, -reach, reach)
         msg = ActionChunk(action_space=ActionChunk.JOINT_POSITION, names=names,
                           step_period=seconds_to_duration(STEP_S), horizon=10, action_dim=3,
                           actions=rows.astype(np.float32).ravel().tolist())
@@ -137,7 +149,7 @@ def test_chunk_player_drives_a_simulated_robot_to_the_goal(rclpy_context):
         chunk_pub.publish(msg)
     policy.create_timer(POLICY_PERIOD_S, publish_chunk)
 
-    player = ChunkPlayer(context=rclpy_context, parameter_overrides=[
+    player = ChunkPlayer(**ns, parameter_overrides=[
         rclpy.parameter.Parameter('open_loop_rows', value=4)])
     executor = MultiThreadedExecutor(num_threads=3, context=rclpy_context)
     for node in (robot, policy, player):

@@ -85,7 +85,7 @@ def stub_node(rclpy_context, monkeypatch):
     def make(act_body, **params):
         system = StubSystem(act_body)
         monkeypatch.setattr(engine_setup, 'build_engine', lambda settings: engine_setup.Engine(
-            system, None, {'source': 'stub engine'}, []))
+            system, None, {'source': 'stub engine'}, [], settings))
         made.append(NodeHarness(rclpy_context, {'preset': 'tiny', **STUB, **params}))
         made[-1].system = system
         return made[-1]

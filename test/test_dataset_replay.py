@@ -11,7 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from lerobot_dataset import CAMERAS, episode_arrays, TASKS, write_v21, write_v30
+from lerobot_dataset import (CAMERAS, episode_arrays, TASKS, write_unknown_robot_v21,
+                             write_v21, write_v30)
 from bag_helpers import read_bag
 from oxygen_ros.cli import main as cli_main
 from oxygen_ros.dataset import chunk_error, LeRobotDataset
@@ -114,3 +115,45 @@ def test_bad_options_are_one_line_errors(tmp_path, dataset, extra, reason, capsy
     err = capsys.readouterr().err
     assert reason in err, err
     assert not (tmp_path / 'bad').exists()
+
+
+# --- a robot the package does not know -----------------------------------------------------------
+UNKNOWN_LENGTHS = (4, 3)
+
+
+@pytest.fixture(scope='module')
+def unknown_robot(tmp_path_factory):
+    """A v2.1 dataset shaped like reachy2 "apple_storage": one h264 camera, 19 joints, 30 fps."""
+    return write_unknown_robot_v21(tmp_path_factory.mktemp('reachy') / 'apple_storage',
+                                   UNKNOWN_LENGTHS)
+
+
+def test_unknown_robot_replays_with_the_spec_from_its_info_json(tmp_path, unknown_robot, caplog):
+    out = tmp_path / 'out'
+    assert cli_main(['replay', str(unknown_robot), '--out', str(out), '--preset', 'tiny',
+                     '--rate', 'max', '--quiet']) == 0
+    err = caplog.text   # the warnings (on stderr outside pytest)
+    assert "no --robot: read robot 'reachy2'" in err and 'image <- observation.image' in err
+    for assumed in ('assumed state names: joint_0 .. joint_18', 'assumed action space: '
+                    'joint_position', 'assumed step period: 1/30 s from fps 30'):
+        assert assumed in err, err
+    messages, _ = read_bag(out)
+    chunks = [m for _, m in messages['/actions']]
+    assert len(chunks) == sum(UNKNOWN_LENGTHS)                  # one chunk per frame
+    assert {(m.action_dim, tuple(m.names)) for m in chunks} == {
+        (19, tuple(f'joint_{i}' for i in range(19)))}
+    assert {m.step_period.nanosec for m in chunks} == {round(1e9 / 30)}
+    report = json.loads((out / 'action_error.json').read_text())
+    assert [len(e['l1']) for e in report['episodes']] == [19, 19]
+
+
+def test_unknown_robot_replays_with_a_robot_yaml(tmp_path, unknown_robot, caplog):
+    spec = tmp_path / 'reachy2.yaml'
+    assert cli_main(['robot-spec', '--from', str(unknown_robot), '--out', str(spec)]) == 0
+    spec.write_text(spec.read_text().replace('joint_0,', 'r_shoulder_pitch,'))
+    out = tmp_path / 'out'
+    assert cli_main(['replay', str(unknown_robot), '--out', str(out), '--preset', 'tiny',
+                     '--rate', 'max', '--quiet', '--robot', str(spec), '--episodes', '1']) == 0
+    assert 'no --robot' not in caplog.text
+    chunks = [m for _, m in read_bag(out)[0]['/actions']]
+    assert len(chunks) == UNKNOWN_LENGTHS[1] and chunks[0].names[0] == 'r_shoulder_pitch'

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from oxygen_ros.engine import (FixedBudget, Frontend, LanguagePolicy, make_engine, make_system,
+from oxygen_ros.bench.systems import make_system
+from oxygen_ros.engine import (FixedBudget, Frontend, LanguagePolicy, make_engine,
                                random_observation, random_setup)
 from oxygen_ros.engine.budget import AdaptiveBudget
 from oxygen_ros.model import get_preset
@@ -220,39 +221,23 @@ def test_no_slot_leaks_with_random_arrivals(setup):
         assert seen == set(range(system.scheduler.num_requests))    # every request reported
 
 
-def test_pool_full_evicts_oldest_and_keeps_its_text(setup):
+def test_a_small_pool_admits_fewer_and_finishes_each(setup):
     model, frontend = setup
     policy = LanguagePolicy(max_new_tokens=8, eos_id=None)
-    # 2 slots, k=1: requests need 8 frames, so the pool fills at frame 2.
+    # 2 slots, k=1: a request needs 8 frames and the frame slot stays free: one at a time.
     system = make_system('oxygen', model, frontend, policy, k=1, num_slots=2, debug=True)
-    actions, requests, results = run(system, range(6))
-    assert sorted(actions) == list(range(6))                        # an action every frame
-    evicted = [r for r in requests.values() if r.finish_reason == 'evicted']
-    assert evicted and all(r.text == frontend.decode(r.token_ids) for r in evicted)
+    actions, requests, results = run(system, range(12))
+    assert sorted(actions) == list(range(12))                       # an action every frame
+    admitted = sorted(f for f, r in requests.items() if r.finish_reason != 'refused')
+    assert admitted == [0, 7]                                       # 7: frame 0's is done then
     for f, req in requests.items():
-        full = oracle(model, frontend, obs(f), 8, None)
-        if req.finish_reason == 'evicted':
-            assert 0 < len(req.token_ids) < 8 and req.token_ids == full[:len(req.token_ids)]
-        else:
-            assert req.finish_reason == 'length' and req.token_ids == full
-    assert requests[5].finish_reason == 'length'                    # the newest survives
-    done = [d for r in results for d in r.deltas if d.finish_reason == 'evicted']
-    assert len(done) == len(evicted) and all(d.done for d in done)
-
-
-def test_pool_full_refuses_new_requests(setup):
-    model, frontend = setup
-    policy = LanguagePolicy(max_new_tokens=4, eos_id=None)
-    system = make_system('oxygen', model, frontend, policy, k=1, num_slots=2,
-                         pressure='refuse_new', debug=True)
-    actions, requests, _ = run(system, range(8))
-    assert sorted(actions) == list(range(8))
-    refused = {f for f, r in requests.items() if r.finish_reason == 'refused'}
-    assert refused and all(requests[f].token_ids == [] for f in refused)
-    for f, req in requests.items():
-        if f not in refused:
+        if f in admitted:
             assert req.finish_reason == 'length'
-            assert req.token_ids == oracle(model, frontend, obs(f), 4, None)
+            assert req.token_ids == oracle(model, frontend, obs(f), 8, None)
+        else:
+            assert req.token_ids == [] and 'KV pool full' in req.error
+    done = [d for r in results for d in r.deltas if d.finish_reason == 'refused']
+    assert len(done) == 12 - len(admitted) and all(d.done for d in done)
 
 
 def test_decode_error_ends_only_the_affected_requests(setup, monkeypatch):
@@ -325,7 +310,7 @@ def test_adaptive_budget_meets_the_deadline_with_a_fake_clock(setup, monkeypatch
     period = 0.100
     policy = LanguagePolicy(max_new_tokens=30, eos_id=None)
     system = make_engine('oxygen-adaptive', model, frontend, policy,
-                         AdaptiveBudget(period, k_max=30, margin=0.0), sizing_k=1, clock=clock,
+                         AdaptiveBudget(period, k_max=30, margin=0.0), clock=clock,
                          debug=True)
     ks, frame_times = [], []
     for frame in range(14):
@@ -357,8 +342,6 @@ def test_make_system_names(setup):
         make_system('oxygen-adaptive', model, frontend, policy)
     with pytest.raises(ValueError):
         make_system('fastest', model, frontend, policy)
-    with pytest.raises(ValueError):
-        make_system('oxygen', model, frontend, policy, pressure='panic')
 
 
 def test_bad_observation_holds_nothing(setup):

@@ -32,15 +32,19 @@ def test_step_cost_model_interpolates_and_extrapolates():
     assert cost.estimate(2) == pytest.approx(0.0125)
 
 
-def simulate(budget, frames, action_s, step_cost, batch_size=3):
-    """Run `frames` frames against a fake cost model; return [(k, steps run, frame time)]."""
+def simulate(budget, frames, action_s, step_cost, batch_size=3, minimum=0):
+    """Run `frames` frames against a fake cost model; return [(k, steps run, frame time)].
+
+    minimum: steps every frame takes whatever the budget says (the scheduler's floor).
+    """
     out = []
     for _ in range(frames):
         elapsed = action_s
         budget.observe_action(action_s)
         k = budget.choose(elapsed, batch_size)
         steps = 0
-        while steps < k and (steps == 0 or budget.allow_more(elapsed, batch_size)):
+        while steps < max(k, minimum) and (steps == 0 or steps < minimum
+                                           or budget.allow_more(elapsed, batch_size)):
             cost = step_cost(batch_size)
             elapsed += cost
             budget.observe_decode(batch_size, cost)
@@ -84,20 +88,21 @@ def test_adaptive_recovers_from_one_slow_step():
     budget.observe_decode(3, 0.012)
     assert budget.cost.estimate(2) <= 0.012
     assert budget.choose(0.040, 2) >= 4
-    # ...and forced minimum steps at the same size bring k back within a few frames.
-    budget = AdaptiveBudget(0.100, k_max=50, margin=0.0, max_starved_frames=2)
+    # ...and the scheduler's minimum steps at the same size bring k back within a few frames.
+    budget = AdaptiveBudget(0.100, k_max=50, margin=0.0)
     simulate(budget, 5, 0.040, lambda b: 0.010, batch_size=2)
     budget.observe_decode(2, 0.250)
-    runs = simulate(budget, 30, 0.040, lambda b: 0.010, batch_size=2)
-    assert runs[-1][0] == 6
+    runs = simulate(budget, 30, 0.040, lambda b: 0.010, batch_size=2, minimum=1)
+    assert runs[0][0] == 0 and runs[-1][0] == 6
 
 
-def test_adaptive_never_starves_language():
-    budget = AdaptiveBudget(0.100, k_max=8, max_starved_frames=3)
+def test_adaptive_gives_nothing_without_slack():
+    """No slack, k = 0: the budget adds no steps; the scheduler's minimum is the floor."""
+    budget = AdaptiveBudget(0.100, k_max=8)
+    assert budget.k_min == 1
     budget.observe_decode(1, 0.010)
     # The action path alone overruns the period: no slack at all.
-    ks = [budget.choose(0.150, 1) for _ in range(12)]
-    assert ks == [0, 0, 0, 1] * 3                          # one token every 4 frames
+    assert [budget.choose(0.150, 1) for _ in range(12)] == [0] * 12
     # Slack of exactly one step gives one token.
     assert budget.choose(0.095 - 0.010, 1) == 1
 
@@ -107,6 +112,8 @@ def test_adaptive_rejects_bad_settings():
         AdaptiveBudget(0.0)
     with pytest.raises(ValueError):
         AdaptiveBudget(0.1, k_max=0)
+    with pytest.raises(ValueError):
+        AdaptiveBudget(0.1, k_max=4, k_min=5)
 
 
 def test_policy_arrivals_are_pure_and_seeded():

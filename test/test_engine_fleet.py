@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from oxygen_ros.bench.systems import make_system
 from oxygen_ros.engine import (FixedBudget, FleetEngine, FleetMember, FleetRobot, Frontend,
-                               identity_norm_stats, LanguagePolicy, make_fleet, make_system,
-                               Observation, random_observation, Scheduler)
+                               identity_norm_stats, LanguagePolicy, make_fleet, Observation,
+                               random_observation, Scheduler)
 from oxygen_ros.kv import KVPool, SlotError
 from test_engine import CFG, INSTRUCTIONS, oracle, setup  # noqa: F401 - the model fixture
 from test_engine_scheduler import FakeClock, FakeFrontend, FakeRunner, reference
@@ -34,7 +35,7 @@ class FleetFakeRunner(FakeRunner):
             self.prefill(row, slot)
         self.clock.now += self.prefill_s * len(slots)
 
-    def sample_actions_rows(self, slots, noise):
+    def sample_actions_rows(self, slots, noise, plans=None):
         return np.stack([self.sample_actions(slot, rows) for slot, rows in zip(slots, noise)])
 
 
@@ -56,16 +57,16 @@ def key(frame, tag):
 
 def fake_fleet(robots, step_s=lambda rows: 0.0, prefill_s=0.0, frontend=TaggedFrontend,
                max_prefill_rows=None):
-    """robots: name -> (tag, policy, budget, quota, pressure); frontend(tag) per robot."""
+    """robots: name -> (tag, policy, budget, quota); frontend(tag) per robot."""
     clock = FakeClock()
     quotas = {name: spec[3] for name, spec in robots.items()}
     max_gen_len = max(spec[1].max_request_len for spec in robots.values()) - 1
     runner = FleetFakeRunner(sum(quotas.values()), max_gen_len, clock, step_s, prefill_s)
     pool = KVPool(sum(quotas.values()), 10)
     shares = pool.partition(quotas)
-    members = [FleetMember(name, Scheduler(policy, budget, shares[name], max_gen_len,
-                                           pressure=pressure), frontend(tag))
-               for name, (tag, policy, budget, _, pressure) in robots.items()]
+    members = [FleetMember(name, Scheduler(policy, budget, shares[name], max_gen_len),
+                           frontend(tag))
+               for name, (tag, policy, budget, _) in robots.items()]
     return FleetEngine(members, runner, pool, max_prefill_rows=max_prefill_rows, debug=True,
                        clock=clock)
 
@@ -120,12 +121,10 @@ def test_partition_gives_each_owner_its_quota_of_one_pool():
 
 @pytest.mark.parametrize('max_prefill_rows', [None, 2])
 def test_each_robot_streams_equal_its_own_and_decode_mixes_robots(max_prefill_rows):
-    robots = {'a': (1, LanguagePolicy(max_new_tokens=7, eos_id=None), FixedBudget(2), 5,
-                    'evict_oldest'),
-              'b': (2, LanguagePolicy(max_new_tokens=5, eos_id=None), FixedBudget(1), 6,
-                    'evict_oldest'),
+    robots = {'a': (1, LanguagePolicy(max_new_tokens=7, eos_id=None), FixedBudget(2), 5),
+              'b': (2, LanguagePolicy(max_new_tokens=5, eos_id=None), FixedBudget(1), 6),
               'c': (3, LanguagePolicy(max_new_tokens=4, every_n_frames=2, eos_id=None),
-                    FixedBudget(4), 2, 'refuse_new')}
+                    FixedBudget(4), 2)}
     fleet = fake_fleet(robots, max_prefill_rows=max_prefill_rows)
     results = []
     for frame in range(8):
@@ -157,8 +156,8 @@ def test_each_robot_streams_equal_its_own_and_decode_mixes_robots(max_prefill_ro
 
 def test_a_robot_whose_frames_stop_never_delays_the_others():
     policy = LanguagePolicy(max_new_tokens=6, eos_id=None)
-    robots = {'a': (1, policy, FixedBudget(2), 4, 'evict_oldest'),
-              'b': (2, policy, FixedBudget(2), 4, 'evict_oldest')}
+    robots = {'a': (1, policy, FixedBudget(2), 4),
+              'b': (2, policy, FixedBudget(2), 4)}
     fleet = fake_fleet(robots, prefill_s=0.1)
     results = []
     for frame in range(10):
@@ -180,13 +179,12 @@ def test_a_robot_whose_frames_stop_never_delays_the_others():
     assert all(r.token_ids == reference(key(f, 1), 6) for f, r in requests['a'].items())
 
 
-@pytest.mark.parametrize('pressure', ['evict_oldest', 'refuse_new'])
-def test_quotas_hold_under_pressure(pressure):
+def test_quotas_hold_under_pressure():
     """A chatty robot (N=12 at k=1 needs 13 slots, quota 3) never touches the quiet one's."""
     chatty = LanguagePolicy(max_new_tokens=12, eos_id=None)
     quiet = LanguagePolicy(max_new_tokens=4, eos_id=None)
-    robots = {'chatty': (1, chatty, FixedBudget(1), 3, pressure),
-              'quiet': (2, quiet, FixedBudget(2), 3, 'evict_oldest')}
+    robots = {'chatty': (1, chatty, FixedBudget(1), 3),
+              'quiet': (2, quiet, FixedBudget(2), 3)}
     fleet = fake_fleet(robots)
     results = []
     for frame in range(12):
@@ -200,10 +198,11 @@ def test_quotas_hold_under_pressure(pressure):
     drain(fleet, results)
     requests = collect(results)
     reasons = [r.finish_reason for r in requests['chatty'].values()]
-    cut = 'evicted' if pressure == 'evict_oldest' else 'refused'
-    assert set(reasons) == {cut, 'length'} and reasons.count(cut) >= 6   # its own only
-    for frame, req in requests['chatty'].items():   # cut short or refused, never altered
-        assert req.token_ids == reference(key(frame, 1), 12)[:len(req.token_ids)]
+    # Its own newest requests are refused; the ones it admitted all finish.
+    assert set(reasons) == {'refused', 'length'} and reasons.count('refused') >= 6
+    for frame, req in requests['chatty'].items():
+        assert req.token_ids == (reference(key(frame, 1), 12) if req.finish_reason == 'length'
+                                 else [])
     assert sorted(requests['quiet']) == list(range(12))
     for frame, req in requests['quiet'].items():
         assert req.finish_reason == 'length' and req.token_ids == reference(key(frame, 2), 4)
@@ -211,8 +210,8 @@ def test_quotas_hold_under_pressure(pressure):
 
 def test_bad_observation_rejects_only_that_robot():
     policy = LanguagePolicy(max_new_tokens=3, eos_id=None)
-    fleet = fake_fleet({'a': (1, policy, FixedBudget(3), 2, 'evict_oldest'),
-                        'b': (2, policy, FixedBudget(3), 2, 'evict_oldest')})
+    fleet = fake_fleet({'a': (1, policy, FixedBudget(3), 2),
+                        'b': (2, policy, FixedBudget(3), 2)})
     act = fleet.act({'a': obs(0), 'b': obs(0, state=None)})
     assert list(act.actions) == ['a'] and 'no state' in act.rejected['b']
     assert fleet.scheduler('b').pool.num_in_use == 0
@@ -231,8 +230,6 @@ def test_make_fleet_refuses_bad_setups(setup):  # noqa: F811 - the fixture
         make_fleet(model, [])
     with pytest.raises(ValueError, match='unique'):
         make_fleet(model, [robot, robot])
-    with pytest.raises(ValueError, match='pressure'):
-        make_fleet(model, [FleetRobot('a', frontend, policy, FixedBudget(1), pressure='x')])
     with pytest.raises(ValueError, match='max_prefill_rows'):
         make_fleet(model, [robot], max_prefill_rows=0)
 

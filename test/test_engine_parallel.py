@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from oxygen_ros.engine import (LanguagePolicy, make_system, random_observation, random_setup,
-                               System)
+from oxygen_ros.bench.systems import make_system
+from oxygen_ros.engine import LanguagePolicy, random_observation, random_setup, System
 from oxygen_ros.model import get_preset
 
 CFG = get_preset('tiny').replace(max_token_len=64)

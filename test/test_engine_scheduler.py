@@ -70,7 +70,7 @@ class FakeRunner:
         self.prefix[slot] = tensors['frame']
         self.written[slot] = 0
 
-    def sample_actions(self, slot, noise):
+    def sample_actions(self, slot, noise, plan=None):
         assert noise.shape == (H, A)
         return np.full((H, A), self.prefix[slot], dtype=np.float32)
 
@@ -101,7 +101,7 @@ class FakeFrontend:
             raise ValueError('no state')
         return PreparedObservation(None, {'frame': obs.frame_index})
 
-    def robot_actions(self, normalized, prepared):
+    def robot_actions(self, normalized, prepared, held=None):
         return normalized
 
     def encode_text(self, text):
@@ -116,14 +116,14 @@ class FakeFrontend:
 
 
 def make(policy, budget, num_slots=None, sizing_k=None, share_prefix=True,
-         pressure='evict_oldest', step_s=lambda rows: 0.0):
+         step_s=lambda rows: 0.0):
     clock = FakeClock()
     if num_slots is None:
         num_slots = default_num_slots(policy, sizing_k)
     max_gen_len = policy.max_request_len - 1
     runner = FakeRunner(num_slots, max_gen_len, clock, step_s)
     scheduler = Scheduler(policy, budget, KVPool(num_slots, 10), max_gen_len,
-                          pressure=pressure, share_prefix=share_prefix)
+                          share_prefix=share_prefix)
     return Engine('fake', scheduler, runner, FakeFrontend(), debug=True, clock=clock)
 
 
@@ -193,13 +193,12 @@ def test_pool_of_ceil_n_over_k_plus_one_never_evicts():
     for n in (5, 10, 15, 20, 30):
         for k in [k for k in range(1, n + 1) if n % k == 0]:
             policy = LanguagePolicy(max_new_tokens=n, eos_id=None)
-            for pressure in ('evict_oldest', 'refuse_new'):
-                engine = make(policy, FixedBudget(k), sizing_k=k, pressure=pressure)
-                assert engine.pool.num_slots == math.ceil(n / k) + 1
-                requests, _ = run(engine, range(2 * math.ceil(n / k) + 3))
-                assert all(r.finish_reason == 'length' for r in requests.values()), (n, k)
-                # The spare is never needed in steady state.
-                assert engine.pool.peak_slots_in_use == math.ceil(n / k)
+            engine = make(policy, FixedBudget(k), sizing_k=k)
+            assert engine.pool.num_slots == math.ceil(n / k) + 1
+            requests, _ = run(engine, range(2 * math.ceil(n / k) + 3))
+            assert all(r.finish_reason == 'length' for r in requests.values()), (n, k)
+            # The spare is never needed in steady state.
+            assert engine.pool.peak_slots_in_use == math.ceil(n / k)
 
 
 def test_steady_state_batches_are_runs_of_slots_but_for_one_hole():
@@ -216,29 +215,34 @@ def test_steady_state_batches_are_runs_of_slots_but_for_one_hole():
         assert max(holes) <= 1 and holes.count(0) >= holes.count(1) * (k - 1), k
 
 
-def test_pool_full_evicts_the_oldest_whose_tokens_stay_valid():
+def test_a_small_pool_refuses_the_newest_and_never_evicts():
+    """A pool too small for N at k: fewer requests are admitted; every admitted one finishes."""
     policy = LanguagePolicy(max_new_tokens=8, eos_id=None)
-    engine = make(policy, FixedBudget(1), num_slots=2)
-    requests, results = run(engine, range(6))
-    assert all(r.action is not None for r in results[:6])           # an action every frame
-    evicted = {f for f, r in requests.items() if r.finish_reason == 'evicted'}
-    assert evicted
-    for frame, req in requests.items():
-        full = reference(frame, 8)
-        if frame in evicted:
-            assert 0 < len(req.token_ids) < 8 and req.token_ids == full[:len(req.token_ids)]
-        else:
-            assert req.token_ids == full
-    assert requests[5].finish_reason == 'length'                     # the newest survives
+    engine = make(policy, FixedBudget(1), num_slots=3)      # one frame slot + 2 requests
+    requests, results = run(engine, range(30))
+    assert all(r.action is not None for r in results[:30])          # an action every frame
+    reasons = {f: r.finish_reason for f, r in requests.items()}
+    assert set(reasons.values()) == {'length', 'refused'}          # no 'evicted' at all
+    admitted = sorted(f for f, reason in reasons.items() if reason == 'length')
+    assert admitted[:2] == [0, 1] and len(admitted) >= 6           # FCFS: the oldest go first
+    for frame in admitted:
+        assert requests[frame].token_ids == reference(frame, 8)
+    assert all(requests[f].token_ids == [] and 'KV pool full' in requests[f].error
+               for f, reason in reasons.items() if reason == 'refused')
 
 
-def test_refuse_new_keeps_a_slot_for_the_action_path():
-    policy = LanguagePolicy(max_new_tokens=4, eos_id=None)
-    engine = make(policy, FixedBudget(1), num_slots=2, pressure='refuse_new')
-    requests, _ = run(engine, range(8))
-    refused = {f for f, r in requests.items() if r.finish_reason == 'refused'}
-    assert refused and all(requests[f].token_ids == [] for f in refused)
-    assert all(r.token_ids == reference(f, 4) for f, r in requests.items() if f not in refused)
+def test_preemption_takes_the_newest_request():
+    """A frame that finds the pool full (a slot lost outside the plan) preempts the newest."""
+    policy = LanguagePolicy(max_new_tokens=8, eos_id=None)
+    engine = make(policy, FixedBudget(1), num_slots=3)
+    run(engine, range(2), drain=False)                             # requests of frames 0, 1
+    assert engine.pool.allocate('lost frame') is not None          # the last free slot
+    scheduler = engine.scheduler
+    slot = scheduler.allocate_frame_slot(2)
+    assert [r.origin_frame for r in scheduler.active] == [0]       # frame 1's request gave way
+    ended = scheduler.end_language()[1]
+    assert [(r.origin_frame, r.finish_reason) for r in ended] == [(1, 'evicted')]
+    assert engine.pool.holders(slot) == ('frame 2',)
 
 
 def test_queue_overflow_is_refused_and_every_request_reported():

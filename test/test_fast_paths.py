@@ -15,7 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from oxygen_ros.engine import LanguagePolicy, make_system, random_observation, random_setup
+from oxygen_ros.bench.systems import make_system
+from oxygen_ros.engine import LanguagePolicy, random_observation, random_setup
 from oxygen_ros.engine import hardware, prepare
 from oxygen_ros.model import get_preset, Pi05Model
 from oxygen_ros.model.compiled import CompiledFunction

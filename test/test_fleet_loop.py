@@ -49,7 +49,7 @@ def feed(inputs, frame, now_s):
 
 def make_loop(periods, gather_s=0.0, prefill_s=0.0):
     policy = LanguagePolicy(max_new_tokens=4, eos_id=None)
-    fleet = fake_fleet({name: (tag, policy, FixedBudget(2), 4, 'evict_oldest')
+    fleet = fake_fleet({name: (tag, policy, FixedBudget(2), 4)
                         for tag, name in enumerate(periods, 1)},
                        prefill_s=prefill_s, frontend=StateFrontend)
     robots = [RobotLoop(name, robot_inputs(), RecordingSink(), period)

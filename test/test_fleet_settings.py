@@ -20,7 +20,9 @@ def test_robot_parameters_are_named_and_checked_under_the_robot():
     spec = param_spec('arm_left.decode_budget')
     assert spec.name == 'arm_left.decode_budget' and not spec.configure_time
     assert param_spec('arm_left.preset') is None
-    assert check_value('arm_left.control_rate_hz', 0.0) == 'must be in [0.1, 1000], got 0.0'
+    assert check_value('arm_left.control_rate_hz', 0.05) == ('must be 0 (auto) or in [0.1, '
+                                                             '1000], got 0.05')
+    assert check_value('arm_left.control_rate_hz', 0.0) is None   # auto
     assert check_value('robots', ['a', 'a']) == "duplicate names in ['a', 'a']"
     assert 'parameter names' in check_value('robots', ['preset'])
     assert 'ROS name tokens' in check_value('robots', ['arm/1'])
@@ -36,6 +38,28 @@ def test_robots_default_to_the_node_values_and_their_type():
     assert [c.name for c in b.cameras] == list(ROBOT_IO['aloha'][0])
     assert b.joint_names == ROBOT_IO['aloha'][1] and b.period_s == pytest.approx(1 / 15)
     assert fleet.node.robot == 'libero'
+
+
+def test_fleet_robots_take_a_robot_yaml_each(tmp_path):
+    import yaml
+
+    from oxygen_ros.model.robot_spec import get_robot
+
+    data = yaml.safe_load(Path(get_robot('so101').source).read_text())
+    data.update(name='left_so101', cameras=[{'name': 'top', 'slot': 'base_0_rgb'}],
+                masked_slots=['left_wrist_0_rgb', 'right_wrist_0_rgb'])
+    arm = tmp_path / 'left.yaml'
+    arm.write_text(yaml.safe_dump(data))
+    fleet = FleetSettings.from_values({'robots': ['a', 'b'], 'a.robot': str(arm),
+                                       'b.robot': 'so101'})
+    a, b = fleet.robots['a'], fleet.robots['b']
+    assert (a.spec.name, [c.name for c in a.cameras]) == ('left_so101', ['top'])
+    assert (b.spec.name, [c.name for c in b.cameras]) == ('so101', ['front', 'wrist'])
+    assert a.joint_names == b.joint_names == get_robot('so101').joint_names
+    data['state']['dim'] = 7
+    arm.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=rf'a.robot: {arm}: state.names: 6 names; expected 7'):
+        FleetSettings.from_values({'robots': ['a'], 'a.robot': str(arm)})
 
 
 def test_every_problem_names_its_robot_and_parameter():

@@ -26,6 +26,7 @@ ACTION_CHUNK_FIELDS = {
     'action_dim': 'uint32',
     'actions': 'sequence<float>',
     'inference_time': 'float',
+    'start_row': 'uint32',
 }
 LANGUAGE_CHUNK_FIELDS = {
     'header': 'std_msgs/Header',
@@ -59,6 +60,7 @@ def sample_action_chunk():
     # float32-exact values, so equality after the float32 wire format is exact
     msg.actions = [0.5, -1.25, 3.0, 0.125, -0.0625, 65504.0]
     msg.inference_time = 0.046875
+    msg.start_row = 2
     return msg
 
 
@@ -104,6 +106,7 @@ def assert_action_chunk_equal(got, want):
     assert got.action_dim == want.action_dim
     assert list(got.actions) == list(want.actions)
     assert got.inference_time == want.inference_time
+    assert got.start_row == want.start_row
     assert got == want
 
 

@@ -24,7 +24,7 @@ from oxygen_ros.ros.sim_inputs import camera_frame, PHOTOS  # noqa: E402
 from oxygen_ros.runtime.actions import action_layout  # noqa: E402
 from oxygen_ros.runtime.params import FleetSettings  # noqa: E402
 from oxygen_ros.runtime.status import ERROR  # noqa: E402
-from ros_helpers import FleetHarness, wait_for  # noqa: E402
+from ros_helpers import assert_nothing_published_after, FleetHarness, wait_for  # noqa: E402
 
 # The node's shared parameters: the tiny model, fixed k, short requests.
 NODE = dict(preset='tiny', decode_budget=2, tokens_per_request=4, stale_frame_timeout_s=2.0,
@@ -104,7 +104,9 @@ def test_two_robots_get_their_own_outputs_and_the_single_robot_tokens(fleet):
     # 2. Per-robot diagnostics, over DDS and in the node.
     for name, col in h.collectors.items():
         assert wait_for(lambda col=col: col.latest_status('language') is not None, 10)
-        assert col.latest_status('inputs').message == 'all inputs fresh'
+        # (a stalled test process can make one status stale for a moment: wait, do not sample)
+        assert wait_for(lambda col=col: col.latest_status('inputs').message == (
+            'all inputs fresh'), 10), col.latest_status('inputs').message
         assert {kv.key: kv.value for kv in col.latest_status('model').values}['namespace'] == (
             f'/{name}')
     model = {kv[0]: kv[1] for kv in h.statuses()['model'].values}
@@ -154,22 +156,26 @@ def test_a_robot_whose_cameras_stop_never_delays_the_other(fleet):
     robot_left = node.fleet_loop.robots['arm_left']
     right_count, skipped = len(right.actions), robot_left.skipped_ticks
     ticks, acted = robot_left.stats.ticks_total, robot_left.stats.actions_total
-    started = time.monotonic()
-    assert wait_for(lambda: robot_left.stats.ticks_total >= ticks + 20, 20 / RATE_HZ * 2)
-    elapsed = time.monotonic() - started
+    # The feeder's plain 20 Hz timer in this process is the clock: a machine that stalls
+    # the whole process slows both, so only a node that fell behind fails.
+    feeder = h.feeders['arm_left']
+    feeder_start = feeder.index
+    assert wait_for(lambda: robot_left.stats.ticks_total >= ticks + 20, 60)
+    feeder_ticks = feeder.index - feeder_start
     # Every one of arm_left's ticks in that time came on its grid and acted.
     assert robot_left.skipped_ticks == skipped, 'arm_left lost ticks while arm_right was stale'
     assert robot_left.stats.actions_total - acted >= robot_left.stats.ticks_total - ticks - 1
-    assert elapsed < 20 / RATE_HZ * 1.5, f'20 ticks of arm_left took {elapsed:.2f} s'
+    assert feeder_ticks < 20 * 20 / RATE_HZ * 1.5, (
+        f'20 ticks of arm_left took {feeder_ticks} ticks of a 20 Hz timer')
     assert len(right.actions) == right_count
     inputs = h.statuses('arm_right')['inputs']
     assert inputs.level == ERROR and stale in inputs.message
-    assert h.statuses('arm_left')['inputs'].message == 'all inputs fresh'
+    assert wait_for(lambda: h.statuses('arm_left')['inputs'].message == 'all inputs fresh', 10)
     assert h.statuses('arm_left')['control loop'].level != ERROR
     assert h.statuses('arm_right')['control loop'].level == ERROR
     # The stale robot's own diagnostics say so over DDS; the other's do not.
     assert wait_for(lambda: stale in getattr(right.latest_status('inputs'), 'message', ''), 5)
-    assert left.latest_status('inputs').message == 'all inputs fresh'
+    assert wait_for(lambda: left.latest_status('inputs').message == 'all inputs fresh', 10)
     assert any(level == 1 and msg.startswith('arm_right: ') and 'stale' in msg
                for level, msg in node.problem_history), node.problem_history[-5:]
 
@@ -205,9 +211,7 @@ def test_fleet_lifecycle_and_runtime_parameters(fleet):
 
     # deactivate: nothing more on either robot's topics once it returned.
     assert node.trigger_deactivate() == SUCCESS
-    counts = (len(left.actions), len(right.actions), len(left.tokens), len(right.tokens))
-    time.sleep(0.5)   # a publish in flight would land in this window
-    assert (len(left.actions), len(right.actions), len(left.tokens), len(right.tokens)) == counts
+    assert_nothing_published_after([left, right], time.time_ns())
     assert node.control_thread is None and node.lifecycle_state == 'inactive'
 
     # cleanup releases every robot's topics and the engine.
@@ -236,7 +240,7 @@ def test_fleet_lifecycle_and_runtime_parameters(fleet):
 
 
 def test_bad_robot_names_and_values_are_named_at_configure(fleet):
-    h = fleet({'arm_left': dict(robot='aloha', control_rate_hz=0.0)})
+    h = fleet({'arm_left': dict(robot='aloha', control_rate_hz=0.05)})
     node = h.node
     assert node.trigger_configure() != SUCCESS
     message = h.statuses()['model'].message

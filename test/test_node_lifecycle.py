@@ -17,7 +17,8 @@ from rclpy.node import Node  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
 from oxygen_ros.runtime.status import ERROR, WARN  # noqa: E402
-from ros_helpers import harnesses, TINY_NODE, wait_for  # noqa: E402
+from ros_helpers import (assert_nothing_published_after, harnesses, sent_ns,  # noqa: E402
+                         TINY_NODE, wait_for)
 
 
 @pytest.fixture
@@ -66,16 +67,14 @@ def test_lifecycle_outputs_and_actions_before_tokens(harness):
     assert all((m.header.stamp.sec, m.header.stamp.nanosec) in action_stamps
                for m, _, _ in col.tokens[:20])
 
-    s = statuses(node)
-    assert s['inputs'].message == 'all inputs fresh'
-    assert s['kv cache'].message.endswith('MiB')
+    assert wait_for(lambda: statuses(node)['inputs'].message == 'all inputs fresh', 10), (
+        statuses(node)['inputs'].message)
+    assert statuses(node)['kv cache'].message.endswith('MiB')
 
     # deactivate: the loop stops; cleanup releases the engine; configure again restarts at 0.
     assert node.trigger_deactivate() == TransitionCallbackReturn.SUCCESS
-    time.sleep(0.3)
-    count = len(col.actions)
-    time.sleep(0.5)
-    assert len(col.actions) == count and node.lifecycle_state == 'inactive'
+    assert_nothing_published_after(col, time.time_ns())
+    assert node.lifecycle_state == 'inactive'
     assert node.trigger_cleanup() == TransitionCallbackReturn.SUCCESS
     assert node.engine is None and node.lifecycle_state == 'unconfigured'
     col.clear()
@@ -181,19 +180,29 @@ def test_parameter_changes_rejected_with_reasons_and_applied(harness):
 
     assert _set(node, 'control_rate_hz', 5.0).successful
     assert node._wake_timer.timer_period_ns == 200_000_000   # the timer was rebuilt
-    time.sleep(0.5)
-    n0, t0 = len(col.actions), time.monotonic()
-    time.sleep(2.0)
-    rate = (len(col.actions) - n0) / (time.monotonic() - t0)
-    print(f'\ncontrol rate after the change to 5 Hz: {rate:.1f} Hz received')
+    # The rate the node sent at (DDS source timestamps) over 2 s from 0.5 s after the change:
+    # when the chunks reach this process does not matter.
+    window = (time.time_ns() + 500_000_000, time.time_ns() + 2_500_000_000)
+    assert wait_for(lambda: col.actions and sent_ns(col.actions[-1]) > window[1], 30)
+    with col.lock:
+        sent = [t for t in map(sent_ns, col.actions) if window[0] <= t < window[1]]
+    rate = len(sent) / 2.0
+    print(f'\ncontrol rate after the change to 5 Hz: {rate:.1f} Hz sent')
     assert 0 < rate < 8.0   # a stalled machine can only make it slower
 
+    published = []                      # frame index of every action the node publishes
+    outputs_action = node._outputs.action
+    node._outputs.action = lambda action, stamp_ns: (published.append(action.frame_index),
+                                                     outputs_action(action, stamp_ns))
     assert _set(node, 'request_every_n_frames', 0).successful
     assert wait_for(lambda: node.engine.system.policy.every_n_frames == 0, 5)  # next tick
-    time.sleep(1.0)   # running requests finish, their tokens arrive
-    newest = max(m.request_id for m, _, _ in col.tokens)
-    time.sleep(1.0)
-    assert max(m.request_id for m, _, _ in col.tokens) == newest, 'no new requests'
+    assert wait_for(lambda: published, 10)
+    last_before = published[-1]         # frames after it start no language request
+    assert wait_for(lambda: len(published) >= 5, 30)
+    time.sleep(0.5)                     # a new request's first tokens would arrive by now
+    with col.lock:
+        origins = {m.origin_frame for m, _, _ in col.tokens}
+    assert max(origins) <= last_before, 'no new requests'
 
 
 def test_parameter_and_lifecycle_services_over_dds(harness):
@@ -258,10 +267,10 @@ def test_use_sim_time_follows_clock(harness):
             -1].header.stamp.sec < 2000, 5), 'diagnostics stamped in sim time'
         # /clock stops: the control timer (sim time) stops with it; diagnostics go on.
         h.spinner.remove(clock_node)
-        time.sleep(0.3)
-        count, diagnostics = len(h.collector.actions), len(h.collector.diagnostics)
-        time.sleep(1.5)
-        assert len(h.collector.actions) <= count + 1
-        assert len(h.collector.diagnostics) > diagnostics
+        stopped_ns, diagnostics = time.time_ns(), len(h.collector.diagnostics)
+        # One tick may still run on a /clock message in flight when it stopped.
+        assert_nothing_published_after(h.collector, stopped_ns + 300_000_000, settle_s=1.5,
+                                       allowed=1)
+        assert wait_for(lambda: len(h.collector.diagnostics) > diagnostics, 10)
     finally:
         clock_node.destroy_node()

@@ -74,6 +74,12 @@ class LogInfo(Action):
         self.msg = msg
 
 
+class SetEnvironmentVariable(Action):
+    def __init__(self, name, value, **kwargs):
+        super().__init__(**kwargs)
+        self.name, self.value = name, value
+
+
 class RegisterEventHandler(Action):
     def __init__(self, event_handler, **kwargs):
         super().__init__(**kwargs)
@@ -179,6 +185,9 @@ def test_stand_in_signatures_are_the_real_ones():
         'entities', 'target_lifecycle_node', 'transition', 'start_state', 'goal_state',
         'matcher', 'kwargs']
     assert [p[0] for p in params(ChangeState)] == ['lifecycle_node_matcher', 'transition_id']
+    assert params(SetEnvironmentVariable) == [('name', 'POSITIONAL_OR_KEYWORD', True),
+                                              ('value', 'POSITIONAL_OR_KEYWORD', True),
+                                              ('kwargs', 'VAR_KEYWORD', True)]
 
 
 @pytest.fixture
@@ -188,7 +197,8 @@ def launch_module(monkeypatch):
         'launch.actions': dict(DeclareLaunchArgument=DeclareLaunchArgument,
                                EmitEvent=EmitEvent, LogInfo=LogInfo,
                                OpaqueFunction=OpaqueFunction,
-                               RegisterEventHandler=RegisterEventHandler),
+                               RegisterEventHandler=RegisterEventHandler,
+                               SetEnvironmentVariable=SetEnvironmentVariable),
         'launch.events': dict(matches_action=matches_action),
         'launch.substitutions': dict(LaunchConfiguration=LaunchConfiguration),
         'launch_ros': {},
@@ -211,7 +221,7 @@ def launch_module(monkeypatch):
 def _context(**values):
     defaults = {'config': '', 'robot': '', 'robots': '', 'checkpoint': '', 'namespace': '',
                 'camera_remaps': '', 'use_sim_time': 'false', 'autostart': 'true',
-                'log_level': 'info'}
+                'log_level': 'info', 'dds_profile': ''}
     defaults.update(values)
     return defaults
 
@@ -227,7 +237,7 @@ def test_launch_file_declares_its_arguments(launch_module):
     entities = launch_module.generate_launch_description().entities
     declared = [e.name for e in entities if isinstance(e, DeclareLaunchArgument)]
     assert declared == ['config', 'robot', 'robots', 'checkpoint', 'namespace', 'camera_remaps',
-                        'use_sim_time', 'autostart', 'log_level']
+                        'use_sim_time', 'autostart', 'log_level', 'dds_profile']
     assert isinstance(entities[-1], OpaqueFunction)
 
 
@@ -250,6 +260,36 @@ def test_default_launch_is_a_lifecycle_node_the_launch_file_configures(launch_mo
                for h in handlers), 'the launch file reacts to "active"'
 
 
+def _profile_settings(actions):
+    return {a.name: a.value for a in actions if isinstance(a, SetEnvironmentVariable)}
+
+
+def test_the_processes_it_starts_get_the_large_frames_profile(launch_module, monkeypatch,
+                                                              tmp_path):
+    from oxygen_ros.runtime.dds_profile import (FASTDDS_VARIABLE, FASTRTPS_VARIABLE,
+                                                profile_variable)
+
+    for name in (FASTDDS_VARIABLE, FASTRTPS_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    shipped = str(REPO / 'config' / 'fastdds_large_frames.xml')
+    actions = launch_module._launch_node(_context())
+    assert _profile_settings(actions) == {profile_variable(): shipped}
+    first_node = next(i for i, a in enumerate(actions) if isinstance(a, LifecycleNode))
+    assert all(isinstance(a, (SetEnvironmentVariable, LogInfo)) for a in actions[:first_node])
+    # a team's own profile in the environment is kept; one given here wins; 'none' sets none
+    monkeypatch.setenv(FASTDDS_VARIABLE, '/etc/team_profile.xml')
+    kept = launch_module._launch_node(_context())
+    assert _profile_settings(kept) == {}
+    assert any(isinstance(a, LogInfo) and '/etc/team_profile.xml' in a.msg for a in kept)
+    own = tmp_path / 'profile.xml'
+    own.write_text('<profiles/>')
+    assert _profile_settings(launch_module._launch_node(_context(dds_profile=str(own)))) == {
+        profile_variable(): str(own)}
+    assert _profile_settings(launch_module._launch_node(_context(dds_profile='none'))) == {}
+    with pytest.raises(RuntimeError, match='dds_profile: no file'):
+        launch_module._launch_node(_context(dds_profile=str(tmp_path / 'missing.xml')))
+
+
 def test_autostart_false_leaves_the_transitions_to_others(launch_module):
     node, handlers, emitted = _split(launch_module._launch_node(_context(autostart='false')))
     assert emitted == [] and not any(h.goal_state == 'inactive' for h in handlers)
@@ -261,6 +301,11 @@ def test_bad_remap_and_missing_config_are_named(launch_module, tmp_path):
         launch_module._launch_node(_context(camera_remaps='camera/image'))
     with pytest.raises(RuntimeError, match='no parameter file'):
         launch_module._launch_node(_context(config=str(tmp_path / 'none.yaml')))
+    # A robot YAML needs a parameter file of its own (its cameras and joints), not libero's.
+    with pytest.raises(RuntimeError, match=r'is a robot YAML: give config:='):
+        launch_module._launch_node(_context(robot=str(tmp_path / 'arm.yaml')))
+    node, _, _ = _split(launch_module._launch_node(_context(robot='so101')))
+    assert node.kwargs['parameters'][0] == str(REPO / 'config' / 'so101.yaml')
 
 
 def test_launched_node_in_a_namespace_gets_file_overrides_and_remaps(
@@ -289,7 +334,7 @@ def test_launched_node_in_a_namespace_gets_file_overrides_and_remaps(
         values = {n: node.get_parameter(n).value
                   for n in ('robot', 'preset', 'seed', 'autostart', 'control_rate_hz')}
         assert values == {'robot': 'droid', 'preset': 'tiny', 'seed': 7, 'autostart': False,
-                          'control_rate_hz': 10.0}
+                          'control_rate_hz': 0.0}   # auto: resolved at configure
         assert node.lifecycle_state == 'unconfigured', 'no self-activation when launched'
 
         state = {TransitionCallbackReturn.SUCCESS: 'inactive'}
@@ -303,6 +348,9 @@ def test_launched_node_in_a_namespace_gets_file_overrides_and_remaps(
                         assert action.event.transition_id == Transition.TRANSITION_ACTIVATE
                         assert node.trigger_activate() == TransitionCallbackReturn.SUCCESS
         assert node.lifecycle_state == 'active'
+        # The shipped rate is auto: the node timed this machine at configure and runs at 90%.
+        model = dict(node.diagnostic_statuses()[0].values)
+        assert float(model['control_rate_hz']) > 0 and 'holds about' in model['capacity']
         topics = {sub.topic_name for sub in node._subscriptions_made}
         assert {'/zed/wrist', '/arm1/camera/exterior_image_1_left/image_raw',
                 '/arm1/joint_states', '/arm1/instruction'} <= topics

@@ -9,8 +9,12 @@ plain websocket client.
 
 import contextlib
 import json
+import os
 from pathlib import Path
+import re
+import struct
 import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -21,9 +25,11 @@ import websockets.sync.client
 
 from oxygen_ros.engine import random_observation
 from oxygen_ros.runtime.engine_setup import build_engine
-from oxygen_ros.runtime.params import robot_defaults, Settings
+from oxygen_ros.runtime.params import robot_defaults, RtcSettings, Settings
 from oxygen_ros.serve import PolicyServer, RequestError, ServerConfig, to_observation
+from oxygen_ros.serve.observations import LARGEST_IMAGE, max_request_bytes, OBSERVATION_KEYS
 from oxygen_ros.serve.queue import FairQueue
+from oxygen_ros.serve.server import token_matches
 from oxygen_ros.serve.wire import packb, unpackb, WireError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,10 +72,12 @@ def client_python():
 
 
 @contextlib.contextmanager
-def connect(server):
-    """A plain websocket client of `server`, past its metadata message."""
-    with websockets.sync.client.connect(f'ws://127.0.0.1:{server.port}', compression=None,
-                                        max_size=None, open_timeout=10) as ws:
+def connect(server, headers=None):
+    """A plain websocket client of `server` (or of a port), past its metadata message."""
+    port = server if isinstance(server, int) else server.port
+    with websockets.sync.client.connect(f'ws://127.0.0.1:{port}', compression=None,
+                                        max_size=None, open_timeout=10,
+                                        additional_headers=headers) as ws:
         assert unpackb(ws.recv(timeout=10))['server'] == 'oxygen_ros'
         yield ws
 
@@ -84,12 +92,16 @@ def libero_request(i=0, **changes):
 
 
 # ---- openpi's own client ------------------------------------------------------------------------
+def run_probe(client_python, port, robot, requests, api_key=''):
+    return subprocess.run([str(client_python), str(PROBE), str(port), robot, str(requests),
+                           api_key], capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize('robot', ['libero', 'droid', 'aloha'])
 def test_unmodified_openpi_client_gets_actions(robot, client_python):
     requests = 4
     with serve(robot) as server:
-        run = subprocess.run([str(client_python), str(PROBE), str(server.port), robot,
-                              str(requests)], capture_output=True, text=True, timeout=300)
+        run = run_probe(client_python, server.port, robot, requests)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     assert out['metadata']['robot'] == robot
@@ -106,6 +118,52 @@ def test_unmodified_openpi_client_gets_actions(robot, client_python):
     assert texts and all(d['frame_index'] < requests for d in texts)
     assert out['error'] is not None and 'prompt' in out['error']
     assert out['after_error_shape'] == [horizon, ROBOT_DIMS[robot]]
+
+
+def test_unmodified_openpi_client_works_with_rtc_on(client_python):
+    """openpi's client sends no prev_actions: RTC on changes nothing it relies on."""
+    with serve('libero', rtc=RtcSettings('guided', delay=1)) as server:
+        run = subprocess.run([str(client_python), str(PROBE), str(server.port), 'libero', '3'],
+                             capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out['metadata']['rtc']['mode'] == 'guided'
+    horizon = out['metadata']['engine']['horizon']
+    for response in out['responses']:
+        assert response['shape'] == [horizon, 7] and response['finite']
+        assert {'actions', 'start_row', 'language'} <= set(response['keys'])
+    assert out['error'] is not None and 'prompt' in out['error']
+
+
+def test_rtc_continues_the_clients_chunk():
+    """prev_actions (and inference_delay) from the request: prefix mode holds those rows."""
+    with serve('libero', rtc=RtcSettings('prefix')) as server, connect(server) as ws:
+        ws.send(packb(libero_request(0)))
+        first = unpackb(ws.recv(timeout=60))
+        assert first['start_row'] == 0                       # nothing to continue
+        left = first['actions'][1:]                          # one row played since
+        ws.send(packb(libero_request(1, prev_actions=left, inference_delay=2)))
+        second = unpackb(ws.recv(timeout=60))
+        assert second['start_row'] == 2
+        np.testing.assert_array_equal(second['actions'][:2], left[:2])
+        assert not np.allclose(second['actions'][2:3], left[2:3])
+        for bad, reason in [({'prev_actions': np.zeros((2, 5))}, 'expected [n, 7]'),
+                            ({'prev_actions': left, 'inference_delay': -1}, 'integer >= 0'),
+                            ({'inference_delay': 2}, 'without prev_actions')]:
+            ws.send(packb(libero_request(2, **bad)))
+            reply = ws.recv(timeout=60)
+            assert isinstance(reply, str) and reason in reply, (reason, reply)
+
+
+def test_unmodified_openpi_client_sends_the_token_as_its_api_key(client_python):
+    with serve('libero', token='s3cret') as server:
+        good = run_probe(client_python, server.port, 'libero', 1, api_key='s3cret')
+        wrong = run_probe(client_python, server.port, 'libero', 1, api_key='guess')
+        none = run_probe(client_python, server.port, 'libero', 1)
+    assert good.returncode == 0, good.stderr[-3000:]
+    assert json.loads(good.stdout)['responses'][0]['shape'] == [4, 7]
+    for refused in (wrong, none):
+        assert refused.returncode != 0 and 'HTTP 401' in refused.stderr, refused.stderr[-2000:]
 
 
 # ---- the server with a plain websocket client -------------------------------------------------
@@ -177,6 +235,102 @@ def test_clients_at_once_share_one_engine_frame_by_frame(libero_server):
         assert all(r['actions'].shape == (4, 7) for r in got)
 
 
+def test_a_token_server_refuses_handshakes_without_it():
+    with serve('libero', token='s3cret') as server:
+        for headers in (None, {'Authorization': 'Api-Key nope'}, {'Authorization': 's3cret'}):
+            with pytest.raises(websockets.exceptions.InvalidStatus, match='401'):
+                with connect(server, headers):
+                    pass
+        for scheme in ('Api-Key', 'Bearer'):
+            with connect(server, {'Authorization': f'{scheme} s3cret'}) as ws:
+                ws.send(packb(libero_request(0)))
+                assert unpackb(ws.recv(timeout=60))['actions'].shape == (4, 7)
+        with urllib.request.urlopen(f'http://127.0.0.1:{server.port}/healthz',
+                                    timeout=10) as reply:    # health checks need no token
+            assert reply.status == 200
+    assert token_matches('api-key  s3cret ', 's3cret') and not token_matches('Api-Key', '')
+
+
+def _oversized_frame_header(length):
+    """A masked binary frame header announcing `length` payload bytes (mask key 0: the
+    payload goes as it is)."""
+    return bytes([0x82, 0x80 | 127]) + struct.pack('!Q', length) + bytes(4)
+
+
+def _peak_rss_bytes(pid):
+    status = Path(f'/proc/{pid}/status').read_text()
+    return 1024 * int(re.search(r'VmHWM:\s+(\d+) kB', status).group(1))
+
+
+@pytest.mark.skipif(not Path('/proc/self/status').exists(), reason='reads /proc (Linux)')
+def test_a_message_over_the_bound_is_refused_before_it_is_read():
+    """`oxygen-ros serve` as a robot team runs it: a 1 GB message announced, 256 MB of it
+    sent; the server closes the connection from the frame header, says why, its peak
+    memory does not grow by the message, and the next client is answered."""
+    bound_mb, announced, sent_mb = 4, 1 << 30, 256
+    cmd = [sys.executable, '-m', 'oxygen_ros.cli', 'serve', '--host', '127.0.0.1', '--port',
+           '0', '--max-message-mb', str(bound_mb), '--threads', '1',
+           *[f'--{k}={v}' for k, v in (('preset', 'tiny'), ('tokens', 4), ('k', 2))]]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, 'PYTHONUNBUFFERED': '1'})
+    try:
+        lines = []
+        for line in server.stdout:
+            lines.append(line)
+            if (found := re.search(r'ws://127\.0\.0\.1:(\d+)', line)):
+                port = int(found.group(1))
+                break
+        else:
+            pytest.fail('server did not start: ' + ''.join(lines)[-3000:])
+        assert f'requests up to {bound_mb:.1f} MB' in line
+        threading.Thread(target=lambda: [None for _ in server.stdout], daemon=True).start()
+        with connect(port) as ws:                          # the server is warm: one frame
+            ws.send(packb(libero_request(0)))
+            assert unpackb(ws.recv(timeout=120))['actions'].shape == (4, 7)
+        peak_before = _peak_rss_bytes(server.pid)
+        with connect(port) as ws:
+            ws.socket.sendall(_oversized_frame_header(announced))
+            chunk = bytes(1 << 20)
+            with contextlib.suppress(OSError):             # the server may close first
+                for _ in range(sent_mb):
+                    ws.socket.sendall(chunk)
+            with pytest.raises(websockets.exceptions.ConnectionClosedError) as closed:
+                ws.recv(timeout=60)
+        assert closed.value.rcvd.code == 1009, closed.value
+        assert f'over {bound_mb:.1f} MB' in closed.value.rcvd.reason
+        assert '--max-message-mb' in closed.value.rcvd.reason
+        growth = _peak_rss_bytes(server.pid) - peak_before
+        assert growth < (sent_mb << 20) // 8, f'peak RSS grew {growth / 1e6:.0f} MB'
+        with connect(port) as ws:                          # the next good request
+            ws.send(packb(libero_request(1)))
+            assert unpackb(ws.recv(timeout=120))['actions'].shape == (4, 7)
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.mark.parametrize('robot', sorted(OBSERVATION_KEYS))
+def test_the_default_bound_fits_the_largest_valid_observation(robot):
+    """Every camera (the optional ones too) at 1920x1080 float32 fits; at twice the pixels
+    it does not."""
+    from oxygen_ros.model.robots import get_robot
+
+    def message(height):
+        keys = OBSERVATION_KEYS[robot]
+        request = {'prompt': 'x' * 500}
+        for path in list(keys.cameras.values()) + [('images', c) for c in keys.optional_cameras]:
+            target = request
+            for part in path[:-1]:
+                target = target.setdefault(part, {})
+            target[path[-1]] = np.zeros((height, *LARGEST_IMAGE[1:]), np.float32)
+        for path in keys.state:                            # an upper estimate of the state
+            request[path[0]] = np.zeros(get_robot(robot).state_dim)
+        return len(packb(request))
+
+    bound = max_request_bytes(OBSERVATION_KEYS[robot], get_robot(robot).state_dim)
+    assert message(LARGEST_IMAGE[0]) <= bound < message(2 * LARGEST_IMAGE[0])
+
+
 def test_port_in_use_is_an_error(libero_server):
     engine = make_engine('libero')
     server = PolicyServer(engine.system, ServerConfig(robot='libero', host='127.0.0.1',
@@ -246,3 +400,40 @@ def test_observation_conversion_follows_openpi():
     assert obs.instruction == 'default task'
     with pytest.raises(RequestError, match='gripper_position'):
         to_observation({k: v for k, v in floats.items() if 'gripper' not in k}, 'droid', 'x')
+
+
+# ---- a robot of one's own ---------------------------------------------------------------------
+def test_custom_robot_with_default_and_mapped_observation_keys(tmp_path):
+    from oxygen_ros.model.robot_spec import get_robot
+    from oxygen_ros.serve.observations import load_observation_keys
+
+    spec = get_robot('so101')
+    obs = random_observation(spec, 0, image_size=64)
+    # Default keys of a robot without an openpi client: observation/<camera>, observation/state.
+    with serve('so101') as server:
+        assert server.metadata['observation_keys']['cameras'] == {
+            'front': 'observation/front', 'wrist': 'observation/wrist'}
+        with connect(server) as ws:
+            ws.send(packb({'observation/front': obs.images['front'],
+                           'observation/wrist': obs.images['wrist'].transpose(2, 0, 1).copy(),
+                           'observation/state': obs.state, 'prompt': 'stack the cubes'}))
+            reply = unpackb(ws.recv(timeout=60))
+            assert reply['actions'].shape[1] == 6
+            ws.send(packb({'observation/front': obs.images['front'], 'prompt': 'x'}))
+            error = ws.recv(timeout=60)
+            assert "'observation/wrist'" in error and 'observation key map' in error
+    # A key map file: nested keys, the state in two parts.
+    keys_file = tmp_path / 'keys.yaml'
+    keys_file.write_text('cameras: {front: [images, top], wrist: wrist_rgb}\n'
+                         'state: [arm/joints, arm/gripper]\n')
+    keys = load_observation_keys(keys_file, spec)
+    with serve('so101', observation_keys=keys) as server:
+        with connect(server) as ws:
+            ws.send(packb({'images': {'top': obs.images['front']},
+                           'wrist_rgb': obs.images['wrist'], 'arm/joints': obs.state[:5],
+                           'arm/gripper': obs.state[5:], 'prompt': 'stack the cubes'}))
+            assert unpackb(ws.recv(timeout=60))['actions'].shape[1] == 6
+    keys_file.write_text('cameras: {front: top}\n')
+    with pytest.raises(ValueError, match=r"cameras: \['front'\]; expected the cameras of robot "
+                                         r"'so101': \['front', 'wrist'\]"):
+        load_observation_keys(keys_file, spec)

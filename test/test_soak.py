@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip('rclpy')
 
-from oxygen_ros.soak import failures, run_soak, SoakOptions  # noqa: E402
+from oxygen_ros.tools.soak import failures, run_soak, SoakOptions  # noqa: E402
 
 
 def test_soak_60s_no_crash_no_leak_actions_held(tmp_path):
@@ -24,7 +24,7 @@ def test_soak_60s_no_crash_no_leak_actions_held(tmp_path):
 
 
 def test_healthy_rate_leaves_out_the_bins_a_fault_touches():
-    from oxygen_ros.soak import _healthy_rate
+    from oxygen_ros.tools.soak import _healthy_rate
 
     actions = [0.05 + 0.1 * i for i in range(100)]                  # one action per 0.1 s bin
     healthy_s, count = _healthy_rate(actions, [], 0.0, 10.0)

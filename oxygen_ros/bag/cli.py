@@ -2,7 +2,7 @@
 
 Errors are one line on stderr and exit code 2 (no traceback); Ctrl-C prints the summary of
 what was written and exits with 130. The record-demo handler itself lives with the rclpy
-code (oxygen_ros.record_demo); oxygen_ros.cli passes it in, so this module stays ROS-free.
+code (oxygen_ros.tools.record_demo); oxygen_ros.cli passes it in, so this module stays ROS-free.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 from typing import Callable
 
 from oxygen_ros.bag.errors import BagError
-from oxygen_ros.runtime.cli_options import add_engine_options
+from oxygen_ros.runtime.cli_options import add_engine_options, RTC_PARAMS
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -28,7 +28,9 @@ def _add_param_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--config', help="the node's ROS 2 parameter file (config/<robot>.yaml)")
     group.add_argument('--node-name', default='oxygen_node',
                        help='node whose ros__parameters to read (default %(default)s)')
-    group.add_argument('--robot', help='libero, droid or aloha')
+    group.add_argument('--robot', help='a shipped robot (libero, droid, aloha, so101) or the '
+                                       'path of a robot YAML; a LeRobot dataset without one: '
+                                       'read from its meta/info.json')
     group.add_argument('--namespace', help='node namespace for relative topic names')
     group.add_argument('--camera-names', nargs='+', metavar='NAME')
     group.add_argument('--camera-topics', nargs='+', metavar='TOPIC',
@@ -55,7 +57,10 @@ def _camera_topic_overrides(args: argparse.Namespace) -> dict:
         robot = args.robot
         if robot is None and args.config:
             robot = node_values(args.config, node_name=args.node_name).get('robot')
-        names = list(robot_defaults(robot or 'libero')['camera_names'])
+        try:
+            names = list(robot_defaults(robot or 'libero')['camera_names'])
+        except ValueError as err:   # RobotSpecError: a robot YAML that cannot be read
+            raise BagError(str(err)) from None
     if len(names) != len(args.camera_topics):
         raise BagError(f'--camera-topics has {len(args.camera_topics)} topics for '
                        f'{len(names)} cameras ({", ".join(names)})')
@@ -66,7 +71,8 @@ def _camera_topic_overrides(args: argparse.Namespace) -> dict:
 _TOPIC_PARAMS = ('robot', 'camera_names', 'joint_names', 'control_rate_hz')
 _ENGINE_PARAMS = ('checkpoint', 'preset', 'device', 'dtype', 'seed', 'decode_budget',
                   'tokens_per_request', 'request_every_n_frames', 'language_prompt',
-                  'kv_capacity', 'denoise_steps', 'stale_frame_timeout_s', 'tokenizer')
+                  'kv_capacity', 'denoise_steps', 'stale_frame_timeout_s',
+                  'tokenizer') + RTC_PARAMS
 # ReplayParams fields (not node parameters).
 _REPLAY_OPTIONS = ('namespace', 'instruction_topic', 'joint_states_topic',
                    'instruction_override', 'on_bad_input')
@@ -98,6 +104,10 @@ def add_replay_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument('--overwrite', action='store_true', help='replace an existing --out bag')
     parser.add_argument('--threads', type=int, default=0, help='torch threads (0 = default)')
     parser.add_argument('--quiet', action='store_true', help='no progress bar')
+    parser.add_argument('--rtc-compare', action='store_true',
+                        help='replay once per real-time chunking mode (off, guided, prefix) '
+                             'into OUT/<mode>; compare boundary jumps, total variation and '
+                             'act() time (OUT/rtc.csv, OUT/rtc_boundaries.png)')
     dataset = parser.add_argument_group('LeRobot datasets')
     dataset.add_argument('--camera', action='append', default=[], metavar='NAME=FEATURE',
                          help="robot camera <- dataset feature (default: a feature named "
@@ -137,14 +147,48 @@ def add_record_demo_parser(sub, handler: Callable[[argparse.Namespace], int]
     return parser
 
 
-def params_from_args(args: argparse.Namespace, engine: bool = True):
-    """Build ReplayParams from --config plus the command-line overrides."""
+def params_from_args(args: argparse.Namespace, engine: bool = True, robot_spec=None):
+    """Build ReplayParams from --config plus the command-line overrides.
+
+    robot_spec: the robot when it has no file (read from a dataset).
+    """
     from oxygen_ros.bag.config import load_params
 
     names = _TOPIC_PARAMS + (_ENGINE_PARAMS if engine else ())
     overrides = {**_param_overrides(args, names), **_camera_topic_overrides(args)}
-    return load_params(args.config, overrides, node_name=args.node_name,
+    return load_params(args.config, overrides, node_name=args.node_name, robot_spec=robot_spec,
                        **_param_overrides(args, _REPLAY_OPTIONS))
+
+
+def robot_given(args: argparse.Namespace) -> bool:
+    """Whether --robot or the --config file names the robot."""
+    if args.robot is not None:
+        return True
+    if not args.config:
+        return False
+    from oxygen_ros.bag.config import node_values
+    return 'robot' in node_values(args.config, node_name=args.node_name)
+
+
+def dataset_robot(path: str):
+    """Read the robot a LeRobot dataset describes; log each assumption as a warning."""
+    from oxygen_ros.dataset import DatasetError, LeRobotDataset
+    from oxygen_ros.runtime.robot_source import dataset_robot as read_robot, RobotSpecError
+
+    try:
+        inferred = read_robot(LeRobotDataset(path).info, path)
+    except (DatasetError, RobotSpecError) as err:
+        raise BagError(f'{err} (or give the robot: --robot NAME|FILE)') from None
+    log = logging.getLogger('oxygen_ros.replay')
+    spec = inferred.spec
+    log.warning('no --robot: read robot %r from %s: %d cameras (%s), state %d, actions %d',
+                spec.name, spec.source, len(spec.cameras), ', '.join(
+                    f'{cam} <- {feature}' for cam, feature in inferred.features.items()),
+                spec.state_dim, spec.action_dim)
+    for line in inferred.assumed:   # formatted here: each distinct message is shown once
+        log.warning(f'assumed {line}')
+    log.warning('keep it: oxygen-ros robot-spec --from %s > robot.yaml', path)
+    return inferred
 
 
 def error(command: str, err: BaseException) -> int:
@@ -156,18 +200,31 @@ def replay_main(args: argparse.Namespace) -> int:
     """Run `oxygen-ros replay`; return the exit code."""
     _setup_logging()
     try:
-        params = params_from_args(args)
+        from oxygen_ros.dataset import is_dataset
+        inferred = None
+        if is_dataset(args.bag) and not robot_given(args):
+            inferred = dataset_robot(args.bag)
+        params = params_from_args(args, robot_spec=inferred.spec if inferred else None)
         if args.threads:
             import torch
             torch.set_num_threads(args.threads)
-        from oxygen_ros.dataset import is_dataset
         if is_dataset(args.bag):
-            replay = _dataset_replay(args, params)
+            camera_map = inferred.features if inferred else {}
+
+            def make_replay(out, params, **options):
+                return _dataset_replay(args, params, out, camera_map, **options)
         else:
             from oxygen_ros.bag.replay import Replay
-            replay = Replay(args.bag, args.out, params, rate=args.rate, storage=args.storage,
-                            overwrite=args.overwrite, copy=args.copy, progress=not args.quiet,
-                            node_name=args.node_name)
+
+            def make_replay(out, params, **options):
+                return Replay(args.bag, out, params, rate=args.rate, storage=args.storage,
+                              overwrite=args.overwrite, copy=args.copy,
+                              progress=not args.quiet, node_name=args.node_name, **options)
+        if args.rtc_compare:
+            from oxygen_ros.bag.rtc_compare import compare_rtc
+            compare_rtc(make_replay, args.out, params, overwrite=args.overwrite)
+            return 0
+        replay = make_replay(args.out, params)
     except BagError as err:
         return error('replay', err)
     except KeyboardInterrupt:
@@ -189,21 +246,25 @@ def replay_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dataset_replay(args: argparse.Namespace, params):
-    """Build the DatasetReplay the options describe (a LeRobot dataset is paced by its frames)."""
+def _dataset_replay(args: argparse.Namespace, params, out, camera_map: dict[str, str],
+                    **options):
+    """Build the DatasetReplay the options describe (a LeRobot dataset is paced by its frames).
+
+    camera_map: robot camera -> dataset feature, under --camera's.
+    """
     from oxygen_ros.bag.dataset_replay import DatasetReplay
 
-    mapping = {}
+    mapping = dict(camera_map)
     for item in args.camera:
         name, sep, feature = item.partition('=')
         if not sep or not name or not feature:
             raise BagError(f'--camera {item!r}; expected NAME=FEATURE, e.g. '
                            'image=observation.images.front')
         mapping[name] = feature
-    return DatasetReplay(args.bag, args.out, params, camera_map=mapping or None,
+    return DatasetReplay(args.bag, out, params, camera_map=mapping or None,
                          state_key=args.state_key, action_key=args.action_key,
                          episodes=args.episodes, storage=args.storage,
-                         overwrite=args.overwrite, progress=not args.quiet)
+                         overwrite=args.overwrite, progress=not args.quiet, **options)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # all close the bag cleanly

@@ -71,8 +71,12 @@ class ReplayParams:
 
 
 def node_values(config: str | Path | None, overrides: Mapping[str, Any] | None = None,
-                node_name: str = NODE_NAME) -> dict[str, Any]:
-    """Parameter values as the node would have them: robot defaults, file, then overrides."""
+                node_name: str = NODE_NAME, robot_spec=None) -> dict[str, Any]:
+    """Parameter values as the node would have them: robot defaults, file, then overrides.
+
+    robot_spec: the robot's spec when it has no file (inferred from a dataset); its cameras
+    and joints are the defaults.
+    """
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     file_values: dict[str, Any] = {}
     if config is not None:
@@ -82,9 +86,11 @@ def node_values(config: str | Path | None, overrides: Mapping[str, Any] | None =
             raise BagError(f'config {config}: cannot read: {err.strerror or err}') from None
         except Exception as err:   # noqa: BLE001 - YAML errors, missing section
             raise BagError(f'config {config}: {err}') from None
-    robot = overrides.get('robot', file_values.get('robot', 'libero'))
-    values = (node_params.robot_defaults(robot) if robot in node_params.ROBOT_IO
-              else {'robot': robot})
+    robot = robot_spec or overrides.get('robot', file_values.get('robot', 'libero'))
+    try:
+        values = node_params.robot_defaults(robot)
+    except (node_params.RobotSpecError, TypeError):
+        values = {'robot': robot}   # Settings.check says what is wrong with it
     values.update(file_values)
     values.update(overrides)
     unknown = sorted(k for k in values if node_params.param_spec(k) is None
@@ -100,15 +106,16 @@ def node_values(config: str | Path | None, overrides: Mapping[str, Any] | None =
 
 
 def load_params(config: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
-                node_name: str = NODE_NAME, **replay_options) -> ReplayParams:
+                node_name: str = NODE_NAME, robot_spec=None, **replay_options) -> ReplayParams:
     """Build ReplayParams from a node parameter file (optional) and parameter overrides.
 
+    robot_spec: the robot's RobotSpec when it has no file (inferred from a dataset).
     replay_options: ReplayParams fields (namespace, instruction_override, ...).
     Raises BagError listing every invalid parameter, as the node's configure would.
     """
-    values = node_values(config, overrides, node_name)
+    values = node_values(config, overrides, node_name, robot_spec)
     try:
-        settings = node_params.Settings.from_values(values)
+        settings = node_params.Settings.from_values(values, robot_spec)
     except (ValueError, TypeError) as err:
         where = f'config {config}' if config else 'parameters'
         raise BagError(f'{where}: {err}') from None

@@ -31,6 +31,7 @@ from oxygen_ros.bag.writer import OutputBag
 from oxygen_ros.dataset import ActionErrors, chunk_error, DatasetError, LeRobotDataset
 from oxygen_ros.runtime import inputs
 from oxygen_ros.runtime.frame_loop import FrameLoop
+from oxygen_ros.runtime.rtc import planner_for
 
 ERROR_TOPIC = '/evaluation/action_error'
 FLOAT_ARRAY = 'std_msgs/msg/Float32MultiArray'
@@ -55,10 +56,13 @@ class DatasetReplaySummary(ReplaySummary):
 
 
 def default_camera_map(dataset: LeRobotDataset, cameras: list[str]) -> dict[str, str]:
-    """Robot camera -> dataset feature, matching 'observation.images.<camera>' or '<camera>'."""
+    """Map robot cameras to the dataset features named after them.
+
+    Tried in order: observation.images.<camera>, observation.<camera>, <camera>.
+    """
     mapping = {}
     for camera in cameras:
-        for feature in (f'observation.images.{camera}', camera):
+        for feature in (f'observation.images.{camera}', f'observation.{camera}', camera):
             if feature in dataset.cameras:
                 mapping[camera] = feature
                 break
@@ -75,7 +79,8 @@ class DatasetReplay(StopOnRequest):
     def __init__(self, dataset: str | Path, out: str | Path, params: ReplayParams, *,
                  camera_map: dict[str, str] | None = None, state_key: str = 'observation.state',
                  action_key: str = 'action', episodes: list[int] | None = None, system=None,
-                 storage: str = 'mcap', overwrite: bool = False, progress: bool = False):
+                 storage: str = 'mcap', overwrite: bool = False, progress: bool = False,
+                 rtc_trace: bool = False):
         self.dataset_path = Path(dataset)
         self.out_path = Path(out)
         check_new_output(out, overwrite)
@@ -90,6 +95,8 @@ class DatasetReplay(StopOnRequest):
         self.progress = progress
         self.store = make_typestore()
         self.summary = DatasetReplaySummary(str(dataset), str(out))
+        # Real-time chunking on the dataset's clock (rtc_trace: keep the chunks sent).
+        self.rtc = planner_for(params.settings, trace=rtc_trace)
         self.errors = ActionErrors()
 
     def _open(self) -> tuple[LeRobotDataset, dict[str, str], list[int]]:
@@ -131,7 +138,7 @@ class DatasetReplay(StopOnRequest):
         except DatasetError as err:
             raise BagError(str(err)) from None
         if self.system is None:
-            self.system, _ = build_engine(self.params.settings)
+            self.system = build_engine(self.params.settings)[0]   # paced by the dataset
         out = OutputBag(self.out_path, self.store, self.storage, self.overwrite)
         total = sum(dataset.episode(i).length for i in episodes)
         progress = _progress_bar(total, self.progress)
@@ -156,12 +163,13 @@ class DatasetReplay(StopOnRequest):
                                     lambda state: state)
         # Every input is fresh at its own tick: the stale timeout never applies.
         buffer = inputs.InputSet(cameras, joints, stale_timeout_s=float('inf'))
-        loop = FrameLoop(self.system, buffer)
+        loop = FrameLoop(self.system, buffer, rtc=self.rtc)
         sink = _BagOutputs(self, out)
         period_s = 1.0 / dataset.fps
         override = self.params.instruction_override
         start_s = 0.0
         for index in episodes:
+            self.rtc.committed.clear()    # an episode does not continue the one before
             recorded = dataset.actions(index, self.action_key)             # [T, A]
             features = list(mapping.values())
             for frame in dataset.frames(index, features, self.state_key, self.action_key):

@@ -43,7 +43,7 @@ def action_chunk(store: Typestore, action: ActionOutput, stamp_ns: int, frame_id
             sec=step_ns // 1_000_000_000, nanosec=step_ns % 1_000_000_000),
         horizon=int(actions.shape[0]), action_dim=int(actions.shape[1]),
         actions=np.ascontiguousarray(actions).reshape(-1),
-        inference_time=float(action.inference_time_s))
+        inference_time=float(action.inference_time_s), start_row=int(action.start_row))
 
 
 def language_chunk(store: Typestore, delta: TokenDelta, stamp_ns: int, frame_id: str = ''):

@@ -36,6 +36,7 @@ from oxygen_ros.runtime import conversions, inputs, status
 from oxygen_ros.runtime.actions import action_layout
 from oxygen_ros.runtime.engine_setup import build_engine as build_node_engine
 from oxygen_ros.runtime.frame_loop import FrameLoop
+from oxygen_ros.runtime.rtc import planner_for
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class _BagOutputs:
         p, summary = self.replay.params, self.replay.summary
         self.out.write(p.resolve('actions'), ACTION_CHUNK, self.tick_ns, messages.action_chunk(
             self.replay.store, action, stamp_ns, p.settings.frame_id,
-            action_layout(p.settings.robot)))
+            action_layout(p.settings.spec or p.settings.robot)))
         summary.frames += 1
         summary.actions += 1
 
@@ -269,14 +270,16 @@ class Replay(StopOnRequest):
     on_frame(obs, result): called after every engine call (tests, live views); obs is None
     on a tick without an observation that only advanced live language requests.
     The output bag is closed properly however the replay ends (error, Ctrl-C); its metadata
-    (custom_data) records the status.
+    (custom_data) records the status. rtc_trace: keep the chunks sent (`rtc.trace`, for
+    bag.rtc_compare); real-time chunking itself follows the parameters' rtc_*.
     """
 
     def __init__(self, bag: str | Path, out: str | Path, params: ReplayParams, *,
                  system=None, rate: str | float | None = 'max', storage: str = 'mcap',
                  overwrite: bool = False, copy: str = 'inputs', progress: bool = False,
                  on_frame: Callable[[Observation, FrameResult], None] | None = None,
-                 node_name: str = 'oxygen_node', max_ticks: int = DEFAULT_MAX_TICKS):
+                 node_name: str = 'oxygen_node', max_ticks: int = DEFAULT_MAX_TICKS,
+                 rtc_trace: bool = False):
         if copy not in COPY_MODES:
             raise BagError(f'copy {copy!r}; expected one of {COPY_MODES}')
         self.bag_path = Path(bag)
@@ -299,6 +302,8 @@ class Replay(StopOnRequest):
         self.store = make_typestore()
         self.summary = ReplaySummary(str(bag), str(out))
         self.description: dict = {}          # what the node reports about its engine
+        # Real-time chunking on the replay's clock: the chunks sent and their stamps.
+        self.rtc = planner_for(params.settings, trace=rtc_trace)
 
     def topic_specs(self) -> list[TopicSpec]:
         """Return the input topics with the types they must have."""
@@ -316,7 +321,12 @@ class Replay(StopOnRequest):
             input_conns = [c for spec in self.topic_specs() for c in bag.connections(spec)]
             read = input_conns if self.copy != 'all' else list(bag.reader.connections)
             if self.system is None:
-                self.system, self.description = build_engine(p.settings)
+                self.system, self.description, settings = build_engine(p.settings)
+                # control_rate_hz 0 (auto): the tick grid of the rate this machine holds
+                self.params = p = dataclasses.replace(p, settings=settings)
+            elif not p.settings.control_rate_hz:
+                raise BagError('control_rate_hz 0 (auto) needs the engine built here (it '
+                               'times the machine); give a rate with a prebuilt system')
             summary.deterministic = p.settings.decode_budget is not None
             start_ns = bag.start_ns
             n_ticks = int((bag.end_ns - start_ns) // p.period_ns) + 1
@@ -341,7 +351,7 @@ class Replay(StopOnRequest):
         inputs_ids = {c.id for c in input_conns}
         definitions: dict[int, tuple[str, str]] = {}
         diag = _Diagnostics(p, self.node_name, self.description)
-        loop = FrameLoop(self.system, builder.inputs, stats=diag.stats)
+        loop = FrameLoop(self.system, builder.inputs, stats=diag.stats, rtc=self.rtc)
         sink = _BagOutputs(self, out)
         tick = 0
         last_input_ns = start_ns
@@ -491,15 +501,18 @@ def _progress_bar(total: int, enabled: bool):
                 desc='replay')
 
 
-def build_engine(settings) -> tuple[object, dict]:
-    """Build exactly the engine the node builds from these settings: (system, description)."""
+def build_engine(settings) -> tuple[object, dict, object]:
+    """Build exactly the engine the node builds from these settings.
+
+    Returns (system, description, settings with the control rate resolved: auto is timed).
+    """
     from oxygen_ros.runtime.engine_setup import SETUP_ERRORS
 
     try:
         engine = build_node_engine(settings, warmup=False)
     except SETUP_ERRORS as err:
         raise BagError(f'engine: {err}') from None
-    return engine.system, dict(engine.description)
+    return engine.system, dict(engine.description), engine.settings
 
 
 def run_replay(bag: str | Path, out: str | Path, params: ReplayParams, **kwargs

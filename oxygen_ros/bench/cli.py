@@ -18,13 +18,18 @@ examples:
   oxygen-ros bench                              # every sweep + memory (the README numbers)
   oxygen-ros bench --preset pi05 --device cuda --dtype bfloat16 --parts nk memory
   oxygen-ros bench --parts node                 # oxygen_node process vs the engine (~2 min)
+  oxygen-ros bench --parts overload             # shipped YAML, then 2x overload: narration
   oxygen-ros bench --parts robots               # R = 1 2 4 8 robots: one engine vs R engines
   oxygen-ros bench --quick --parts robots       # the same in miniature (tiny preset, R = 1 2)
+  oxygen-ros bench --parts rtc                  # real-time chunking off / guided / prefix
+                                                # on a smooth policy (trained once, cached)
 """
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     """Register `bench` on the top-level sub-parsers."""
+    from .node import node_robots
+
     bench = sub.add_parser('bench', help='side-by-side benchmark of oxygen and the baselines',
                            epilog=BENCH_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,7 +102,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     node = bench.add_argument_group(
         'node part', 'oxygen_node in its own process with a stand-in robot, next to the engine '
         'alone (same preset, threads, N, k)')
-    node.add_argument('--node-robot', default='libero', choices=['libero', 'droid', 'aloha'],
+    node.add_argument('--node-robot', default='libero', choices=node_robots(),
                       help='config/<robot>.yaml of the node and the robot (default libero)')
     node.add_argument('--node-duration', type=float, default=None,
                       help='measured seconds of the node run (default 60; quick 5)')
@@ -114,13 +119,50 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                       help='fixed decode budget k of the node and the engine run (default 5)')
     node.add_argument('--node-engine-frames', type=int, default=None,
                       help='measured frames of the engine alone (default 20; quick 5)')
+    node.add_argument('--node-rtc', default='off', choices=['off', 'guided', 'prefix'],
+                      help='real-time chunking of the node and of the engine run (default off)')
     node.add_argument('--camera-rate', type=float, default=15.0,
                       help='stand-in robot camera frames/s (default 15)')
     node.add_argument('--camera-size', default='640x480', metavar='WxH',
                       help='stand-in robot camera resolution (default 640x480)')
-    node.add_argument('--camera-format', default='jpeg', choices=['jpeg', 'raw'],
-                      help='CompressedImage jpeg (default) or raw rgb8 Image; raw 640x480 '
-                      'frames are 0.9 MB best-effort messages that DDS drops on a busy machine')
+    node.add_argument('--camera-format', default='raw', choices=['raw', 'jpeg'],
+                      help='raw rgb8 Image (default, as a camera driver sends; every process '
+                      'uses the Fast DDS profile for large frames) or CompressedImage jpeg')
+    rtc = bench.add_argument_group(
+        'rtc part', 'real-time chunking off / guided / prefix on the same synthetic episode: '
+        'boundary jumps, total variation, act() cost, a plot of one joint')
+    rtc.add_argument('--rtc-robot', default=None, metavar='NAME|FILE',
+                     help='robot of the episode: a shipped robot or a robot YAML (default '
+                     'libero)')
+    rtc.add_argument('--rtc-frames', type=int, default=None,
+                     help='measured frames per mode (default 30; quick 8)')
+    rtc.add_argument('--rtc-delay', type=int, default=None, metavar='ROWS',
+                     help="d (default: from the 'off' engine's act() p95 over the warm-up)")
+    rtc.add_argument('--rtc-period-rows', type=int, default=None, metavar='ROWS',
+                     help='rows between frames of the episode (default: from --rtc-control-hz '
+                     'and the latency)')
+    rtc.add_argument('--rtc-control-hz', type=float, default=None,
+                     help='asked frame rate of the episode (default 10; frames are never '
+                     'closer than the latency)')
+    rtc.add_argument('--rtc-policy', default=None, metavar='smooth|random|CHECKPOINT',
+                     help="the episode's policy: 'smooth' (default: --preset's action expert "
+                     'fine-tuned on smooth demonstrations, trained once and cached; see '
+                     "`oxygen-ros smooth-policy`), 'random' (--preset's random weights: rough "
+                     'chunks, nothing for RTC to smooth) or a checkpoint folder')
+    rtc.add_argument('--rtc-policy-preset', default=None, metavar='PRESET',
+                     help='smooth: the preset fine-tuned (default --preset; quick: small)')
+    rtc.add_argument('--rtc-policy-steps', type=int, default=None, metavar='N',
+                     help='smooth: optimiser steps (default 400; quick 250)')
+    rtc.add_argument('--rtc-max-guidance-weight', type=float, default=None, metavar='BETA',
+                     help="guided's β (default: the rtc_max_guidance_weight parameter's)")
+    overload = bench.add_argument_group(
+        'overload part', 'oxygen_node with config/<--node-robot>.yaml as shipped (auto rate), '
+        'then asked --overload-factor x the rate it reported; the stand-in robot as in the '
+        'node part (--camera-*)')
+    overload.add_argument('--overload-factor', type=float, default=None,
+                          help='asked rate of the second run / what the node holds (default 2)')
+    overload.add_argument('--overload-duration', type=float, default=None,
+                          help='measured seconds of each run (default 60; quick 10)')
     bench.set_defaults(func=run_bench_command)
     return bench
 
@@ -168,8 +210,53 @@ def options_from_args(args: argparse.Namespace):
     if args.plot_statistic:
         changes['plot_statistic'] = args.plot_statistic
     changes['node'] = node_options_from_args(args)
+    rtc_changes = {name: value for name, value in (
+        ('robot', args.rtc_robot), ('frames', args.rtc_frames), ('delay', args.rtc_delay),
+        ('control_hz', args.rtc_control_hz), ('period_rows', args.rtc_period_rows),
+        ('policy', args.rtc_policy), ('policy_preset', args.rtc_policy_preset),
+        ('policy_steps', args.rtc_policy_steps),
+        ('max_guidance_weight', args.rtc_max_guidance_weight)) if value is not None}
+    if (rtc_changes.get('frames', 2) < 2 or rtc_changes.get('delay', 0) < 0
+            or rtc_changes.get('period_rows', 1) < 1 or rtc_changes.get('policy_steps', 1) < 1):
+        raise SystemExit('--rtc-frames must be >= 2, --rtc-delay >= 0, --rtc-period-rows >= 1, '
+                         '--rtc-policy-steps >= 1')
+    policy_problem = _rtc_policy_problem(rtc_changes)
+    if policy_problem:
+        raise SystemExit(policy_problem)
+    if 'robot' in rtc_changes:
+        from oxygen_ros.model.robot_spec import get_robot
+        try:
+            get_robot(rtc_changes['robot'])
+        except ValueError as err:   # RobotSpecError: unknown name, unreadable file
+            raise SystemExit(f'--rtc-robot: {err}') from None
+    changes['rtc'] = dataclasses.replace(base.rtc, **rtc_changes)
+    changes['overload'] = overload_options_from_args(args)
     changes['out_dir'] = args.out
     return dataclasses.replace(base, **changes)
+
+
+def _rtc_policy_problem(rtc_changes: dict) -> str | None:
+    """Say what is wrong with --rtc-policy(-preset) or --rtc-max-guidance-weight (or None)."""
+    from pathlib import Path
+
+    from oxygen_ros.model.config import PRESETS
+
+    from .rtc import RANDOM, SMOOTH
+
+    from oxygen_ros.runtime.params import check_value
+
+    if 'max_guidance_weight' in rtc_changes:
+        why = check_value('rtc_max_guidance_weight', rtc_changes['max_guidance_weight'])
+        if why:
+            return f'--rtc-max-guidance-weight: {why}'
+    policy = rtc_changes.get('policy', SMOOTH)
+    if policy not in (SMOOTH, RANDOM) and not (Path(policy) / 'config.json').is_file():
+        return (f'--rtc-policy {policy!r}: expected smooth, random or a checkpoint folder '
+                '(with config.json)')
+    preset = rtc_changes.get('policy_preset')
+    if preset is not None and preset not in PRESETS:
+        return f'--rtc-policy-preset {preset!r}: expected one of {sorted(PRESETS)}'
+    return None
 
 
 def node_options_from_args(args: argparse.Namespace):
@@ -189,7 +276,20 @@ def node_options_from_args(args: argparse.Namespace):
                                k=args.node_k, rate_hz=args.node_rate,
                                camera_rate_hz=args.camera_rate, camera_width=width,
                                camera_height=height, camera_format=args.camera_format,
-                               **changes)
+                               rtc_mode=args.node_rtc, **changes)
+
+
+def overload_options_from_args(args: argparse.Namespace):
+    """Build the OverloadBenchOptions of the overload part's flags."""
+    from .overload import OverloadBenchOptions
+
+    base = OverloadBenchOptions.quick() if args.quick else OverloadBenchOptions()
+    changes = {name: value for name, value in (('factor', args.overload_factor),
+                                               ('duration_s', args.overload_duration))
+               if value is not None}
+    if changes.get('factor', 1.0) <= 0 or changes.get('duration_s', 1.0) <= 0:
+        raise SystemExit('--overload-factor and --overload-duration must be > 0')
+    return dataclasses.replace(base, **changes)
 
 
 def _raise_system_exit(signum, frame):
@@ -220,8 +320,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def _run_and_report(args: argparse.Namespace) -> int:
-    from .report import evaluate_targets, write_report
+    from .report import write_report
     from .run import run_benchmark
+    from .targets import evaluate_targets
 
     opts = options_from_args(args)
     command = ('oxygen-ros ' + ' '.join(shlex.quote(a) for a in sys.argv[1:])
@@ -241,4 +342,78 @@ def _run_and_report(args: argparse.Namespace) -> int:
         print(f'[{verdict}] {target["target"]}: {target["measured"]}')
     print(f'wrote {", ".join(str(p) for p in paths.values())} '
           f'in {time.perf_counter() - start:.0f} s')
+    return 0
+
+
+def add_smooth_policy_parser(sub) -> argparse.ArgumentParser:
+    """Register `smooth-policy`: write the RTC benchmark's smooth policy as a checkpoint."""
+    from .smooth_policy import CACHE_DIR, SmoothPolicyOptions
+
+    defaults = SmoothPolicyOptions()
+    parser = sub.add_parser(
+        'smooth-policy', help='a checkpoint that behaves like a trained policy (smooth, '
+        'multi-modal chunks) for real-time chunking benchmarks',
+        description='Fine-tune the action expert of a random-weight preset with openpi\'s '
+        'flow-matching loss on synthetic smooth demonstrations (one per noise: the chunks are '
+        'smooth and multi-modal, as a trained policy\'s are), save it as an openpi checkpoint '
+        f'(cached in {CACHE_DIR}) and print its folder: for `oxygen-ros replay --checkpoint`, '
+        'the node\'s checkpoint parameter, or `bench --rtc-policy`. Synthetic data only: its '
+        'chunks do not depend on what the cameras see.',
+        epilog='example:\n  oxygen-ros smooth-policy --preset small --out /tmp/smooth\n'
+               '  oxygen-ros replay BAG --out OUT --rtc-compare --checkpoint /tmp/smooth',
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--preset', default=defaults.preset,
+                        help=f'random-weight preset to start from (default {defaults.preset})')
+    parser.add_argument('--robot', default=defaults.robot,
+                        help='robot (a shipped name or a robot YAML) whose action columns move '
+                        f'and whose norm-stats id the checkpoint uses (default {defaults.robot})')
+    parser.add_argument('--steps', type=int, default=defaults.steps,
+                        help=f'optimiser steps (default {defaults.steps})')
+    parser.add_argument('--seed', type=int, default=defaults.seed)
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--threads', type=int, default=1, help='torch threads (default 1)')
+    parser.add_argument('--out', default=None,
+                        help='copy the checkpoint folder here (must not exist; default: print '
+                        'the cached folder)')
+    parser.add_argument('--cache-dir', default=None,
+                        help=f'where trained policies are kept (default {CACHE_DIR})')
+    parser.set_defaults(func=run_smooth_policy_command)
+    return parser
+
+
+def run_smooth_policy_command(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+    import shutil
+
+    import torch
+
+    from oxygen_ros.model.config import PRESETS
+    from oxygen_ros.model.robot_spec import get_robot
+
+    from .smooth_policy import INFO_FILE, smooth_policy, SmoothPolicyOptions
+
+    if args.preset not in PRESETS:
+        raise SystemExit(f'--preset {args.preset!r}: expected one of {sorted(PRESETS)}')
+    if args.steps < 1:
+        raise SystemExit(f'--steps must be >= 1, got {args.steps}')
+    try:
+        get_robot(args.robot)
+    except ValueError as err:   # RobotSpecError: unknown name, unreadable file
+        raise SystemExit(f'--robot: {err}') from None
+    if args.out and Path(args.out).exists():
+        raise SystemExit(f'--out {args.out}: exists (give a new folder)')
+    torch.set_num_threads(args.threads)
+    opts = SmoothPolicyOptions(preset=args.preset, robot=args.robot, steps=args.steps,
+                               seed=args.seed)
+    path = smooth_policy(opts, args.device, args.cache_dir,
+                         progress=lambda line: print(line, flush=True))
+    if args.out:
+        path = Path(shutil.copytree(path, args.out))
+    info = json.loads((path / INFO_FILE).read_text())
+    smooth = info['smoothness']
+    print(f'loss {info["loss_first"]:.4f} -> {info["loss_last"]:.4f} over {args.steps} steps; '
+          f'chunks without RTC: row step {smooth["row_step"]:.3f}, '
+          f'{smooth["across_chunks"]:.3f} between two chunks ({smooth["ratio"]:.2f}x)')
+    print(path)
     return 0

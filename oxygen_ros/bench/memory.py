@@ -23,39 +23,21 @@ import os
 from pathlib import Path
 import sys
 
-
-def read_status_kb(field: str, pid: int | str = 'self') -> int:
-    """Read a `Vm*` field of /proc/<pid>/status in KiB (0 where /proc is not available)."""
-    try:
-        with open(f'/proc/{pid}/status') as status:
-            for line in status:
-                if line.startswith(field + ':'):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def reset_peak_rss(pid: int | str = 'self') -> None:
-    """Reset the resident high-water mark VmHWM to the current RSS (Linux 4.0+)."""
-    try:
-        with open(f'/proc/{pid}/clear_refs', 'w') as refs:
-            refs.write('5')
-    except OSError:
-        pass
+from ..runtime.procfs import reset_peak_rss, status_kb
 
 
 def probe(args: argparse.Namespace) -> dict:
     """Build the model and the system, serve frames, return the peaks (MiB)."""
+    import numpy.random  # noqa: F401 - numpy loads it at the first frame: runtime, not system
     import torch
 
     from ..engine import LanguagePolicy, random_observation, random_setup
     from ..model import get_preset
     from .plan import SystemSpec
-    from .run import make_bench_system
+    from .systems import make_bench_system
 
     torch.set_num_threads(args.threads)
-    runtime_kb = read_status_kb('VmRSS')
+    runtime_kb = status_kb('VmRSS')
     cfg = get_preset(args.preset).replace(num_steps=args.steps)
     dtype = getattr(torch, args.dtype)
     robot = args.workload
@@ -78,11 +60,11 @@ def probe(args: argparse.Namespace) -> dict:
             system.step(random_observation(robot, frame, seed=args.seed,
                                            image_size=cfg.vision.image_size))
         if workers:
-            worker_kb = [read_status_kb('VmHWM', w.pid) for w in workers]
+            worker_kb = [status_kb('VmHWM', w.pid) for w in workers]
             peak_kb = sum(worker_kb)
             above_kb = sum(kb - runtime_kb for kb in worker_kb)
         else:
-            peak_kb = read_status_kb('VmHWM')
+            peak_kb = status_kb('VmHWM')
             above_kb = peak_kb - runtime_kb
     finally:
         system.close()

@@ -47,12 +47,18 @@ import time
 
 import numpy as np
 
-from oxygen_ros.runtime.control import thread_cpu, THREAD_NAME
-from oxygen_ros.runtime.params import camera_param_name, load_node_params, NODE_NAME
+from oxygen_ros.model.robot_spec import get_robot
+from oxygen_ros.runtime.dds_profile import profile_environment
+from oxygen_ros.runtime.inputs import LOSS_WINDOW_S
+from oxygen_ros.runtime.params import (camera_param_name, load_node_params, NODE_NAME,
+                                       ROBOT_IO, RtcSettings)
+from oxygen_ros.runtime.procfs import process_cpu_s
+from oxygen_ros.runtime.rtc import RtcPlanner
+
+from .cpu import cpu_between, OtherLoad, ThreadCpu
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PACKAGE_ROOT / 'config'
-CONTROL_THREAD_NAME = THREAD_NAME      # native name of the node's control thread
 ASKED_SHARE = 0.9                      # asked rate = this share of 1 / p50(engine frame time)
 BENCH_INSTRUCTION = 'pick up the black bowl and place it on the plate'
 TOKEN_WINDOW_S = 5.0                   # tokens/s is also reported per window of this length
@@ -73,15 +79,16 @@ class NodeBenchOptions:
     camera_rate_hz: float = 15.0
     camera_width: int = 640
     camera_height: int = 480
-    # 'jpeg' (sensor_msgs/CompressedImage) or 'raw' (rgb8 sensor_msgs/Image). jpeg by default:
-    # raw 640x480 frames are 0.9 MB best-effort messages, which Fast DDS's default transport
-    # drops on a busy machine (publisher at 15 Hz, subscriber at 4-11 Hz with gaps of 0.6-3 s
-    # and no node running, here): a raw run measures the middleware as much as the node.
-    camera_format: str = 'jpeg'
+    # 'raw' (rgb8 sensor_msgs/Image, as a camera driver sends) or 'jpeg' (CompressedImage).
+    # Raw 640x480 frames are 0.9 MB: every child runs with the Fast DDS profile for large
+    # frames (config/fastdds_large_frames.xml), without which Fast DDS's 512 KB shared-memory
+    # segment drops most of them (publisher at 15 Hz, received at 2-14 Hz here).
+    camera_format: str = 'raw'
     engine_frames: int = 20         # measured engine frames (after ceil(N/k) + 2 warm-up)
     # then the engine again while the stand-in robot publishes (no node): the same machine
     # load the node runs under, so the node's tail can be told from the robot's interference
     engine_loaded_frames: int = 60
+    rtc_mode: str = 'off'           # real-time chunking of the node and the engine run
     start_timeout_s: float = 300.0  # node start (model load) and first action, each
 
     @classmethod
@@ -119,6 +126,11 @@ class EngineReference:
         return share / self.frame_p50_s
 
 
+def node_robots() -> list[str]:
+    """Shipped robots with a node configuration (config/<robot>.yaml) to benchmark."""
+    return sorted(name for name in ROBOT_IO if (CONFIG_DIR / f'{name}.yaml').is_file())
+
+
 def node_parameters(robot: str) -> dict:
     """Read the `ros__parameters` of oxygen_node in config/<robot>.yaml (what the node loads)."""
     return load_node_params(CONFIG_DIR / f'{robot}.yaml', NODE_NAME)
@@ -128,7 +140,6 @@ def camera_observation(robot: str, index: int, height: int, width: int, seed: in
                        instruction: str):
     """Make an observation with camera-sized noise images (the frontend resizes them)."""
     from ..engine.types import Observation
-    from ..model.robots import get_robot
 
     spec = get_robot(robot)
     rng = np.random.default_rng(np.random.SeedSequence([seed, index, 11]))
@@ -142,7 +153,7 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
                    dtype: str = 'auto', threads: int = 0, tokens: int = 10, k: int = 5,
                    seed: int = 0, frames: int = 20, camera_hw: tuple[int, int] = (480, 640),
                    instruction: str = BENCH_INSTRUCTION, loaded_frames: int = 0,
-                   load=None) -> EngineReference:
+                   load=None, rtc_mode: str = 'off') -> EngineReference:
     """Build the engine the node builds (random weights of `preset`) and time its frames.
 
     The language policy is the node's: one request per frame, N = `tokens`, EOS on, the
@@ -153,10 +164,11 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
     """
     import torch
 
-    from ..engine import LanguagePolicy, make_system, random_observation, random_setup
+    from ..engine import LanguagePolicy, random_observation, random_setup
     from ..engine.hardware import choose_dtype
     from ..engine.prepare import prepare_model, seal
     from ..model import get_preset
+    from .systems import make_system
 
     if threads:
         torch.set_num_threads(threads)
@@ -176,17 +188,18 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
     system = make_system('oxygen', model, frontend, policy, k=k, seed=seed)
     started = time.perf_counter()
     system.runner.warm_up_compiled(frames=[frontend.prepare(random_observation(
-        robot, 0, seed, image_size=config.vision.image_size)).tensors])
+        frontend.adapter.spec, 0, seed, image_size=config.vision.image_size)).tensors])
     seal(model, plan, started)
+    rtc = RtcPlanner(RtcSettings(rtc_mode), get_robot(robot).step_period_s)
     try:
         reference = time_engine(system, robot, k=k, warmup=math.ceil(tokens / k) + 2,
                                 frames=frames, camera_hw=camera_hw, seed=seed,
-                                instruction=instruction, close=False)
+                                instruction=instruction, close=False, rtc=rtc)
         if loaded_frames and load is not None:
             with load():
                 loaded = time_engine(system, robot, k=k, warmup=1, frames=loaded_frames,
                                      camera_hw=camera_hw, seed=seed + 1,
-                                     instruction=instruction, close=False)
+                                     instruction=instruction, close=False, rtc=rtc)
             reference.loaded_act_s = loaded.act_s
         return reference
     finally:
@@ -197,12 +210,14 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
 
 def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
                 camera_hw: tuple[int, int], seed: int = 0,
-                instruction: str = BENCH_INSTRUCTION, close: bool = True) -> EngineReference:
+                instruction: str = BENCH_INSTRUCTION, close: bool = True,
+                rtc: RtcPlanner | None = None) -> EngineReference:
     """Time act() and act() + advance_language() of a built engine over camera-sized frames.
 
     `system` is any engine System (act / advance_language); it is closed afterwards unless
     `close` is False. `warmup` frames run first, unmeasured (ceil(N/k) + 2 reach the steady
-    decode batch).
+    decode batch). rtc: each chunk continues the last one, as in the node (frames 0.1 s
+    apart, each out after its act()).
     """
     act_s, frame_s, decoded = [], [], []
     other = None
@@ -211,8 +226,12 @@ def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
             obs = camera_observation(robot, index, *camera_hw, seed=seed,
                                      instruction=instruction)
             if index == warmup:
-                other = OtherLoad([0])
-            action = system.act(obs)
+                other = OtherLoad()
+            continuation = rtc.continuation(obs) if rtc is not None else None
+            action = (system.act(obs, continuation) if continuation is not None
+                      else system.act(obs))
+            if rtc is not None:
+                rtc.record(action, obs.stamp + action.inference_time_s)
             result = system.advance_language()
             if index >= warmup:
                 act_s.append(action.inference_time_s)
@@ -225,119 +244,17 @@ def time_engine(system, robot: str, *, k: int, warmup: int, frames: int,
                            other.percent() if other is not None else math.nan)
 
 
-# ---- CPU of the node's threads ------------------------------------------------------------
-
-class ThreadCpu:
-    """CPU seconds of each thread of a process, by native thread name, sampled from /proc.
-
-    A background thread re-reads /proc/<pid>/task every `interval_s`, so threads that end
-    between two marks still count with their last sample.
-    """
-
-    def __init__(self, pid: int, interval_s: float = 0.25):
-        self.pid = pid
-        self.interval_s = interval_s
-        self._seen: dict[int, tuple[str, float]] = {}   # tid -> (name, CPU seconds)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name='bench_cpu_sampler',
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.poll()
-
-    def poll(self) -> None:
-        threads = thread_cpu(self.pid)
-        if threads is None:
-            return   # the process is gone: keep the last samples
-        with self._lock:
-            self._seen.update(threads)
-
-    def mark(self) -> tuple[float, dict[int, tuple[str, float]]]:
-        """(monotonic time, per-thread CPU) now: one end of a window."""
-        self.poll()
-        with self._lock:
-            return time.monotonic(), dict(self._seen)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-
-
-def cpu_between(start, end, control_name: str = CONTROL_THREAD_NAME) -> dict:
-    """CPU of a window between two ThreadCpu marks, in % of one core, split by thread name.
-
-    A thread is classed by its name at the end of the window (the control thread may be
-    renamed after it started).
-    """
-    (t0, before), (t1, after) = start, end
-    wall = max(t1 - t0, 1e-9)
-    by_name: dict[str, float] = {}
-    for tid, (name, seconds) in after.items():
-        used = seconds - (before[tid][1] if tid in before else 0.0)
-        by_name[name] = by_name.get(name, 0.0) + max(used, 0.0)
-    total = sum(by_name.values())
-    control = by_name.get(control_name)
-    return {
-        'wall_s': wall,
-        'total_pct': 100 * total / wall,
-        'control_pct': math.nan if control is None else 100 * control / wall,
-        'outside_control_pct': math.nan if control is None else 100 * (total - control) / wall,
-        'control_thread_found': control is not None,
-        'by_name_pct': {name: 100 * s / wall for name, s in sorted(
-            by_name.items(), key=lambda item: -item[1])},
-    }
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds of a whole process so far (nan when it is gone)."""
-    try:
-        with open(f'/proc/{pid}/stat') as stat:
-            fields = stat.read().rpartition(')')[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
-    except (OSError, IndexError, ValueError):
-        return math.nan
-
-
-class OtherLoad:
-    """CPU used by other processes over a window, in % of all cores (from /proc/stat).
-
-    Machine busy time minus the CPU of `pids` (this benchmark's processes; 0 = this one). A
-    few % is background; tens of % mean the measurement shared the cores with other work.
-    Unlike run.OtherLoad it subtracts processes by pid: the node, robot and monitor are
-    children that are not reaped while measured, so rusage does not count them yet.
-    """
-
-    def __init__(self, pids: list[int]):
-        self.pids = pids
-        self._start = self._snapshot()
-
-    def _snapshot(self) -> tuple[float, float, float]:
-        try:
-            with open('/proc/stat') as stat:
-                fields = [float(v) for v in stat.readline().split()[1:]]
-            busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf('SC_CLK_TCK')
-        except OSError:
-            busy = math.nan
-        ours = sum(process_cpu_s(pid or os.getpid()) for pid in self.pids)
-        return busy, ours, time.monotonic()
-
-    def percent(self) -> float:
-        busy, ours, now = self._snapshot()
-        busy0, ours0, start = self._start
-        cores = os.cpu_count() or 1
-        return max(0.0, 100 * ((busy - busy0) - (ours - ours0)) / ((now - start) * cores))
-
-
 # ---- 2./3. the processes ------------------------------------------------------------------
 
 def child_environment() -> dict[str, str]:
-    """Return the environment of ROS children: DDS on this machine, this source tree."""
+    """Return the environment of ROS children: DDS on this machine, this source tree.
+
+    The children use the Fast DDS profile for large frames unless the environment names one.
+    """
     env = dict(os.environ)
     env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
     env.setdefault('ROS_DOMAIN_ID', str(1 + os.getpid() % 100))
+    env.update(profile_environment(environ=env))   # raw camera frames arrive whole
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT),
                                                       env.get('PYTHONPATH')]))
     env['PYTHONUNBUFFERED'] = '1'
@@ -421,6 +338,14 @@ def node_command(opts: NodeBenchOptions, preset: str, device: str, dtype: str, t
                  'tokens_per_request': opts.tokens, 'seed': seed,
                  # Declared by nodes that pin torch's threads; an older node ignores it.
                  'torch_threads': threads}
+    if opts.rtc_mode != 'off':
+        overrides['rtc_mode'] = opts.rtc_mode
+    return yaml_node_command(opts, overrides)
+
+
+def yaml_node_command(opts: NodeBenchOptions, overrides: dict) -> list[str]:
+    """oxygen_node with config/<robot>.yaml, `overrides` and the robot's camera format."""
+    overrides = dict(overrides)
     if opts.camera_format == 'jpeg':
         # The node subscribes <base>/compressed (image_transport naming), as the stand-in
         # robot publishes with --compressed.
@@ -552,7 +477,7 @@ def run_node(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threa
             f'{opts.duration_s:g} s measured')
         _sleep_until(first['t'] + opts.warmup_s, children)
         robot_cpu_start = process_cpu_s(robot.pid)
-        other = OtherLoad([0] + [child.pid for child in children])
+        other = OtherLoad([child.pid for child in children])
         active_start = sampler.mark()
         _sleep_until(active_start[0] + opts.duration_s, children)
         active_end = sampler.mark()
@@ -635,6 +560,7 @@ def analyze(run: NodeRun, rate_hz: float) -> dict:
         # missing tick with this count up means the camera frames did not arrive in time.
         'node_skipped_ticks': counted('skipped_total'),
         'camera_msgs_per_s': camera_rate(run.monitor['diagnostics'], t0, t1),
+        **camera_arrival(run.monitor['diagnostics'], t0, t1),
         'frames_lost': frames_lost,
         'tick_interval_ms_p99': 1e3 * float(np.percentile(gaps, 99)) if gaps else math.nan,
         'tokens_per_s': sum(c['n'] for c in tokens) / window,
@@ -663,6 +589,25 @@ def camera_rate(diagnostics: list[dict], t0: float, t1: float) -> float:
     return min(rates) if rates else math.nan
 
 
+def camera_arrival(diagnostics: list[dict], t0: float, t1: float) -> dict:
+    """Return the slowest camera's frames/s that arrived whole and the largest share lost.
+
+    From the node's inputs status at the end of the window: '..., <lost> of <sent> sent lost
+    in transport' per camera over the node's loss window (publication sequence numbers and
+    the middleware's lost count; runtime.inputs.TransportLoss). Needs a window at least as
+    long as that one.
+    """
+    known = [d['inputs'] for d in diagnostics if t0 <= d['t'] < t1 and 'inputs' in d]
+    found = []
+    for key, value in (known[-1] if known and t1 - t0 >= LOSS_WINDOW_S else {}).items():
+        match = re.search(r'(\d+) of (\d+) sent lost', value)
+        if key.startswith('camera') and match and int(match.group(2)):
+            lost, sent = int(match.group(1)), int(match.group(2))
+            found.append(((sent - lost) / LOSS_WINDOW_S, 100 * lost / sent))
+    return {'camera_arrived_hz_min': min((hz for hz, _ in found), default=math.nan),
+            'camera_lost_pct_max': max((pct for _, pct in found), default=math.nan)}
+
+
 def tick_records(run: NodeRun, rate_hz: float) -> list[dict]:
     """Per-tick rows for the latency plot: time from the measured window's start (s)."""
     t0, t1 = run.window
@@ -686,9 +631,10 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
     figures = analyze(run, rate_hz)
     act = np.array(engine.act_s)
     row = {'preset': preset, 'robot': opts.robot, 'device': device, 'dtype': dtype,
-           'threads': threads, 'n_tokens': opts.tokens, 'k': opts.k,
+           'threads': threads, 'n_tokens': opts.tokens, 'k': opts.k, 'rtc_mode': opts.rtc_mode,
            'cameras': f'{opts.camera_width}x{opts.camera_height} {opts.camera_format} '
                       f'@{opts.camera_rate_hz:g}Hz',
+           'camera_rate_hz': opts.camera_rate_hz,
            'engine_frames': len(engine.act_s),
            'engine_act_ms_p50': 1e3 * float(np.median(act)),
            'engine_act_ms_p99': 1e3 * float(np.percentile(act, 99)),
@@ -750,7 +696,8 @@ def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, 
     engine = measure_engine(preset, opts.robot, device=device, dtype=dtype, threads=threads,
                             tokens=opts.tokens, k=opts.k, seed=seed, frames=opts.engine_frames,
                             camera_hw=(opts.camera_height, opts.camera_width),
-                            loaded_frames=opts.engine_loaded_frames, load=robot_running)
+                            loaded_frames=opts.engine_loaded_frames, load=robot_running,
+                            rtc_mode=opts.rtc_mode)
     if opts.rate_hz:
         rate_hz, source = opts.rate_hz, 'given'
     else:

@@ -25,11 +25,12 @@ SWEEPS = ('nk', 'steps', 'arrivals', 'mixed', 'workloads')
 PARTS = ('floors',) + SWEEPS + ('memory',)   # the default ('all'): runs anywhere, ROS or not
 # 'robots' (R robots from one engine vs R engines, in worker processes, minutes), 'node'
 # (oxygen_node, a stand-in robot and a monitor as processes: it needs the ROS install and the
-# built messages) and 'serve' (`oxygen-ros serve` over the engine, a client on localhost) run
-# only when asked for, as does 'build' (peak RSS of building / loading a model of
-# --build-preset, pi05 by default: 7 GB of memory and a 7 GB checkpoint written to a temporary
-# folder, minutes).
-ALL_PARTS = PARTS + ('robots', 'node', 'serve', 'build')
+# built messages), 'serve' (`oxygen-ros serve` over the engine, a client on localhost),
+# 'overload' (the node with the shipped YAML, then asked 2x what it holds: narration figures),
+# 'rtc' (real-time chunking off / guided / prefix on the same synthetic episode) and 'build'
+# (peak RSS of building / loading a model of --build-preset, pi05 by default: 7 GB of memory
+# and a 7 GB checkpoint written to a temporary folder, minutes) run only when asked for.
+ALL_PARTS = PARTS + ('robots', 'node', 'serve', 'overload', 'rtc', 'build')
 ROBOT_COUNTS = (1, 2, 4, 8)
 PAPER_NS = (5, 10, 15, 20, 30)
 PAPER_STEPS = (5, 10, 15, 20)

@@ -39,8 +39,9 @@ import time
 import numpy as np
 
 from ..engine.workload import get_workload
+from ..runtime.procfs import reset_peak_rss, status_kb
+from .cpu import OtherLoad
 from .measure import compare_tokens, max_action_diff, percentile, SystemLog
-from .memory import read_status_kb, reset_peak_rss
 from .plan import WARMUP_FRAMES
 
 ROBOT_SYSTEMS = ('fleet', 'separate', 'sequential')
@@ -92,8 +93,9 @@ def _build(job: RobotsJob):
     import torch
 
     from ..engine import (FixedBudget, FleetRobot, Frontend, identity_norm_stats,
-                          LanguagePolicy, make_fleet, make_system, random_setup)
+                          LanguagePolicy, make_fleet, random_setup)
     from ..model import get_preset
+    from .systems import make_system
 
     torch.set_num_threads(job.threads)
     cfg = get_preset(job.preset).replace(num_steps=job.steps)
@@ -153,7 +155,7 @@ def _build(job: RobotsJob):
 
 def worker_main(job: RobotsJob, inbox, outbox) -> None:
     """Worker process: build, report ready, wait for 'go', serve the ticks, report the logs."""
-    runtime_kb = read_status_kb('VmRSS')
+    runtime_kb = status_kb('VmRSS')
     try:
         system, serve, drain = _build(job)
     except Exception as err:   # reported to the parent, which raises
@@ -191,7 +193,7 @@ def worker_main(job: RobotsJob, inbox, outbox) -> None:
         kv_bytes = sum(p.pool.total_bytes for p in pools)
         cuda_bytes = torch.cuda.max_memory_allocated() if cuda else math.nan
         outbox.put(('ok', {'logs': logs, 'window': window, 'runtime_kb': runtime_kb,
-                           'peak_kb': read_status_kb('VmHWM'), 'kv_bytes': kv_bytes,
+                           'peak_kb': status_kb('VmHWM'), 'kv_bytes': kv_bytes,
                            'cuda_bytes': cuda_bytes}))
     except Exception as err:   # reported to the parent, which raises
         outbox.put(('error', repr(err)))
@@ -348,7 +350,6 @@ def run_robots_part(opts, models, bar=None) -> list[dict]:
     weights the workers rebuild from the same seed).
     """
     from .phases import PhaseProbe
-    from .run import OtherLoad
 
     plan = opts.plan
     steps = plan.default_steps

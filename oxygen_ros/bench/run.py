@@ -16,11 +16,9 @@ import dataclasses
 import json
 import logging
 import math
-import multiprocessing
 import os
 from pathlib import Path
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -29,20 +27,24 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ..engine import (action_only_policy, Engine, Frontend, identity_norm_stats,
-                      LanguagePolicy, make_engine, make_system, random_observation,
-                      random_setup, System, UnlimitedBudget)
+from ..engine import (Engine, Frontend, identity_norm_stats, random_observation, random_setup,
+                      System)
 from ..engine.hardware import choose_dtype, DTYPE_NAMES, measure_machine
 from ..engine.prepare import CompilePlan, prepare_model, runner_options, seal
 from ..engine.runner import ModelRunner
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
+from ..runtime.procfs import cpu_model
+from .cpu import OtherLoad
 from .measure import compare_tokens, max_action_diff, summarize, SystemLog
 from .memory import package_env
 from .node import NodeBenchOptions, run_node_part
+from .overload import OverloadBenchOptions, run_overload_part
 from .phases import floor_rows, measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 from .robots import run_robots_part
+from .rtc import rtc_policy, RtcBenchOptions, run_rtc_part
+from .systems import make_bench_system
 
 # Deadline of oxygen-adaptive and of the deadline-miss count when no control rate is given:
 # the action path (P + D) plus this share of it for language (about k = 5 decode steps of the
@@ -71,13 +73,21 @@ class BenchOptions:
     quick: bool = False
     plot_statistic: str = 'mean'     # frame-time statistic of the plots' Hz: mean (paper) / p50
     node: NodeBenchOptions = dataclasses.field(default_factory=NodeBenchOptions)   # part 'node'
+    rtc: RtcBenchOptions = dataclasses.field(default_factory=RtcBenchOptions)      # part 'rtc'
+    overload: OverloadBenchOptions = dataclasses.field(   # part 'overload'
+        default_factory=OverloadBenchOptions)
     out_dir: str = 'bench-results'   # where the node part leaves its processes' logs
 
     @classmethod
     def quick_defaults(cls, **changes) -> BenchOptions:
         return dataclasses.replace(cls(plan=quick_options(), preset='tiny', quick=True,
                                        phase_repeats=3, memory_frames=2, build_preset='small',
-                                       node=NodeBenchOptions.quick()), **changes)
+                                       node=NodeBenchOptions.quick(),
+                                       rtc=RtcBenchOptions(frames=8, warmup=3, delay=1,
+                                                           period_rows=2,
+                                                           policy_preset='small',
+                                                           policy_steps=250),
+                                       overload=OverloadBenchOptions.quick()), **changes)
 
 
 @dataclasses.dataclass
@@ -97,17 +107,14 @@ class BenchResult:
     serve: list[dict] = dataclasses.field(default_factory=list)       # part 'serve': one row
     floors: list[dict] = dataclasses.field(default_factory=list)      # part 'floors': phases
     builds: list[dict] = dataclasses.field(default_factory=list)      # part 'build': peak RSS
+    rtc: list[dict] = dataclasses.field(default_factory=list)         # part 'rtc': per mode
+    rtc_paths: list[dict] = dataclasses.field(default_factory=list)   # its plotted paths
+    overload: list[dict] = dataclasses.field(default_factory=list)    # part 'overload': 2 rows
 
 
 def environment(opts: BenchOptions) -> dict:
     """Describe what the numbers depend on: versions, threads, CPU, device, machine load."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open('/proc/cpuinfo') as info:
-            cpu = next(line.split(':', 1)[1].strip() for line in info
-                       if line.startswith('model name'))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model() or platform.processor() or platform.machine()
     env = {'torch': torch.__version__, 'python': platform.python_version(), 'cpu': cpu,
            'cores': os.cpu_count(), 'torch_threads': torch.get_num_threads(),
            'device': opts.device, 'dtype': opts.dtype, 'preset': opts.preset,
@@ -115,68 +122,6 @@ def environment(opts: BenchOptions) -> dict:
     if opts.device.startswith('cuda'):
         env['gpu'] = torch.cuda.get_device_name(torch.device(opts.device))
     return env
-
-
-class OtherLoad:
-    """CPU time used by other processes while a block of work ran, in % of all cores.
-
-    Machine busy time comes from /proc/stat; this process's own time (and its children's,
-    including live parallel workers) is subtracted. A few % is background; tens of % means the
-    measured frames competed with other work for the cores.
-    """
-
-    def __init__(self):
-        self._start = self._snapshot()
-
-    @staticmethod
-    def _machine_busy_s() -> float:
-        try:
-            with open('/proc/stat') as stat:
-                fields = [float(v) for v in stat.readline().split()[1:]]
-        except OSError:
-            return math.nan
-        idle = fields[3] + fields[4]   # idle + iowait
-        return (sum(fields[:8]) - idle) / os.sysconf('SC_CLK_TCK')
-
-    @staticmethod
-    def _own_cpu_s() -> float:
-        own = 0.0
-        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-            usage = resource.getrusage(who)
-            own += usage.ru_utime + usage.ru_stime
-        for child in multiprocessing.active_children():   # not reaped yet: not in RUSAGE
-            try:
-                with open(f'/proc/{child.pid}/stat') as stat:
-                    fields = stat.read().rpartition(')')[2].split()
-                own += (float(fields[11]) + float(fields[12])) / os.sysconf('SC_CLK_TCK')
-            except (OSError, IndexError, ValueError):
-                pass
-        return own
-
-    def _snapshot(self) -> tuple[float, float, float]:
-        return self._machine_busy_s(), self._own_cpu_s(), time.perf_counter()
-
-    def percent(self) -> float:
-        busy, own, wall = self._snapshot()
-        busy0, own0, wall0 = self._start
-        cores = os.cpu_count() or 1
-        return max(0.0, 100 * ((busy - busy0) - (own - own0)) / ((wall - wall0) * cores))
-
-
-def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
-                      policy: LanguagePolicy, period_s: float, seed: int,
-                      runner_options: dict | None = None) -> System:
-    """Build one system of a group ('action-only' is an Engine with no requests)."""
-    if spec.name == 'action-only':
-        return make_engine('action-only', model, frontend, action_only_policy(policy),
-                           UnlimitedBudget(), seed=seed)
-    kwargs = {'seed': seed}
-    if spec.name == 'oxygen':
-        kwargs['k'] = spec.k
-    if spec.name == 'oxygen-adaptive':
-        kwargs.update(frame_period_s=period_s, k=spec.k or policy.max_request_len)
-    return make_system(spec.name, model, frontend, policy, runner_options=runner_options,
-                       **kwargs)
 
 
 def drain(system: System, log: SystemLog) -> None:
@@ -525,6 +470,8 @@ def _run_benchmark(opts: BenchOptions, checkpoint, dtype_reason: str) -> BenchRe
             part_seconds[group.sweep] = part_seconds.get(group.sweep, 0.0) + (
                 time.perf_counter() - start)
     memory: list[dict] = []
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress else (
+        lambda line: None)   # the process parts' progress lines
     result = BenchResult(rows, memory, components, periods, part_seconds, env, opts,
                          floors=floors)
     if checkpoint is not None and groups and {'memory', 'robots', 'node'} & set(opts.plan.parts):
@@ -550,8 +497,6 @@ def _run_benchmark(opts: BenchOptions, checkpoint, dtype_reason: str) -> BenchRe
         if checkpoint is not None and (memory or result.robots):
             checkpoint(result)
         start = time.perf_counter()
-        say = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress else (
-            lambda line: None)
         row, ticks, _ = run_node_part(opts.node, opts.preset, opts.device, opts.dtype,
                                       opts.threads, opts.seed, Path(opts.out_dir) / 'node_logs',
                                       say)
@@ -567,6 +512,21 @@ def _run_benchmark(opts: BenchOptions, checkpoint, dtype_reason: str) -> BenchRe
                                            opts.preset, opts.device, opts.dtype, opts.threads,
                                            opts.seed))
         part_seconds['serve'] = time.perf_counter() - start
+    if 'rtc' in opts.plan.parts:
+        start = time.perf_counter()
+        steps = opts.plan.default_steps
+        model, frontend, policy = rtc_policy(
+            opts.rtc, opts.preset, opts.device, opts.dtype, opts.threads, opts.seed,
+            lambda: (models.model(steps), models.frontend(steps, opts.rtc.robot)), say)
+        rows, paths = run_rtc_part(opts.rtc, model, frontend, opts.seed, say, policy)
+        result.rtc.extend(rows)
+        result.rtc_paths.extend(paths)
+        part_seconds['rtc'] = time.perf_counter() - start
+    if 'overload' in opts.plan.parts:
+        start = time.perf_counter()
+        result.overload.extend(run_overload_part(opts.node, opts.overload,
+                                                 Path(opts.out_dir) / 'overload_logs', say))
+        part_seconds['overload'] = time.perf_counter() - start
     env['loadavg_end'] = os.getloadavg()[0] if hasattr(os, 'getloadavg') else math.nan
     env['compile'] = {steps: {'passes': plan.describe(), 'warm_up_s': round(plan.seconds, 1)}
                       for steps, plan in models.prepared.items()}
@@ -609,6 +569,11 @@ def load_result(path: str | Path) -> BenchResult:
                                   for key, v in opts['plan'].items()})
     if isinstance(opts.get('node'), dict):
         opts['node'] = NodeBenchOptions(**opts['node'])
+    if isinstance(opts.get('rtc'), dict):
+        opts['rtc'] = RtcBenchOptions(**{key: tuple(v) if isinstance(v, list) else v
+                                         for key, v in opts['rtc'].items()})
+    if isinstance(opts.get('overload'), dict):
+        opts['overload'] = OverloadBenchOptions(**opts['overload'])
     data['options'] = BenchOptions(**opts)
     data['periods'] = {int(steps): p for steps, p in data['periods'].items()}
     return BenchResult(**data)

@@ -34,10 +34,10 @@ class ServeBenchOptions:
 def openpi_request(robot: str, index: int, seed: int) -> dict:
     """Build an observation as openpi's client for `robot` sends it (random content)."""
     from oxygen_ros.engine import random_observation
-    from oxygen_ros.serve.observations import OBSERVATION_KEYS
+    from oxygen_ros.serve.observations import keys_for
 
     obs = random_observation(robot, index, seed, image_size=224)
-    keys = OBSERVATION_KEYS[robot]
+    keys = keys_for(robot)
     request: dict = {'prompt': 'pick up the red block'}
     for camera, path in keys.cameras.items():
         image = obs.images[camera]

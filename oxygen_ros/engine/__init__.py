@@ -1,29 +1,30 @@
-"""The OxyGen engine: scheduler, model runner, output processor, budgets, the compared systems."""
+"""The OxyGen engine: scheduler, model runner, output processor, budgets, workloads.
 
-from oxygen_ros.engine.baselines import (action_only_policy, make_system, ParallelSystem,
-                                         SYSTEMS)
+The systems the benchmark compares it with (isolated, shared, parallel) are bench/systems.py.
+"""
+
 from oxygen_ros.engine.budget import (AdaptiveBudget, Budget, FixedBudget, StepCostModel,
                                       UnlimitedBudget)
 from oxygen_ros.engine.engine import Engine, make_engine
 from oxygen_ros.engine.fleet import (FleetActions, FleetEngine, FleetMember, FleetResult,
                                      FleetRobot, make_fleet)
 from oxygen_ros.engine.frontend import (Frontend, identity_norm_stats, random_observation,
-                                        random_setup)
+                                        random_setup, synthetic_frame)
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner
-from oxygen_ros.engine.scheduler import Admission, PRESSURE_POLICIES, Scheduler, StepPlan
+from oxygen_ros.engine.scheduler import Admission, Scheduler, StepPlan
 from oxygen_ros.engine.system import System
-from oxygen_ros.engine.types import (ActionOutput, FinishedRequest, FrameResult, Observation,
-                                     TokenDelta, Timings)
+from oxygen_ros.engine.types import (ActionOutput, Continuation, FinishedRequest, FrameResult,
+                                     Observation, TokenDelta, Timings)
 from oxygen_ros.engine.workload import (default_num_slots, get_workload, LanguagePolicy,
                                         Workload, WORKLOADS)
 from oxygen_ros.kv import FinishReason
 
-__all__ = ['action_only_policy', 'ActionOutput', 'AdaptiveBudget', 'Admission', 'Budget',
+__all__ = ['ActionOutput', 'AdaptiveBudget', 'Admission', 'Budget', 'Continuation',
            'default_num_slots', 'Engine', 'FinishedRequest', 'FinishReason', 'FixedBudget',
-           'FleetActions', 'FleetEngine', 'FleetMember', 'FleetResult', 'FleetRobot', 'make_fleet',
-           'FrameResult', 'Frontend', 'get_workload', 'identity_norm_stats', 'LanguagePolicy',
-           'make_engine', 'make_system', 'ModelRunner', 'Observation', 'OutputProcessor',
-           'ParallelSystem', 'PRESSURE_POLICIES', 'random_observation', 'random_setup',
-           'Scheduler', 'StepCostModel', 'StepPlan', 'System', 'SYSTEMS', 'TokenDelta',
-           'Timings', 'UnlimitedBudget', 'Workload', 'WORKLOADS']
+           'FleetActions', 'FleetEngine', 'FleetMember', 'FleetResult', 'FleetRobot',
+           'make_fleet', 'FrameResult', 'Frontend', 'get_workload', 'identity_norm_stats',
+           'LanguagePolicy', 'make_engine', 'ModelRunner', 'Observation', 'OutputProcessor',
+           'random_observation', 'random_setup', 'Scheduler', 'StepCostModel', 'StepPlan',
+           'synthetic_frame', 'System', 'TokenDelta', 'Timings', 'UnlimitedBudget', 'Workload',
+           'WORKLOADS']

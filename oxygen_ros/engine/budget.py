@@ -4,6 +4,11 @@ One budget unit = one token step of every live request: a batched decode_step, o
 request's very first token) the LM head on the prefix's last hidden state. The scheduler asks
 `choose()` once per frame, after the action path, and reports every step it runs back through
 `observe_decode()` so adaptive budgets learn the cost of a step per batch size.
+
+What a budget gives is what the frame's slack allows; it may be 0. Progress does not depend on
+it: the scheduler gives every admitted request at least the steps its pool deadline needs
+(scheduler.py), and plans those deadlines with `k_min`, the fewest steps per frame the budget
+stands for (the pool is sized ceil(N / k_min) + 1 with it).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ class Budget(Protocol):
     """What the scheduler asks of a decode budget (FixedBudget, AdaptiveBudget, Unlimited)."""
 
     unlimited: bool        # True: every request decodes to completion in its first frame
+    k_min: int             # steps per request per frame that admission plans deadlines with
 
     def choose(self, elapsed_s: float, batch_size: int) -> int:
         """Return k for this frame (elapsed_s: frame time so far; batch_size: live requests)."""
@@ -31,11 +37,16 @@ class Budget(Protocol):
         """Record the time of one token step over `batch_size` rows."""
 
 
+def sizing_k(budget: Budget) -> int | None:
+    """Return the k a pool is sized for under `budget`: its k_min (None: no batching)."""
+    return None if budget.unlimited else budget.k_min
+
+
 class UnlimitedBudget:
     """No cross-frame batching: each request runs to completion in the frame it starts."""
 
     unlimited = True
-    k_max = sys.maxsize
+    k_max = k_min = sys.maxsize
 
     def choose(self, elapsed_s: float, batch_size: int) -> int:
         return sys.maxsize
@@ -65,6 +76,10 @@ class FixedBudget:
 
     @property
     def k_max(self) -> int:
+        return self.k
+
+    @property
+    def k_min(self) -> int:
         return self.k
 
     def choose(self, elapsed_s: float, batch_size: int) -> int:
@@ -136,37 +151,36 @@ class StepCostModel:
 
 
 class AdaptiveBudget:
-    """Choose k each frame so the frame ends by its deadline, without starving language.
+    """Choose k each frame so the frame ends by its deadline.
 
     Per frame, after the action path:  k = floor((deadline - elapsed) / d(B)),  clamped to
     [0, k_max], where deadline = frame_period_s · (1 - margin) and d(B) comes from the online
     cost model at the current number of live requests B (an upper bound on every step's batch
     this frame). Guarantees:
       * slack ≥ one step  ->  k ≥ 1 (follows from the floor);
-      * no slack          ->  k = 0, except that after `max_starved_frames` consecutive frames
-        with k = 0 the next frame gets k = 1, so language progresses at a minimum rate of one
-        token per (max_starved_frames + 1) frames while the action path alone overruns;
+      * no slack          ->  k = 0: the budget adds nothing, and the scheduler's per-request
+        minimum (each request's pool deadline, planned at k_min steps per frame) is all the
+        language work of the frame, so admitted requests still finish under any overload;
       * nothing measured  ->  k = 1 (a probe that teaches the cost model).
     `allow_more()` re-checks the clock before each further step, so a frame whose steps run
-    slower than estimated stops early instead of overrunning by k steps.
+    slower than estimated stops early instead of overrunning by k steps (the scheduler never
+    stops below a request's minimum).
     """
 
     unlimited = False
 
     def __init__(self, frame_period_s: float, k_max: int = 16, margin: float = 0.05,
-                 ema: float = 0.3, prior_step_s: float | None = None,
-                 max_starved_frames: int = 4):
-        if frame_period_s <= 0 or k_max < 1 or not 0 <= margin < 1:
-            raise ValueError(f'bad AdaptiveBudget({frame_period_s}, k_max={k_max}, '
-                             f'margin={margin})')
+                 ema: float = 0.3, prior_step_s: float | None = None, k_min: int = 1):
+        if frame_period_s <= 0 or not 1 <= k_min <= k_max or not 0 <= margin < 1:
+            raise ValueError(f'bad AdaptiveBudget({frame_period_s}, k_min={k_min}, '
+                             f'k_max={k_max}, margin={margin})')
         self.frame_period_s = frame_period_s
         self.k_max = k_max
+        self.k_min = k_min
         self.margin = margin
-        self.max_starved_frames = max_starved_frames
         self.cost = StepCostModel(ema, prior_step_s)
         self.action_s: float | None = None   # EMA of the action path (reporting, planning)
         self._ema = ema
-        self._starved = 0                    # consecutive frames with k = 0
         self.last_k = 0
 
     @property
@@ -182,12 +196,6 @@ class AdaptiveBudget:
             slack = self.deadline_s - elapsed_s
             # 1 ns of tolerance: a slack of exactly n steps must give n despite rounding.
             k = 0 if slack <= 0 else min(self.k_max, int((slack + 1e-9) // max(step, 1e-9)))
-        if k == 0:
-            self._starved += 1
-            if self._starved > self.max_starved_frames:
-                k = 1
-        if k > 0:
-            self._starved = 0
         self.last_k = k
         return k
 

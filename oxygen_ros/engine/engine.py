@@ -22,12 +22,13 @@ from typing import Callable
 
 import torch
 
-from oxygen_ros.engine.budget import Budget, UnlimitedBudget
-from oxygen_ros.engine.frontend import Frontend, PreparedObservation
+from oxygen_ros.engine.budget import Budget, sizing_k, UnlimitedBudget
+from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
 from oxygen_ros.engine.scheduler import Scheduler
-from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
+from oxygen_ros.engine.types import (ActionOutput, Continuation, FrameResult, Observation,
+                                     Timings)
 from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
 from oxygen_ros.kv import KVPool
 from oxygen_ros.kv.store import slot_bytes
@@ -122,27 +123,36 @@ class Engine(FrontendClock):
 
     # ---- 1. the action path ------------------------------------------------------------------
 
-    def act(self, obs: Observation) -> ActionOutput:
+    def act(self, obs: Observation, continuation: Continuation | None = None) -> ActionOutput:
         """Prefill the observation into a pool slot and compute its actions; no language work.
 
-        Raises ValueError for a malformed observation (nothing allocated); the action path
-        always gets a slot, evicting the oldest language request if the pool is full.
+        continuation: the chunk the robot is executing, which this one continues (real-time
+        chunking, on the same prefill); the output's start_row is then its delay.
+        Raises ValueError for a malformed observation or committed chunk (nothing allocated);
+        the action path always gets a slot (the scheduler's admission keeps one free for it).
         """
         frame = self._begin_frame(obs)
+        plan = None
+        if continuation is not None:
+            with self._frontend_clock():   # may raise: nothing is held yet
+                plan = self.frontend.row_plan(continuation, frame.prepared,
+                                              self.runner.action_shape[0])
         slot = self.scheduler.allocate_frame_slot(frame.index)
         try:
             self.runner.prefill(frame.prepared.tensors, slot)
             noise = frame_noise(self.seed, frame.index, *self.runner.action_shape)
-            normalized = self.runner.sample_actions(slot, noise)            # [H, A]
+            normalized = self.runner.sample_actions(slot, noise, plan)      # [H, A]
             with self._frontend_clock():
-                actions = self.frontend.robot_actions(normalized, frame.prepared)
+                actions = self.frontend.robot_actions(normalized, frame.prepared,
+                                                      held_rows(continuation, plan))
         except BaseException:
             self.scheduler.drop_frame()
             raise
         self.scheduler.after_actions()
         frame.act_s = self.clock() - frame.started
         self.budget.observe_action(frame.act_s)
-        frame.action = ActionOutput(frame.index, actions, normalized, frame.act_s, obs.stamp)
+        frame.action = ActionOutput(frame.index, actions, normalized, frame.act_s, obs.stamp,
+                                    plan.delay if plan is not None else 0)
         self._frame = frame
         return frame.action
 
@@ -276,19 +286,17 @@ def pool_slot_bytes(config: Pi05Config, policy: LanguagePolicy,
 
 def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy,
                 budget: Budget, *, share_prefix: bool = True, num_slots: int | None = None,
-                sizing_k: int | None = None, pressure: str = 'evict_oldest', seed: int = 0,
-                max_forced_tokens: int | None = None, debug: bool = False,
+                seed: int = 0, max_forced_tokens: int | None = None, debug: bool = False,
                 clock: Callable[[], float] = time.perf_counter, **runner_options) -> Engine:
-    """Build an Engine: pool sized by default_num_slots(policy, sizing_k) unless num_slots.
+    """Build an Engine: pool sized by default_num_slots for the budget unless num_slots.
 
-    sizing_k: the smallest k the budget may use (None: requests finish in their frame).
     runner_options: ModelRunner's max_holes_per_row / bucket_sizes / kv_dtype.
     """
     max_forced_tokens = forced_token_room(policy, max_forced_tokens)
     max_gen_len = generated_entries(policy, max_forced_tokens)
-    num_slots = num_slots or default_num_slots(policy, sizing_k)
+    num_slots = num_slots or default_num_slots(policy, sizing_k(budget))
     runner = ModelRunner(model, num_slots, max_gen_len, clock=clock, **runner_options)
     pool = KVPool(num_slots, runner.store.bytes_per_slot)
-    scheduler = Scheduler(policy, budget, pool, max_gen_len, pressure=pressure,
-                          share_prefix=share_prefix, max_forced_tokens=max_forced_tokens)
+    scheduler = Scheduler(policy, budget, pool, max_gen_len, share_prefix=share_prefix,
+                          max_forced_tokens=max_forced_tokens)
     return Engine(name, scheduler, runner, frontend, seed=seed, debug=debug, clock=clock)

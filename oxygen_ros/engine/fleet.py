@@ -1,7 +1,7 @@
 """FleetEngine: R robots served by one model and one KV store, in batched model calls.
 
 Each robot keeps everything the single-robot Engine has per robot: a scheduler (its requests,
-decode budget, eviction, frame numbering), a frontend (robot spec, tokenizer, norm stats), an
+decode budget, pool deadlines, frame numbering), a frontend (robot spec, tokenizer, norm stats), an
 output processor and a noise seed. What the robots share is the model, the KV store and the
 model calls. One tick, as the runtime drives it:
 
@@ -25,8 +25,8 @@ one prefill (measured: P(4) > 4 P(1) there), a GPU reads the weights once for al
 (None: every row in one call).
 
 KV quotas: the store's slots are partitioned (KVPool.partition); a robot's scheduler sees a
-QuotaPool of its quota and evicts only its own requests, and the quotas add up to the store,
-so no robot's language can take another robot's action slot.
+QuotaPool of its quota and admits only what its quota holds to the end (scheduler.py), and the
+quotas add up to the store, so no robot's language can take another robot's action slot.
 
 Shapes: B rows of a batched call (one per robot with a frame), H action rows, A action width.
 """
@@ -40,27 +40,20 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from oxygen_ros.engine.budget import Budget, FixedBudget, UnlimitedBudget
+from oxygen_ros.engine.budget import Budget, sizing_k, UnlimitedBudget
 from oxygen_ros.engine.engine import DEFAULT_MAX_FORCED_TOKENS, FrontendClock
-from oxygen_ros.engine.frontend import Frontend, PreparedObservation
+from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
-from oxygen_ros.engine.scheduler import PRESSURE_POLICIES, Scheduler, StepPlan
-from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
+from oxygen_ros.engine.scheduler import Scheduler, StepPlan
+from oxygen_ros.engine.types import (ActionOutput, Continuation, FrameResult, Observation,
+                                     Timings)
 from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
 from oxygen_ros.kv import KVPool
 from oxygen_ros.model.pi05 import Pi05Model
+from oxygen_ros.model.rtc import RowPlan
 
 logger = logging.getLogger(__name__)
-
-
-def sizing_k(budget: Budget) -> int | None:
-    """Return the smallest k `budget` may use, which sizes a quota (None: no batching)."""
-    if budget.unlimited:
-        return None
-    if isinstance(budget, FixedBudget):
-        return budget.k
-    return 1   # an adaptive budget may give any frame a single token step
 
 
 @dataclasses.dataclass
@@ -72,7 +65,6 @@ class FleetRobot:
     policy: LanguagePolicy       # when its requests start and how long they run
     budget: Budget               # its decode budget k (fixed or adaptive)
     kv_quota: int | None = None  # KV slots it may hold (None: default_num_slots of its policy)
-    pressure: str = 'evict_oldest'   # what its scheduler does when its quota is full
     seed: int = 0                # flow-matching noise seed (as make_engine's)
 
     def quota(self) -> int:
@@ -104,6 +96,8 @@ class _Frame:
     index: int
     obs: Observation
     prepared: PreparedObservation
+    plan: RowPlan | None = None   # real-time chunking of this robot's row (None: free)
+    held: np.ndarray | None = None   # the committed rows it holds, robot units (prefix mode)
     slot: int = -1
     action: ActionOutput | None = None
 
@@ -192,13 +186,17 @@ class FleetEngine(FrontendClock):
 
     # ---- 1. the action path of every robot with a frame ------------------------------------
 
-    def act(self, observations: Mapping[str, Observation]) -> FleetActions:
+    def act(self, observations: Mapping[str, Observation],
+            continuations: Mapping[str, Continuation] | None = None) -> FleetActions:
         """Prefill every robot's observation in one call, denoise them in one call.
 
         observations: robot name -> this tick's observation (robots without a frame absent).
-        A robot whose observation the frontend rejects gets no actions (reason in `rejected`)
-        and holds nothing; the others are not affected. Raises ValueError for an unknown robot
-        name (nothing done), and re-raises a failing model call after releasing every frame.
+        continuations: robot name -> the chunk it is executing, which its new chunk continues
+        (real-time chunking, rows of one denoise call; robots absent: plain flow matching).
+        A robot whose observation (or committed chunk) the frontend rejects gets no actions
+        (reason in `rejected`) and holds nothing; the others are not affected. Raises
+        ValueError for an unknown robot name (nothing done), and re-raises a failing model
+        call after releasing every frame.
         """
         for name in observations:
             self._robot(name)
@@ -206,8 +204,10 @@ class FleetEngine(FrontendClock):
         self.runner.reset_times()
         self._frontend_s = 0.0
         frames, rejected = [], {}
+        continuations = continuations or {}
         for name, obs in observations.items():
-            frame = self._begin_frame(self.robots[name], obs, rejected)
+            frame = self._begin_frame(self.robots[name], obs, continuations.get(name),
+                                      rejected)
             if frame is not None:
                 frames.append(frame)
         if frames:
@@ -227,6 +227,7 @@ class FleetEngine(FrontendClock):
         return self._act
 
     def _begin_frame(self, robot: FleetMember, obs: Observation,
+                     continuation: Continuation | None,
                      rejected: dict[str, str]) -> _Frame | None:
         if robot.frame is not None:
             # act() twice without advance_language(): the earlier frame gets no language.
@@ -238,12 +239,15 @@ class FleetEngine(FrontendClock):
         try:
             with self._frontend_clock():
                 prepared = robot.frontend.prepare(obs)
+                plan = (robot.frontend.row_plan(continuation, prepared,
+                                                self.runner.action_shape[0])
+                        if continuation is not None else None)
         except ValueError as err:   # this robot's observation only: nothing is held yet
             rejected[robot.name] = str(err)
             return None
         robot.next_frame_index = index + 1
         robot.last_frame_index = index
-        return _Frame(robot, index, obs, prepared)
+        return _Frame(robot, index, obs, prepared, plan, held_rows(continuation, plan))
 
     def _run_action_path(self, frames: list[_Frame], rejected: dict[str, str]) -> None:
         """Slots from each robot's quota, then one prefill and one denoise over all rows."""
@@ -259,7 +263,9 @@ class FleetEngine(FrontendClock):
                                          slots[first:first + step])
             H, A = self.runner.action_shape
             noise = np.stack([frame_noise(f.robot.seed, f.index, H, A) for f in frames])
-            normalized = self.runner.sample_actions_rows(slots, noise)        # [B, H, A]
+            plans = [f.plan for f in frames]
+            normalized = self.runner.sample_actions_rows(
+                slots, noise, plans if any(plans) else None)                  # [B, H, A]
         except BaseException:
             for frame in frames:
                 frame.robot.scheduler.drop_frame()
@@ -267,12 +273,14 @@ class FleetEngine(FrontendClock):
         for frame, rows in zip(frames, normalized):
             try:
                 with self._frontend_clock():
-                    actions = frame.robot.frontend.robot_actions(rows, frame.prepared)
+                    actions = frame.robot.frontend.robot_actions(rows, frame.prepared,
+                                                                 frame.held)
             except ValueError as err:   # e.g. non-finite actions: this robot only
                 rejected[frame.robot.name] = f'actions: {err}'
                 frame.robot.scheduler.drop_frame()
                 continue
-            frame.action = ActionOutput(frame.index, actions, rows, 0.0, frame.obs.stamp)
+            frame.action = ActionOutput(frame.index, actions, rows, 0.0, frame.obs.stamp,
+                                        frame.plan.delay if frame.plan is not None else 0)
 
     # ---- 2. the language path of every robot, in shared decode steps -------------------------
 
@@ -420,8 +428,7 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
     max_prefill_rows: rows per prefill call (None: every framed robot in one call).
 
     runner_options: ModelRunner's max_holes_per_row / bucket_sizes / kv_dtype.
-    Raises ValueError for an empty fleet, repeated names, a frontend made for another model
-    or an unknown pressure policy.
+    Raises ValueError for an empty fleet, repeated names or a frontend made for another model.
     """
     if not robots:
         raise ValueError('a fleet needs at least one robot')
@@ -435,9 +442,6 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
             raise ValueError(f'{robot.name}: frontend made for action_dim {adapter.action_dim}'
                              f', images {adapter.image_size}; the model has {cfg.action_dim}, '
                              f'{cfg.vision.image_size}')
-        if robot.pressure not in PRESSURE_POLICIES:
-            raise ValueError(f'{robot.name}: pressure must be one of {PRESSURE_POLICIES}, '
-                             f'got {robot.pressure!r}')
     if max_forced_tokens is None:
         templated = any(r.policy.prompt_template for r in robots)
         max_forced_tokens = DEFAULT_MAX_FORCED_TOKENS if templated else 0
@@ -449,7 +453,7 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
     pool = KVPool(sum(quotas.values()), runner.store.bytes_per_slot)
     shares = pool.partition(quotas)
     members = [FleetMember(r.name, Scheduler(r.policy, r.budget, shares[r.name], max_gen_len,
-                                             pressure=r.pressure, share_prefix=True,
+                                             share_prefix=True,
                                              max_forced_tokens=max_forced_tokens),
                            r.frontend, r.seed) for r in robots]
     return FleetEngine(members, runner, pool, max_prefill_rows=max_prefill_rows, debug=debug,

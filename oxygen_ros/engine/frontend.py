@@ -14,11 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oxygen_ros.engine.types import Observation
+from oxygen_ros.engine.types import Continuation, Observation
+from oxygen_ros.model import rtc
 from oxygen_ros.model.config import Pi05Config
 from oxygen_ros.model.normalize import NormStats
 from oxygen_ros.model.pi05 import Pi05Model
-from oxygen_ros.model.robots import collate, get_robot, ModelInputs, RobotAdapter
+from oxygen_ros.model.robot_spec import get_robot, RobotSpec
+from oxygen_ros.model.robots import collate, ModelInputs, RobotAdapter
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer, train_tiny_tokenizer
 
 
@@ -40,10 +42,10 @@ class Frontend:
         self.device = torch.device(device)
 
     @classmethod
-    def from_config(cls, config: Pi05Config, robot: str, tokenizer: PaligemmaTokenizer,
-                    norm_stats: dict[str, NormStats], device: str | torch.device = 'cpu'
-                    ) -> Frontend:
-        """Frontend for `robot` ('libero', 'droid', 'aloha') with the model's sizes."""
+    def from_config(cls, config: Pi05Config, robot: str | RobotSpec,
+                    tokenizer: PaligemmaTokenizer, norm_stats: dict[str, NormStats],
+                    device: str | torch.device = 'cpu') -> Frontend:
+        """Frontend for `robot` (a spec, a shipped robot's name or a YAML path), model sizes."""
         adapter = RobotAdapter.from_config(get_robot(robot), config, norm_stats, tokenizer)
         return cls(adapter, device)
 
@@ -62,9 +64,33 @@ class Frontend:
         inputs = self.adapter.prepare(obs.images, obs.state, obs.instruction)
         return PreparedObservation(inputs, collate([inputs], self.device))
 
-    def robot_actions(self, normalized: np.ndarray, prepared: PreparedObservation) -> np.ndarray:
-        """Model actions float32 [H, A] (normalised) -> robot actions float32 [H, robot dim]."""
-        return self.adapter.postprocess(normalized, prepared.inputs)
+    def robot_actions(self, normalized: np.ndarray, prepared: PreparedObservation,
+                      held: np.ndarray | None = None) -> np.ndarray:
+        """Model actions float32 [H, A] (normalised) -> robot actions float32 [H, robot dim].
+
+        held: robot rows [d, robot dim] the first rows are (RTC prefix mode: the committed
+        rows bit for bit, not their round trip through the normalisation).
+        """
+        actions = self.adapter.postprocess(normalized, prepared.inputs)
+        if held is not None:
+            actions[:len(held)] = held
+        return actions
+
+    def row_plan(self, continuation: Continuation | None, prepared: PreparedObservation,
+                 horizon: int) -> rtc.RowPlan | None:
+        """Return what the denoise loop inpaints for `continuation` (None: nothing).
+
+        The committed rows arrive in robot units; they go through the inverse of
+        robot_actions for this observation (its state for delta actions), so the guidance
+        target lives in the model's normalised space. Raises ValueError for a bad chunk.
+        """
+        if continuation is None or len(continuation.rows) == 0:
+            return None
+        target = self.adapter.model_actions(continuation.rows[:horizon], prepared.inputs)
+        c = continuation
+        return rtc.row_plan(c.mode, target, horizon, c.delay, c.overlap_end or horizon,
+                            c.schedule, c.max_guidance_weight,
+                            columns=self.adapter.spec.action_dim)
 
     # ---- text side ---------------------------------------------------------------------------
 
@@ -82,7 +108,14 @@ class Frontend:
         return self.tokenizer.next_delta(ids, shown, final=final)
 
 
-def identity_norm_stats(robot: str) -> dict[str, NormStats]:
+def held_rows(continuation: Continuation | None, plan: rtc.RowPlan | None) -> np.ndarray | None:
+    """Return the committed rows a plan holds, robot units [d, A] (None: it holds none)."""
+    if plan is None or not plan.hold:
+        return None
+    return continuation.rows[:plan.delay]
+
+
+def identity_norm_stats(robot: str | RobotSpec) -> dict[str, NormStats]:
     """Norm stats that leave values in [-1, 1] unchanged (random-weight demos and tests)."""
     spec = get_robot(robot)
 
@@ -92,7 +125,7 @@ def identity_norm_stats(robot: str) -> dict[str, NormStats]:
     return {'state': stats(spec.state_dim), 'actions': stats(spec.action_dim)}
 
 
-def random_setup(config: Pi05Config, robot: str = 'libero', seed: int = 0,
+def random_setup(config: Pi05Config, robot: str | RobotSpec = 'libero', seed: int = 0,
                  tokenizer_dir: str | os.PathLike | None = None,
                  device: str | torch.device = 'cpu', dtype: torch.dtype = torch.float32
                  ) -> tuple[Pi05Model, Frontend]:
@@ -112,7 +145,8 @@ def random_setup(config: Pi05Config, robot: str = 'libero', seed: int = 0,
     return model, frontend
 
 
-def random_observation(robot: str, frame_index: int, seed: int = 0, image_size: int = 224,
+def random_observation(robot: str | RobotSpec, frame_index: int, seed: int = 0,
+                       image_size: int = 224,
                        instruction: str = 'pick up the red block') -> Observation:
     """Make a synthetic observation for `robot`, a pure function of (seed, frame_index)."""
     spec = get_robot(robot)
@@ -122,3 +156,26 @@ def random_observation(robot: str, frame_index: int, seed: int = 0, image_size: 
     state = rng.uniform(-1, 1, spec.state_dim).astype(np.float32)
     return Observation(images=images, state=state, instruction=instruction,
                        stamp=frame_index * 0.1, frame_index=frame_index)
+
+
+def synthetic_frame(robot: str | RobotSpec, index: int, time_s: float, seed: int,
+                    image_size: int) -> Observation:
+    """Return frame `index` of a smooth synthetic episode observed at time_s (an Observation).
+
+    Each camera shows a sum of a few random plane waves drifting slowly (a picture that pans),
+    the state follows slow sines: consecutive frames differ a little, as on a robot.
+    """
+    spec = get_robot(robot)
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:image_size, 0:image_size] / image_size
+    images = {}
+    for camera in spec.camera_names:
+        waves = rng.uniform(-12, 12, (4, 2))                    # cycles per image, per wave
+        phases = rng.uniform(0, 2 * np.pi, (4, 3))
+        speed = rng.uniform(0.2, 0.6, 4)                        # radians per second
+        picture = sum(np.sin(2 * np.pi * (kx * x + ky * y)[..., None] + phase + w * time_s)
+                      for (kx, ky), phase, w in zip(waves, phases, speed))
+        images[camera] = np.clip(127.5 + 30 * picture, 0, 255).astype(np.uint8)
+    state = 0.8 * np.sin(0.5 * time_s + 0.4 * np.arange(spec.state_dim))
+    return Observation(images=images, state=state.astype(np.float32),
+                       instruction='pick up the black bowl', stamp=time_s, frame_index=index)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Sequence
 
 import torch
 
@@ -148,9 +149,27 @@ def runner_options(plan: CompilePlan, device: str) -> dict:
     return {}
 
 
-def seal(model: Pi05Model, plan: CompilePlan, started: float) -> None:
-    """End the warm-up: nothing compiles any more; log what the warm-up cost."""
+def warm_up(runner, plan: CompilePlan, frames: Sequence[dict],
+            action_rows: Sequence[int] = (1,)) -> None:
+    """Compile `plan`'s passes for every shape `runner` uses (ModelRunner.warm_up_compiled).
+
+    Adds the time it took to plan.seconds; nothing to do when nothing is compiled.
+    """
+    if not plan.any:
+        return
+    start = time.perf_counter()
+    runner.warm_up_compiled(action_rows=action_rows, frames=frames)
+    plan.seconds += time.perf_counter() - start
+
+
+def seal(model: Pi05Model, plan: CompilePlan, started: float | None = None) -> None:
+    """End the warm-up: nothing compiles any more; log what the warm-up cost.
+
+    started: when the warm-up began (plan.seconds = the time since); None: plan.seconds as
+    `warm_up` added it up.
+    """
     model.seal_compiled()
-    plan.seconds = time.perf_counter() - started
+    if started is not None:
+        plan.seconds = time.perf_counter() - started
     if plan.any:
         logger.info('compiled in %.1f s (cache: restarts reuse the kernels)', plan.seconds)

@@ -6,35 +6,59 @@ the resulting token ids back (vLLM v1's schedule() / update_from_output(), small
 
 One frame, as the engine drives it:
 
-    act            allocate_frame_slot(t) -> s_t   (evicts the oldest request if it must)
+    act            allocate_frame_slot(t) -> s_t   (admission keeps one free; else the newest
+                                                    request is preempted)
                    ... runner prefills s_t, computes actions ...
                    after_actions()                 (isolated: the action task lets s_t go)
     advance        begin_language()
                    admit(t, forced) -> Admission   a request starting at t adopts s_t (zero
                                                    copy) or, isolated, gets a slot of its own
                                                    to prefill; the frame's hold on s_t ends
-                   choose_k(elapsed) -> k          k token steps per live request
+                   choose_k(elapsed) -> k          k token steps per live request, and at least
+                                                   each one's minimum (its pool deadline)
                    schedule() -> StepPlan | None   first tokens (LM head on the prefix), then
                    update(plan, token_ids)         ONE batched decode step per token step
                    fail(plan, error)               over every live request, whatever frame
                    end_language() -> touched, ended    it started at
 
-Under pressure language gives way, never the action path: the frame's slot is taken by
-evicting the oldest request if it must be, and a failing step ends only its own rows.
+Progress under any overload (how vLLM keeps FCFS progress: admitted requests run to the end,
+new ones wait or are turned away, the newest is preempted first). Every frame's action path
+needs a slot, so at the end of every frame at most S - 1 requests may hold slots (S = the
+pool's slots). Each request therefore gets a deadline when admitted, a frame count:
+
+    deadline = now + ceil(steps / k_min) - 1      k_min: the budget's fewest steps per frame
+
+and is admitted only if the requests still live after this frame (deadline > now), itself
+included, number at most S - 1; otherwise it is refused (the newest gives way, nothing is
+evicted). Every tick (with a frame or without) each live request then takes at least
+
+    minimum = ceil(steps_left / (deadline - now + 1))      (earliest deadline first, spread)
+
+token steps, whatever the budget's k (an adaptive budget gives k = 0 when the action path
+alone fills the frame), and the budget's deadline check never stops a frame below it. So every
+admitted request finishes by its deadline, the next frame always finds a slot, and requests
+complete at a steady rate under overload: with the pool sized ceil(N / k_min) + 1, one request
+per frame and k_min = 1, one decode step per frame over the live requests. Frames are counted
+here (every act(), and every language-only frame of the parallel baseline), not taken from the
+caller's numbering. Should a frame still find the pool full (a slot held outside this plan),
+the newest request is preempted (ended 'evicted'), never the oldest.
+
+A later budget or policy change keeps the deadlines already given (admission then plans with
+the new k_min). Priorities (several language tasks) fit in the same two places: admission
+order, and which request is preempted first (`_preemption_victim`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 from oxygen_ros.engine.budget import Budget
 from oxygen_ros.engine.workload import LanguagePolicy
 from oxygen_ros.kv import FinishReason, KVPool, RequestState
 
 logger = logging.getLogger(__name__)
-
-PRESSURE_POLICIES = ('evict_oldest', 'refuse_new')
 
 
 @dataclasses.dataclass
@@ -62,7 +86,7 @@ class Admission:
 
 
 class Scheduler:
-    """Admission, budget, eviction and the rows of every step; no tensors.
+    """Admission, budget, pool deadlines and the rows of every step; no tensors.
 
     share_prefix: True (oxygen, shared) a request adopts its frame's slot; False (isolated)
     the action task releases the frame slot and the request is prefilled into a slot of its
@@ -70,47 +94,55 @@ class Scheduler:
     """
 
     def __init__(self, policy: LanguagePolicy, budget: Budget, pool: KVPool, max_gen_len: int,
-                 *, pressure: str = 'evict_oldest', share_prefix: bool = True,
-                 max_forced_tokens: int = 0):
-        if pressure not in PRESSURE_POLICIES:
-            raise ValueError(f'pressure must be one of {PRESSURE_POLICIES}, got {pressure!r}')
+                 *, share_prefix: bool = True, max_forced_tokens: int = 0):
         self.policy = policy
         self.budget = budget
         self.pool = pool
         self.max_gen_len = max_gen_len
-        self.pressure = pressure
         self.share_prefix = share_prefix
         self.max_forced_tokens = max_forced_tokens
         self.active: list[RequestState] = []       # live requests, oldest first
         self.num_queued = 0                        # arrived requests waiting for a frame
         self.num_requests = 0                      # request ids handed out (refused included)
+        self.now = -1                              # frames begun so far - 1 (deadlines' clock)
         self.batch_sizes: list[int] = []           # rows of each decode step this frame
         self._frame: tuple[int, int] | None = None  # (frame index, slot) the frame holds
+        self._frame_counted = False                # `now` already counts the frame to admit
         self._quota: dict[int, int] = {}           # request id -> token steps left this frame
+        self._must: dict[int, int] = {}            # request id -> steps it must still take
         self._touched: dict[int, RequestState] = {}  # requests this frame reports on
         self._ended: list[RequestState] = []       # ended since the last end_language()
 
     # ---- the action path -----------------------------------------------------------------
 
     def allocate_frame_slot(self, frame_index: int) -> int:
-        """Take a slot for the frame's prefix, evicting the oldest requests if the pool is full.
+        """Take a slot for the frame's prefix (a new frame begins).
 
-        Raises RuntimeError (nothing changed) when no slot is free and no request holds one.
+        Admission keeps one free (module doc); should none be, the newest requests are
+        preempted for it. Raises RuntimeError (nothing changed) when no slot is free and no
+        request holds one.
         """
         assert self._frame is None, f'frame {self._frame[0]} still holds a slot'
         holder = f'frame {frame_index}'
         slot = self.pool.allocate(holder)
         while slot is None and self.active:
-            victim = self.active[0]
-            logger.warning('KV pool full: evicting request %d (frame %d, %d tokens) for %s',
+            victim = self._preemption_victim()
+            logger.warning('KV pool full: preempting the newest request %d (frame %d, %d '
+                           'tokens) for %s',
                            victim.request_id, victim.origin_frame, len(victim.token_ids), holder)
             self._end(victim, FinishReason.EVICTED)
             slot = self.pool.allocate(holder)
         if slot is None:
-            raise RuntimeError(f'KV pool has no slot for {holder} and no request to evict:\n'
+            raise RuntimeError(f'KV pool has no slot for {holder} and no request to preempt:\n'
                                f'{self.pool}')
+        self.now += 1
+        self._frame_counted = True
         self._frame = (frame_index, slot)
         return slot
+
+    def _preemption_victim(self) -> RequestState:
+        """Return who gives its slot up first: the newest (the oldest is nearest done)."""
+        return self.active[-1]
 
     def after_actions(self) -> None:
         """End the action task; without prefix sharing its slot is released at once."""
@@ -130,7 +162,7 @@ class Scheduler:
         """Start a frame's language work: every live request is reported on at its end."""
         self._touched = {r.request_id: r for r in self.active}
         self.batch_sizes = []
-        self._quota = {}
+        self._quota, self._must = {}, {}
 
     def admit(self, frame_index: int, forced: list[int]) -> Admission | None:
         """Queue this frame's arrivals and start at most one request; end the frame's hold.
@@ -138,6 +170,8 @@ class Scheduler:
         forced: the prompt template's token ids for a request starting now (may be []).
         """
         try:
+            if not self._frame_counted:
+                self.now += 1   # a frame that took no action slot (the parallel baseline's)
             arrivals = self.policy.arrivals(frame_index)
             accepted = min(arrivals, self.policy.max_queue - self.num_queued)
             self.num_queued += accepted
@@ -148,6 +182,7 @@ class Scheduler:
                 self.num_queued -= 1
                 admission = self._start_request(frame_index, forced)
         finally:
+            self._frame_counted = False
             self.drop_frame()   # whatever failed above, the frame's slot is not leaked
         return admission
 
@@ -163,30 +198,47 @@ class Scheduler:
             logger.warning('request of %d tokens shortened to %d (KV slot length)', n_tokens,
                            fits)
             n_tokens = fits
+        req = RequestState(request_id=-1, slot=None, origin_frame=frame_index,
+                           max_new_tokens=n_tokens, eos_id=self.policy.eos_id,
+                           forced=list(forced))
+        req.deadline = self.now + math.ceil(req.steps_left / max(self.budget.k_min, 1)) - 1
+        why = self._no_room(req)
+        if why:
+            self._refuse(frame_index, why)
+            return None
+        req.request_id = self._take_request_id()
         if self.share_prefix:
             assert self._frame is not None and self._frame[0] == frame_index, (
                 f'no slot of frame {frame_index} to adopt')
-            if self.pressure == 'refuse_new' and self.pool.num_free < 1:
-                # Adopting would leave no slot for the next frame's action path.
-                self._refuse(frame_index, f'KV pool full ({self.pool.num_in_use}/'
-                                          f'{self.pool.num_slots})')
-                return None
             slot, needs_prefill = self._frame[1], False
-            request_id = self._take_request_id()
-            self.pool.retain(slot, f'request {request_id}')
+            self.pool.retain(slot, f'request {req.request_id}')
         else:
-            request_id = self._take_request_id()
-            slot, needs_prefill = self.pool.allocate(f'request {request_id}'), True
+            slot, needs_prefill = self.pool.allocate(f'request {req.request_id}'), True
             if slot is None:
                 self._refuse(frame_index, f'KV pool full ({self.pool.num_slots} slots)',
-                             request_id)
+                             req.request_id)
                 return None
-        req = RequestState(request_id=request_id, slot=slot, origin_frame=frame_index,
-                           max_new_tokens=n_tokens, eos_id=self.policy.eos_id,
-                           forced=list(forced))
+        req.slot = slot
         self.active.append(req)
-        self._touched[request_id] = req
-        return Admission(request_id, slot, needs_prefill)
+        self._touched[req.request_id] = req
+        return Admission(req.request_id, slot, needs_prefill)
+
+    def _no_room(self, req: RequestState) -> str:
+        """Why `req` cannot be admitted without a later frame lacking a slot ('' if it can).
+
+        After this frame at most S - 1 requests may hold slots, so that the next frame's
+        action path finds one; requests due now finish in this frame (module doc).
+        """
+        staying = [r for r in self.active if r.deadline > self.now]
+        if req.deadline > self.now:
+            staying.append(req)
+        room = self.pool.num_slots - 1
+        if len(staying) <= room:
+            return ''
+        return (f'KV pool full: {len(staying) - 1} live requests run past this frame and the '
+                f'pool keeps {room} of its {self.pool.num_slots} slots for them; a request of '
+                f'{req.steps_left} steps at k_min={self.budget.k_min} would hold a slot '
+                f'{req.deadline - self.now + 1} frames')
 
     def _refuse(self, frame_index: int, why: str, request_id: int | None = None) -> None:
         req = RequestState(
@@ -204,25 +256,38 @@ class Scheduler:
     # ---- token steps -----------------------------------------------------------------------
 
     def choose_k(self, elapsed_s: float) -> int:
-        """Ask the budget for this frame's k; return the k to report (N when unlimited)."""
+        """Set each live request's steps for this frame; return the largest (N when unlimited).
+
+        A request's steps: the budget's k, and at least its minimum (module doc). A tick
+        without a frame (a camera hiccup, draining) takes the minimum too, so requests finish
+        when frames stop, however slow a step is against the period.
+        """
         k = self.budget.choose(elapsed_s, len(self.active))
-        self._quota = {r.request_id: k for r in self.active}
-        return self.policy.max_request_len if self.budget.unlimited else k
+        self._must = {}
+        for req in self.active:
+            frames_left = req.deadline - self.now + 1
+            self._must[req.request_id] = (req.steps_left if frames_left < 1
+                                          else -(-req.steps_left // frames_left))
+        self._quota = {i: max(k, must) for i, must in self._must.items()}
+        if self.budget.unlimited:
+            return self.policy.max_request_len
+        return max([k, *self._must.values()])
 
     def schedule(self, elapsed_s: float) -> StepPlan | None:
         """Next step of this frame: first tokens, then decode steps; None when done.
 
         A request's first token comes from its prefix (LM head only) and counts as one of its
-        k; every other token is one row of a batched decode step. Before every decode step
-        but the first, the budget may stop the frame (an adaptive deadline).
+        steps; every other token is one row of a batched decode step. Before every decode step
+        but the first, the budget may stop the frame (an adaptive deadline): then only rows
+        still short of their minimum go on.
         """
         first = [r for r in self.active if r.needs_prefix_token and self._quota[r.request_id]]
         if first:
             return StepPlan(True, [r.request_id for r in first], [r.slot for r in first], [], [])
         rows = [r for r in self.active if self._quota[r.request_id]]
+        if rows and self.batch_sizes and not self.budget.allow_more(elapsed_s, len(rows)):
+            rows = [r for r in rows if self._must[r.request_id]]
         if not rows:
-            return None
-        if self.batch_sizes and not self.budget.allow_more(elapsed_s, len(rows)):
             return None
         # Slot order: a run of slots is read as a view of the cache.
         rows.sort(key=lambda r: r.slot)
@@ -244,6 +309,7 @@ class Scheduler:
             else:
                 req.accept_decode_step(token)
             self._quota[request_id] -= 1
+            self._must[request_id] = max(self._must[request_id] - 1, 0)
             if req.finished:
                 self._end(req, req.finish_reason)
         if not plan.first_token:
@@ -266,6 +332,7 @@ class Scheduler:
             req.slot = None
         self.active.remove(req)
         self._quota.pop(req.request_id, None)
+        self._must.pop(req.request_id, None)
         self._ended.append(req)
 
     def end_language(self) -> tuple[list[RequestState], list[RequestState]]:
@@ -288,6 +355,10 @@ class Scheduler:
             assert self.pool.holders(req.slot) == (f'request {req.request_id}',), (
                 f'request {req.request_id}: slot {req.slot} held by {self.pool.holders(req.slot)}')
             assert req.gen_len <= self.max_gen_len
+            # Admitted requests finish by their deadline (checked after a frame's language).
+            assert req.deadline > self.now, (
+                f'request {req.request_id} outlived its deadline {req.deadline} '
+                f'(frame {self.now})')
         slots = [r.slot for r in self.active]
         assert len(set(slots)) == len(slots), f'two requests share a slot: {slots}'
         if self._frame is None:
@@ -297,5 +368,6 @@ class Scheduler:
                 f'{self.pool}')
 
     def __str__(self) -> str:
-        return (f'{len(self.active)} live requests, budget {self.budget}, '
-                f'{self.num_queued} queued\n{self.pool}')
+        return (f'{len(self.active)} live requests (deadlines '
+                f'{[r.deadline for r in self.active]} at frame {self.now}), budget '
+                f'{self.budget}, {self.num_queued} queued\n{self.pool}')

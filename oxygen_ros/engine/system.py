@@ -23,7 +23,10 @@ class System(Protocol):
     budget: Budget              # decode budget in use (read-only here; set_budget changes it)
 
     def act(self, obs: Observation) -> ActionOutput:
-        """Compute the frame's actions; no language work before they return."""
+        """Compute the frame's actions; no language work before they return.
+
+        An Engine also takes `continuation` (engine.types.Continuation): real-time chunking.
+        """
 
     def advance_language(self) -> FrameResult:
         """Language work of the frame act() began (or of live requests alone, without one)."""

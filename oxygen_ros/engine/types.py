@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from oxygen_ros.model.config import DEFAULT_MAX_GUIDANCE_WEIGHT
+
 if TYPE_CHECKING:
     from oxygen_ros.kv.request import FinishReason
 
@@ -23,6 +25,23 @@ class Observation:
 
 
 @dataclasses.dataclass
+class Continuation:
+    """The chunk the robot is executing, which the next chunk continues (real-time chunking).
+
+    Row j of the new chunk plays when committed row j does; see oxygen_ros.model.rtc for what
+    the modes do with the rows and docs/rtc.md for the timing.
+    """
+
+    rows: np.ndarray                # float [n, robot_action_dim] robot units: the committed
+    #                                 rows that play at the new chunk's rows 0..n-1
+    delay: int                      # d: rows 0..d-1 play before the new chunk arrives
+    mode: str = 'guided'            # 'guided' (soft, ΠGDM) or 'prefix' (rows 0..d-1 held)
+    overlap_end: int = 0            # rows >= this are free (0: every committed row guided)
+    schedule: str = 'exp'           # weight decay over the overlap: 'linear' or 'exp'
+    max_guidance_weight: float = DEFAULT_MAX_GUIDANCE_WEIGHT   # β, the guidance cap
+
+
+@dataclasses.dataclass
 class ActionOutput:
     """The action chunk of one frame, ready to publish."""
 
@@ -31,6 +50,8 @@ class ActionOutput:
     normalized: np.ndarray          # float32 [H, model action_dim], model output before unnorm
     inference_time_s: float         # observation in -> actions out (prefill + denoise + glue)
     stamp: float = 0.0              # the observation's stamp
+    start_row: int = 0              # first row to play: rows before it fall within the
+    #                                 inference delay (real-time chunking; 0 without it)
 
 
 @dataclasses.dataclass

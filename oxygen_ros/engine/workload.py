@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from oxygen_ros.model.robots import get_robot, RobotSpec
+from oxygen_ros.model.robot_spec import get_robot, RobotSpec
 
 
 def frame_rng(seed: int, frame_index: int, stream: int = 0) -> np.random.Generator:
@@ -89,10 +89,10 @@ def default_num_slots(policy: LanguagePolicy, k: int | None) -> int:
     t + ceil(N/k) - 1. At most one request starts per frame, so when act() of frame t needs a
     slot, the requests of frames t - ceil(N/k) + 1 .. t - 1 are live: ceil(N/k) slots with
     the frame's own, which its request then adopts (no second slot). The + 1 is the spare
-    the 'refuse_new' pressure policy keeps free when it admits, so the next frame's action
-    path never waits; an adaptive budget sizes with k = 1 (its k may drop to 1 any frame).
-    Forced prompt-template tokens are not counted: a request that outlives its frames under
-    a long template is evicted for the action path, never the other way round.
+    slack admission keeps (a request ending early by EOS leaves room for one more); an
+    adaptive budget sizes with its k_min = 1 (the steps per frame its requests are planned
+    with). Forced prompt-template tokens are not counted: under a long template fewer
+    requests are admitted (engine/scheduler.py), never is the action path kept waiting.
     Without requests the pool is the frame slot alone.
     """
     if policy.requests_per_frame() == 0:
@@ -107,7 +107,8 @@ class Workload:
     """A reference robot setup from the OxyGen paper; its facts come from the RobotSpec."""
 
     name: str
-    robot: str                  # robot adapter name in oxygen_ros.model.robots
+    robot: str                  # shipped robot name (config/robots/<robot>.yaml)
+    horizon: int = 10           # H, action rows per chunk in the paper's workloads
 
     @property
     def spec(self) -> RobotSpec:
@@ -125,11 +126,6 @@ class Workload:
     @property
     def action_dim(self) -> int:
         return self.spec.action_dim
-
-    @property
-    def horizon(self) -> int:
-        """H, action rows per chunk."""
-        return self.spec.horizon
 
 
 WORKLOADS: dict[str, Workload] = {name: Workload(name, name) for name in ('libero', 'droid',

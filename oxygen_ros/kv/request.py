@@ -23,9 +23,10 @@ class FinishReason(enum.StrEnum):
 
     EOS = 'eos'            # emitted the stop token
     LENGTH = 'length'      # generated its N tokens
-    EVICTED = 'evicted'    # its slot was taken for the action path (tokens so far are valid)
+    EVICTED = 'evicted'    # preempted: its slot was taken for the action path (tokens so far
+    #                        are valid); admission plans so that this does not happen
     ERROR = 'error'        # a model call on its rows failed
-    REFUSED = 'refused'    # never started (queue or pool full)
+    REFUSED = 'refused'    # never started (queue full, or the pool could not hold it to its end)
 
     @property
     def completed(self) -> bool:
@@ -44,6 +45,8 @@ class RequestState:
     slot: int | None                # pool slot holding its K/V (None once released / refused)
     origin_frame: int               # frame whose prefix this request continues
     max_new_tokens: int             # N: stop with 'length' after this many generated tokens
+    deadline: int = 0               # scheduler frame count by whose end it must be done (the
+    #                                 pool's next frames need its slot; see engine/scheduler.py)
     eos_id: int | None = None       # stop with 'eos' after emitting this token (None: never)
     forced: list[int] = dataclasses.field(default_factory=list)   # prompt template ids to feed
     token_ids: list[int] = dataclasses.field(default_factory=list)  # generated so far
@@ -56,6 +59,17 @@ class RequestState:
     @property
     def tokens_left(self) -> int:
         return 0 if self.finished else self.max_new_tokens - len(self.token_ids)
+
+    @property
+    def steps_left(self) -> int:
+        """Token steps until done: forced tokens still to feed, then one step per token.
+
+        The step that feeds the last forced token yields the first generated token, so a
+        request with F forced tokens takes F - 1 + N steps in all (N without any).
+        """
+        if self.finished:
+            return 0
+        return max(len(self.forced) - self.gen_len - 1, 0) + self.tokens_left
 
     @property
     def kv_entries_needed(self) -> int:

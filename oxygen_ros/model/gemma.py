@@ -59,14 +59,19 @@ class AdaRMSNorm(nn.Module):
         return self.dense(cond.to(self.dense.weight.dtype)).float()
 
     def modulate(self, x: torch.Tensor, mod: torch.Tensor):
-        """Normalize x [B, Q, W] under mod [B, 3W] -> (y [B, Q, W], gate [B, 1, W])."""
+        """Normalize x [B, Q, W] under mod [B, 3W] (or per token [B, Q, 3W]) -> y, gate.
+
+        y [B, Q, W]; gate [B, 1, W] (or [B, Q, W]).
+        """
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + RMS_EPS)
-        scale, shift, gate = mod[:, None, :].chunk(3, dim=-1)                 # [B, 1, W] each
+        if mod.dim() == 2:
+            mod = mod[:, None, :]                                               # [B, 1, 3W]
+        scale, shift, gate = mod.chunk(3, dim=-1)
         return (normed * (1.0 + scale) + shift).to(x.dtype), gate.to(x.dtype)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor):
-        """Normalize x [B, Q, W] under cond [B, Wc] -> (y [B, Q, W], gate [B, 1, W])."""
+        """Normalize x [B, Q, W] under cond [B, Wc] (or per token [B, Q, Wc]) -> y, gate."""
         return self.modulate(x, self.modulation(cond))
 
 
@@ -144,7 +149,7 @@ class GemmaLayer(nn.Module):
         cos, sin [B, Q, D]: RoPE rows at the tokens' positions (rows of a `rope_table`).
         attend(q [B, Q, N, D], k, v [B, Q, G, D]) -> [B, Q, N*D]: keeps k, v (K after RoPE)
         where the pass caches them and attends with the pass's keys and mask.
-        mods: the expert's adaRMS modulations [B, 3W] of its two norms (`modulation` of the
+        mods: the expert's adaRMS modulations [B, 3W] (per token: [B, Q, 3W]) of its two norms
         conditioning); None in the backbone.
         """
         mod_in, mod_post = mods if mods is not None else (None, None)

@@ -26,7 +26,8 @@ value on the host, and its shapes depend only on (B, attend_len), so `compile_de
 it (CUDA graphs via mode='reduce-overhead' on a GPU); `compile_actions` compiles the whole
 denoise loop, every step, as one graph. Both are off until called (runtime/engine_setup.py
 decides, at configure); RoPE tables are built once per device. `fuse` runs q/k/v and
-gate/up as one matmul each.
+gate/up as one matmul each. Real-time chunking (`sample_actions(inpaint=...)`) runs its
+steps eager on the same inputs (see there).
 Parameter names follow openpi's `model.safetensors` (see checkpoint.py for the one rename).
 """
 
@@ -39,9 +40,10 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from . import rtc
+from .compiled import CompiledFunction
 from .config import Pi05Config
 from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, rope_table
-from .compiled import CompiledFunction
 from .siglip import MultiModalProjector, SiglipVisionTower
 
 # Parameters that stay float32 when the model runs in bfloat16 (openpi's float32 islands).
@@ -144,10 +146,13 @@ def attend_bucket(needed: int, limit: int) -> int:
 
 
 def time_embedding(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Sine-cosine embedding of flow time t [B] -> [B, width], periods 4e-3 .. 4."""
+    """Sine-cosine embedding of flow time t [B] (or per token [B, H]) -> [..., width].
+
+    Periods 4e-3 .. 4.
+    """
     fraction = torch.linspace(0.0, 1.0, width // 2, dtype=torch.float64, device=t.device)
     period = 4e-3 * (4.0 / 4e-3) ** fraction
-    angle = (2 * math.pi / period)[None, :] * t.double()[:, None]          # [B, W/2]
+    angle = (2 * math.pi / period) * t.double()[..., None]                 # [..., W/2]
     return torch.cat([angle.sin(), angle.cos()], dim=-1).float()
 
 
@@ -437,19 +442,28 @@ class Pi05Model(nn.Module):
     # ----------------------------------------------------------------- actions
     @torch.no_grad()
     def sample_actions(self, prefix: PrefixCache, noise: torch.Tensor,
-                       num_steps: int | None = None) -> torch.Tensor:
+                       num_steps: int | None = None,
+                       inpaint: rtc.Inpainting | None = None) -> torch.Tensor:
         """Flow matching: Euler from t=1 (noise) to t=0. noise [B, H, A] -> actions [B, H, A].
 
         The prefix K/V are read where prefill wrote them: views for host slot ids that form a
         run (one frame: B = 1), else one gather per layer per call. The pool is never written.
         Runs `denoise_loop`, compiled when compile_actions was called.
+        inpaint: real-time chunking (model/rtc.py): the same steps over the same prefix K/V
+        (the same `action_context`), continuing a committed chunk (guided, or its frozen rows
+        held clean). Those steps run eager, one `denoise_velocity` each: guided takes a
+        vector-Jacobian product through every step and prefix a flow time per token, and the
+        compiled loop has neither (its modulations are the fixed times' [S]).
         """
         steps = num_steps or self.config.num_steps
-        inputs = self.denoise_inputs(prefix, noise.shape[1], noise.device)
+        context = self.action_context(prefix, noise.shape[1], noise.device)
+        if inpaint is not None:
+            return rtc.sample(lambda x, t: self.denoise_velocity(*context, x, t), noise, steps,
+                              inpaint)
         x = noise.float()
         if self._denoise_fn is None:
-            return self.denoise_loop(*inputs, x, steps)
-        prefix_kv, prefix_bias, cos, sin = inputs
+            return self.denoise_loop(*context, x, steps)
+        prefix_kv, prefix_bias, cos, sin = context
         keys = [t for pair in prefix_kv for t in pair] + [prefix_bias]
         if prefix_bias.shape[1] > 1:   # one graph for every number of packed positions
             for tensor in keys:
@@ -457,14 +471,17 @@ class Pi05Model(nn.Module):
         if x.shape[0] > 1:   # and one for every batch of several rows
             for tensor in keys + [cos, sin, x]:
                 torch._dynamo.mark_dynamic(tensor, 0)
-        return self._denoise_fn(*inputs, x, steps)
+        return self._denoise_fn(*context, x, steps)
 
-    def denoise_inputs(self, prefix: PrefixCache, H: int, device) -> tuple:
-        """Gather what every denoise step reads of a prefix: (prefix_kv, bias, cos, sin).
+    def action_context(self, prefix: PrefixCache, horizon: int, device
+                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor,
+                                  torch.Tensor, torch.Tensor]:
+        """Return what every denoise step of `prefix`'s rows reads: (prefix_kv, bias, cos, sin).
 
-        prefix_kv: per layer (K, V) [B, n, G, D] of the prefix in the compute dtype;
-        prefix_bias [B, n] (key_bias of their valid mask); cos, sin [B, H, D] at the action
-        tokens' positions n_valid .. n_valid + H - 1.
+        The first four arguments of denoise_velocity and denoise_loop: the plain loop, RTC and
+        the smooth-policy trainer all read these. prefix_kv: per layer (K, V) [B, n, G, D] of
+        the prefix in the compute dtype; prefix_bias [B, n] (key_bias of their valid mask);
+        cos, sin [B, H, D] at the action tokens' positions n_valid .. n_valid + H - 1.
         On the CPU, where n_valid is on the host, the valid positions are packed once per frame
         (n = the most valid positions of a row; a LIBERO frame: 555 of 968), as prefill
         packs them: every step then attends 43% fewer keys, and a single row needs no mask
@@ -491,8 +508,8 @@ class Pi05Model(nn.Module):
         prefix_kv = [(rows(kv.k[i]), rows(kv.v[i]))                        # 2 x [B, n, G, D]
                      for i in range(self.config.backbone.depth)]
         prefix_bias = key_bias(valid, dtype)                                    # [B, n]
-        positions = prefix.n_valid.to(device)[:, None] + torch.arange(H, device=device)
-        cos, sin = self.rope_tables(P + H, device)
+        positions = prefix.n_valid.to(device)[:, None] + torch.arange(horizon, device=device)
+        cos, sin = self.rope_tables(P + horizon, device)
         return prefix_kv, prefix_bias, cos[positions], sin[positions]        # [B, H, D]
 
     def denoise_loop(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -518,12 +535,13 @@ class Pi05Model(nn.Module):
     def expert_modulations(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Compute the expert's adaRMS modulations at flow times t [R] -> 2L + 1 of [R, 3We].
 
-        In layer order (input norm, post-attention norm), then the final norm.
+        t may be per token ([B, H] -> [B, H, 3We] each, RTC's clean rows). In layer order
+        (input norm, post-attention norm), then the final norm.
         cond = silu(time_mlp_out(silu(time_mlp_in(sincos(t))))).
         """
         width = self.config.expert.width
         cond = F.silu(self.time_mlp_in(time_embedding(t, width).to(self.time_mlp_in.weight.dtype)))
-        cond = F.silu(self.time_mlp_out(cond))                                   # [R, We]
+        cond = F.silu(self.time_mlp_out(cond))                          # [R, We] or [B, H, We]
         norms = [norm for layer in self.expert.layers
                  for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
         return [norm.modulation(cond) for norm in norms + [self.expert.norm]]
@@ -533,10 +551,11 @@ class Pi05Model(nn.Module):
                          x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """One denoise step: velocity v(x_t, t) [B, H, A] of the expert at flow time t [B].
 
-        prefix_kv, prefix_bias, cos, sin: from `denoise_inputs`; x_t [B, H, A].
+        prefix_kv, prefix_bias, cos, sin: from `action_context`; x_t [B, H, A]; t [B], or
+        [B, H] for a flow time per action token (RTC's clean rows).
         The H action tokens attend to the valid prefix and to each other (bidirectionally).
-        Separately callable (eager or compiled) for guided sampling; `denoise_loop` computes
-        the same per step, with its modulations precomputed.
+        Called step by step by RTC (model/rtc.py) and the smooth-policy trainer, with
+        gradients; `denoise_loop` computes the same per step, with its modulations precomputed.
         """
         return self.expert_velocity(prefix_kv, prefix_bias, cos, sin, x_t,
                                     self.expert_modulations(t))
@@ -544,7 +563,10 @@ class Pi05Model(nn.Module):
     def expert_velocity(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
                         prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         x_t: torch.Tensor, mods: list[torch.Tensor]) -> torch.Tensor:
-        """Run the expert pass of one step under precomputed modulations (2L + 1 of [B, 3We])."""
+        """Run one step's expert pass under precomputed modulations (of expert_modulations).
+
+        mods: 2L + 1 of [B, 3We], or per token [B, H, 3We].
+        """
         x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
         for i, (layer, (k_prefix, v_prefix)) in enumerate(zip(self.expert.layers, prefix_kv)):
             def attend(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix):

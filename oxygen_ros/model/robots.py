@@ -1,150 +1,34 @@
-"""Per-robot input/output adapters (libero, droid, aloha) as a small table of RobotSpecs.
+"""Per-robot input/output adapter: a RobotSpec (model/robot_spec.py) applied to observations.
 
 Input: a plain observation (camera name -> uint8 HxWx3 image, state vector, prompt text).
 Output of `RobotAdapter.prepare`: what `Pi05Model.prefill` takes for one row. The output side
-turns the model's normalised [H, action_dim] actions back into robot units.
-Camera names, slot masks, dims and the aloha conversions follow openpi's policies/*_policy.py.
+turns the model's normalised [H, action_dim] actions back into robot units. The built-in
+specs (config/robots/libero.yaml, droid.yaml, aloha.yaml) follow openpi's policies/*_policy.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 from PIL import Image
 import torch
 
 from .normalize import normalize, NormStats, unnormalize
+from .robot_spec import (ACTION_SPACES, BUILTIN_ROBOTS, check_fits_model, END_EFFECTOR_DELTA,
+                         get_robot, JOINT_POSITION, JOINT_VELOCITY, RobotSpec, SLOT_NAMES)
+from .robot_transforms import (absolute_actions, aloha_actions_from_pi, aloha_state_to_pi,
+                               delta_actions)
 from .tokenizer import PaligemmaTokenizer
 
-# The model's three image slots, in order.
-SLOT_NAMES = ('base_0_rgb', 'left_wrist_0_rgb', 'right_wrist_0_rgb')
+__all__ = ['ACTION_SPACES', 'aloha_actions_from_pi', 'aloha_state_to_pi', 'collate',
+           'END_EFFECTOR_DELTA', 'get_robot', 'image_to_model', 'JOINT_POSITION',
+           'JOINT_VELOCITY', 'ModelInputs', 'resize_with_pad', 'RobotAdapter', 'ROBOTS',
+           'RobotSpec', 'SLOT_NAMES']
 
-
-# --- aloha <-> pi joint space (openpi AlohaInputs/AlohaOutputs with adapt_to_pi=True) ----------
-_ALOHA_JOINT_FLIP = np.array([1, -1, -1, 1, 1, 1, 1, 1, -1, -1, 1, 1, 1, 1], dtype=np.float64)
-_ALOHA_GRIPPERS = [6, 13]  # state/action layout: [left arm 6, left grip, right arm 6, right grip]
-
-
-def _aloha_gripper_to_pi(lin: np.ndarray) -> np.ndarray:
-    """Aloha's linear gripper position (normalised) -> pi's normalised angular position."""
-    # Puppet gripper open/closed positions (metres) undo Aloha's normalisation.
-    pos = lin * (0.05800 - 0.01844) + 0.01844
-    # Interbotix linear -> angle (arm length 0.036 m, horn radius 0.022 m).
-    arm, horn = 0.036, 0.022
-    angle = np.arcsin(np.clip((horn ** 2 + pos ** 2 - arm ** 2) / (2 * horn * pos), -1.0, 1.0))
-    # pi's gripper is normalised between these angles (encoder counts 2405..3110).
-    return (angle - 0.5476) / (1.6296 - 0.5476)
-
-
-def _aloha_gripper_from_pi(value: np.ndarray) -> np.ndarray:
-    """Pi's gripper output -> Aloha's normalised puppet gripper joint position."""
-    return (value + 0.5476 - (-0.6213)) / (1.4910 - (-0.6213))
-
-
-def aloha_state_to_pi(state: np.ndarray) -> np.ndarray:
-    """Aloha state [14] -> the joint space the π models were trained in."""
-    state = _ALOHA_JOINT_FLIP * state
-    state[_ALOHA_GRIPPERS] = _aloha_gripper_to_pi(state[_ALOHA_GRIPPERS])
-    return state
-
-
-def aloha_actions_from_pi(actions: np.ndarray) -> np.ndarray:
-    """Model-space actions [H, 14] -> Aloha joint commands [H, 14]."""
-    actions = _ALOHA_JOINT_FLIP * actions
-    actions[:, _ALOHA_GRIPPERS] = _aloha_gripper_from_pi(actions[:, _ALOHA_GRIPPERS])
-    return actions
-
-
-# --- the table -----------------------------------------------------------------------------------
-# What one row of a robot's action chunk means (ActionChunk.action_space has one constant each).
-JOINT_POSITION = 'joint_position'            # absolute joint positions
-JOINT_VELOCITY = 'joint_velocity'            # joint velocities (rad/s)
-END_EFFECTOR_DELTA = 'end_effector_delta'    # end-effector delta pose + gripper
-ACTION_SPACES = (JOINT_POSITION, JOINT_VELOCITY, END_EFFECTOR_DELTA)
-
-
-@dataclasses.dataclass(frozen=True)
-class RobotSpec:
-    """How one robot's observation maps onto the model and back."""
-
-    name: str
-    cameras: tuple[tuple[str, str], ...]  # (observation camera name, model slot); all required
-    state_dim: int
-    action_dim: int
-    asset_id: str                          # default norm stats under assets/<asset_id>/
-    horizon: int = 10                      # action rows per chunk in the paper's workloads
-    # The robot's usual JointState names, one per state entry, in state order.
-    joint_names: tuple[str, ...] = ()
-    ignored_cameras: tuple[str, ...] = ()  # accepted in observations but not fed to the model
-    # Joints whose actions are deltas w.r.t. the current state (openpi AbsoluteActions).
-    delta_action_mask: tuple[bool, ...] | None = None
-    # Robot <-> model joint-space conversions on unnormalised values (None: identity).
-    state_to_model: Callable[[np.ndarray], np.ndarray] | None = None
-    actions_from_model: Callable[[np.ndarray], np.ndarray] | None = None
-    # What the robot's controller does with a row (openpi's clients and the training data):
-    action_space: str = JOINT_POSITION     # one of ACTION_SPACES
-    action_names: tuple[str, ...] = ()     # one per action column
-    step_period_s: float = 0.1             # time between rows (the data's control period)
-    open_loop_rows: int = 5                # rows openpi's client plays before it replans
-
-    @property
-    def camera_names(self) -> tuple[str, ...]:
-        """Observation camera names the model uses, in slot order."""
-        return tuple(cam for cam, _ in self.cameras)
-
-
-ROBOTS: dict[str, RobotSpec] = {
-    spec.name: spec for spec in (
-        RobotSpec('libero', cameras=(('image', 'base_0_rgb'),
-                                     ('wrist_image', 'left_wrist_0_rgb')),
-                  state_dim=8, action_dim=7, asset_id='physical-intelligence/libero',
-                  joint_names=('eef_x', 'eef_y', 'eef_z', 'eef_rx', 'eef_ry', 'eef_rz',
-                               'gripper_left_finger', 'gripper_right_finger'),
-                  # LIBERO's OSC controller: delta position, delta axis-angle, gripper (-1
-                  # open, +1 closed); the simulator steps at 20 Hz, openpi replans every 5.
-                  action_space=END_EFFECTOR_DELTA,
-                  action_names=('eef_dx', 'eef_dy', 'eef_dz', 'eef_drx', 'eef_dry', 'eef_drz',
-                                'gripper'),
-                  step_period_s=0.05, open_loop_rows=5),
-        RobotSpec('droid', cameras=(('exterior_image_1_left', 'base_0_rgb'),
-                                    ('wrist_image_left', 'left_wrist_0_rgb')),
-                  state_dim=8, action_dim=8, asset_id='droid',   # joints 7 + gripper 1
-                  joint_names=tuple(f'panda_joint{i}' for i in range(1, 8))
-                  + ('panda_finger_joint1',),
-                  # DROID's joint-velocity action space at 15 Hz; the gripper column is a
-                  # position in [0, 1]. openpi's DROID client plays 8 rows open loop.
-                  action_space=JOINT_VELOCITY,
-                  action_names=tuple(f'panda_joint{i}' for i in range(1, 8))
-                  + ('panda_finger_joint1',),
-                  step_period_s=1.0 / 15.0, open_loop_rows=8),
-        RobotSpec('aloha', cameras=(('cam_high', 'base_0_rgb'),
-                                    ('cam_left_wrist', 'left_wrist_0_rgb'),
-                                    ('cam_right_wrist', 'right_wrist_0_rgb')),
-                  ignored_cameras=('cam_low',), state_dim=14, action_dim=14, asset_id='trossen',
-                  joint_names=tuple(f'{side}_{joint}' for side in ('left', 'right')
-                                    for joint in ('waist', 'shoulder', 'elbow', 'forearm_roll',
-                                                  'wrist_angle', 'wrist_rotate', 'gripper')),
-                  delta_action_mask=(True,) * 6 + (False,) + (True,) * 6 + (False,),
-                  state_to_model=aloha_state_to_pi, actions_from_model=aloha_actions_from_pi,
-                  # Absolute joint positions (the deltas are added back above) at ALOHA's
-                  # 50 Hz; openpi's ALOHA runtime plays 25 rows per chunk.
-                  action_space=JOINT_POSITION,
-                  action_names=tuple(f'{side}_{joint}' for side in ('left', 'right')
-                                     for joint in ('waist', 'shoulder', 'elbow', 'forearm_roll',
-                                                   'wrist_angle', 'wrist_rotate', 'gripper')),
-                  step_period_s=0.02, open_loop_rows=25),
-    )
-}
-
-
-def get_robot(name: str) -> RobotSpec:
-    """Return the RobotSpec called `name` (see ROBOTS)."""
-    try:
-        return ROBOTS[name]
-    except KeyError:
-        raise ValueError(f'unknown robot {name!r}; expected one of {sorted(ROBOTS)}') from None
+# The built-in robots (config/robots/<name>.yaml), read once.
+ROBOTS: dict[str, RobotSpec] = {name: get_robot(name) for name in BUILTIN_ROBOTS}
 
 
 # --- images --------------------------------------------------------------------------------------
@@ -208,12 +92,7 @@ class RobotAdapter:
             if key not in norm_stats:
                 raise ValueError(f'{spec.name}: norm stats lack {key!r} '
                                  f'(have {sorted(norm_stats)})')
-        if num_slots != len(SLOT_NAMES):
-            raise ValueError(f'{spec.name}: the model has {num_slots} image slots, '
-                             f'adapters fill {len(SLOT_NAMES)} ({", ".join(SLOT_NAMES)})')
-        if max(spec.state_dim, spec.action_dim) > action_dim:
-            raise ValueError(f'{spec.name}: state {spec.state_dim} / action {spec.action_dim} '
-                             f'dims exceed the model action_dim {action_dim}')
+        check_fits_model(spec, action_dim, num_slots)
         self.spec = spec
         self.state_stats = norm_stats['state']
         self.action_stats = norm_stats['actions']
@@ -318,6 +197,29 @@ class RobotAdapter:
                            token_masks=token_masks, state=padded, model_state=model_state)
 
     # -- output side --
+    def _matrix(self, actions, width: int, what: str, rows: str) -> np.ndarray:
+        """Return `actions` as float64 [rows, width]; ValueError naming what is wrong."""
+        actions = np.asarray(actions, dtype=np.float64)
+        if actions.ndim != 2 or actions.shape[1] != width:
+            raise ValueError(f'{self.spec.name}: {what}: expected [{rows}, {width}], '
+                             f'got {tuple(actions.shape)}')
+        if not np.all(np.isfinite(actions)):
+            raise ValueError(f'{self.spec.name}: {what} contain NaN or inf')
+        return actions
+
+    def _delta_base(self, inputs: ModelInputs | None) -> np.ndarray | None:
+        """Return the state deltas are relative to (float64 [action_dim]; None: no deltas).
+
+        openpi's delta base is the padded state in the model's joint space, unnormalised.
+        """
+        if self.spec.delta_action_mask is None:
+            return None
+        if inputs is None:
+            raise ValueError(f'{self.spec.name}: delta actions need the ModelInputs of the row')
+        state = np.zeros(self.action_dim)
+        state[:self.spec.state_dim] = inputs.model_state
+        return state
+
     def postprocess(self, actions, inputs: ModelInputs | None = None) -> np.ndarray:
         """Model actions [H, action_dim] (normalised) -> robot actions float32 [H, robot dim].
 
@@ -326,22 +228,34 @@ class RobotAdapter:
         spec = self.spec
         if isinstance(actions, torch.Tensor):
             actions = actions.detach().to('cpu', torch.float32).numpy()
-        actions = np.asarray(actions, dtype=np.float64)
-        if actions.ndim != 2 or actions.shape[1] != self.action_dim:
-            raise ValueError(f'{spec.name}: actions: expected [H, {self.action_dim}], '
-                             f'got {actions.shape}')
-        if not np.all(np.isfinite(actions)):
-            raise ValueError(f'{spec.name}: actions contain NaN or inf')
+        actions = self._matrix(actions, self.action_dim, 'actions', 'H')
         # openpi order: unnormalise the full width, make deltas absolute, slice, convert.
         out = unnormalize(actions, self.action_stats, self.use_quantiles,
                           what=f'{spec.name} actions', dtype=np.float64)  # [H, action_dim]
-        if spec.delta_action_mask is not None:
-            if inputs is None:
-                raise ValueError(f'{spec.name}: delta actions need the ModelInputs of the row')
-            mask = np.asarray(spec.delta_action_mask)
-            base = np.where(mask, inputs.model_state[:mask.size], 0.0)  # [k]
-            out[:, :mask.size] += base
+        base = self._delta_base(inputs)                                   # [action_dim]|None
+        if base is not None:
+            out = absolute_actions(out, base, spec.delta_action_mask)
         out = out[:, :spec.action_dim]
         if spec.actions_from_model is not None:
             out = spec.actions_from_model(out)
         return out.astype(np.float32)
+
+    def model_actions(self, actions, inputs: ModelInputs | None = None) -> np.ndarray:
+        """Robot actions [n, robot dim] -> normalised model actions float32 [n, action_dim].
+
+        The inverse of postprocess (a chunk the robot executes, as the model would have
+        written it for the observation `inputs`): joint-space conversion undone, deltas taken
+        w.r.t. this observation's state, normalised; the padding columns are 0, as in
+        training (openpi pads normalised actions with zeros).
+        """
+        spec = self.spec
+        actions = self._matrix(actions, spec.action_dim, 'committed actions', 'n').copy()
+        if spec.actions_to_model is not None:
+            actions = spec.actions_to_model(actions)
+        base = self._delta_base(inputs)                                   # [action_dim]|None
+        if base is not None:
+            actions = delta_actions(actions, base, spec.delta_action_mask)
+        out = np.zeros((actions.shape[0], self.action_dim), np.float32)
+        out[:, :spec.action_dim] = normalize(actions, self.action_stats, self.use_quantiles,
+                                             what=f'{spec.name} committed actions')
+        return out

@@ -3,8 +3,9 @@
     python -m oxygen_ros.ros.chunk_player --ros-args -p open_loop_rows:=8 \
         -r commands:=/forward_velocity_controller/commands
 
-Subscribes `actions` (oxygen_ros/ActionChunk), plays the first `open_loop_rows` rows of each
-chunk, one per the chunk's step period, then switches to the newest chunk (replanning; the
+Subscribes `actions` (oxygen_ros/ActionChunk), plays `open_loop_rows` rows of each chunk from
+its `start_row` (0, or the first row past real-time chunking's delay), one per the chunk's
+step period, then switches to the newest chunk (replanning; the
 logic is oxygen_ros.runtime.actions.ChunkPlayback), and publishes each row on `commands` as
 std_msgs/Float64MultiArray, the message ros2_control's forward_command_controller
 (forward_position_controller, forward_velocity_controller) takes, one value per joint in the
@@ -68,7 +69,7 @@ class ChunkPlayer(Node):
             return
         self._layout = (SPACE_NAMES.get(msg.action_space, ''), list(msg.names))
         self.playback.offer(Chunk(stamp_to_seconds(msg.header.stamp), actions_from_msg(msg),
-                                  period, int(msg.frame_index)))
+                                  period, int(msg.frame_index), int(msg.start_row)))
         if abs(period - self._period_s) > 1e-9:   # the first chunk, or a new step period
             self._period_s = period
             if self._timer is not None:

@@ -46,19 +46,22 @@ def action_chunk_msg(action, stamp, frame_id: str, layout):
     msg.horizon, msg.action_dim = (int(d) for d in actions.shape)
     msg.actions = array.array('f', actions.tobytes())   # row-major [H * A]
     msg.inference_time = float(action.inference_time_s)
+    msg.start_row = int(action.start_row)
     return msg
 
 
 def joint_trajectory_msg(action, frame_id: str, layout):
     """Convert an engine ActionOutput of a joint-position robot to trajectory_msgs/JointTrajectory.
 
-    Row i becomes the point at (i + 1) * step period. The header stamp is left at zero, which
-    joint_trajectory_controller reads as "start on receipt": the observation stamp lies in the
-    past, and a trajectory starting then would have its first points skipped.
+    The rows from action.start_row on (the first past the inference delay; 0 without
+    real-time chunking) become points, the j-th at (j + 1) * step period. The header stamp is
+    left at zero, which joint_trajectory_controller reads as "start on receipt": the
+    observation stamp lies in the past, and a trajectory starting then would have its first
+    points skipped.
     """
     from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
-    actions = np.asarray(action.actions, dtype=np.float64)   # [H, joints]
+    actions = np.asarray(action.actions, dtype=np.float64)[action.start_row:]   # [n, joints]
     msg = JointTrajectory()
     msg.header.frame_id = frame_id
     msg.joint_names = list(layout.names)

@@ -10,8 +10,10 @@ and writes, when the duration ends or on Ctrl-C / SIGTERM, one JSON file:
                  the LanguageChunks that carried the same stamp (the same tick)
     tokens       one record per LanguageChunk: `t`, `stamp`, `request`, `n` tokens, `done`,
                  `finish_reason`
+    narrations   one record per language/narration message (a completed request): `t`, `chars`
+    instructions one record per instruction the node is sent: `t`, `chars`
     diagnostics  one record per /diagnostics message naming the node: `t`, lifecycle `state`
-                 (the model status's message) and the values of its `control loop`,
+                 (the model status's message) and the values of its `model`, `control loop`,
                  `language` and `inputs` statuses (deadline_misses_total, current_k, camera
                  message counts, ...) where present
     summary      ticks, rate, inference p50/p99, tokens/s over the whole recording
@@ -42,6 +44,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
+from std_msgs.msg import String
 
 from oxygen_ros.msg import ActionChunk, LanguageChunk
 from oxygen_ros.ros import qos
@@ -70,12 +73,19 @@ class OutputMonitor(Node):
         self.ticks: list[dict] = []
         self.tokens: list[dict] = []
         self.diagnostics: list[dict] = []
+        self.narrations: list[dict] = []
+        self.instructions: list[dict] = []
         self.state = ('', 0)               # last (lifecycle state, model status level)
         self.started = time.monotonic()
         self.create_subscription(ActionChunk, 'actions', self._on_action, qos.ACTIONS_RECORDER)
         self.create_subscription(LanguageChunk, 'language/tokens', self._on_tokens, qos.TOKENS)
         self.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics,
                                  qos.DIAGNOSTICS)
+        self.create_subscription(String, 'language/narration',
+                                 lambda msg: self._on_text(self.narrations, msg), qos.NARRATION)
+        self.create_subscription(String, 'instruction',
+                                 lambda msg: self._on_text(self.instructions, msg),
+                                 qos.INSTRUCTION)
 
     def _event(self, **fields) -> None:
         if self.events is not None:
@@ -100,6 +110,10 @@ class OutputMonitor(Node):
                                 'request': int(msg.request_id), 'n': len(msg.token_ids),
                                 'done': bool(msg.done), 'finish_reason': msg.finish_reason})
 
+    def _on_text(self, records: list[dict], msg: String) -> None:
+        with self.lock:
+            records.append({'t': time.monotonic(), 'chars': len(msg.data)})
+
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
         now = time.monotonic()
         prefix = f'{self.watched}:'
@@ -112,6 +126,7 @@ class OutputMonitor(Node):
                 record['state'] = status.message
                 # 2 = ERROR: e.g. a failed configure (the node stays alive, unconfigured).
                 record['model_level'] = status.level[0] if status.level else 0
+                record['model'] = {kv.key: kv.value for kv in status.values}
             elif part in DIAGNOSTIC_PARTS:
                 record[part] = {kv.key: kv.value for kv in status.values}
         if len(record) == 1:
@@ -129,10 +144,12 @@ class OutputMonitor(Node):
             ticks = [dict(t) for t in self.ticks]
             tokens = list(self.tokens)
             diagnostics = list(self.diagnostics)
+            narrations, instructions = list(self.narrations), list(self.instructions)
         join_tokens(ticks, tokens)
         return {'node': self.watched, 'clock': 'time.monotonic() seconds (CLOCK_MONOTONIC)',
                 'started': self.started, 'ended': time.monotonic(), 'ticks': ticks,
-                'tokens': tokens, 'diagnostics': diagnostics,
+                'tokens': tokens, 'diagnostics': diagnostics, 'narrations': narrations,
+                'instructions': instructions,
                 'summary': summarize(ticks, tokens)}
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
 import os
 import sys
 import threading
@@ -66,16 +67,19 @@ from oxygen_ros.engine import AdaptiveBudget, FixedBudget
 from oxygen_ros.ros import qos
 from oxygen_ros.ros.diagnostics import to_diagnostic_array
 from oxygen_ros.ros.robot_io import RobotIO, RosOutputs
+from oxygen_ros.runtime.capacity import resolve_rate
 from oxygen_ros.runtime.control import ControlThread, CpuSplit
 from oxygen_ros.runtime.fleet_loop import FleetLoop, RobotLoop, wake_period_s
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.params import (camera_param_name, camera_param_specs, check_value,
                                        deprecation_warning, FleetSettings, NODE_NAME,
                                        param_spec, PARAMS,
-                                       PARAMS_BY_NAME, parse_decode_budget, ROBOT_IO,
+                                       PARAMS_BY_NAME, parse_decode_budget, parse_rtc_mode,
                                        robot_defaults, robot_param_defaults, robot_param_name,
+                                       RobotSpecError,
                                        robot_param_specs, ROBOT_PARAMS, SAFETY_LIMITS, Settings,
                                        split_param_name)
+from oxygen_ros.runtime.rtc import planner_for
 from oxygen_ros.runtime.status import build_statuses, ERROR, LoopStats, OK, ProblemLog, WARN
 
 try:
@@ -161,8 +165,11 @@ class _BridgeAttachment:
 class OxygenNode(LifecycleNode):
     """Lifecycle node running the π0.5 engine at a fixed control rate, for one robot or many."""
 
-    def __init__(self, node_name: str = NODE_NAME, **kwargs):
+    def __init__(self, node_name: str = NODE_NAME, *, engine_builder=None, **kwargs):
         super().__init__(node_name, **kwargs)
+        # engine_builder(settings) -> runtime engine, Settings for one robot, FleetSettings for
+        # several; None: engine_setup's build_engine / build_fleet. The soak injects faults.
+        self._engine_builder = engine_builder
         self._lifecycle = 'unconfigured'
         self._config_error = ''
         self._declaring = False
@@ -186,7 +193,7 @@ class OxygenNode(LifecycleNode):
 
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self._declare_parameters()
-        self._period_s = 1.0 / self._value('control_rate_hz')
+        self._period_s = _period_of(self._value('control_rate_hz'))
         self._stale_timeout_s = self._value('stale_frame_timeout_s')
         self._max_instruction_chars = self._value('max_instruction_chars')
 
@@ -208,8 +215,12 @@ class OxygenNode(LifecycleNode):
         """Declare every parameter; a rejected override is recorded, not raised."""
         self._declaring = True
         robot = self._declare(PARAMS_BY_NAME['robot'])
-        # Camera and joint defaults follow the robot given at startup.
-        defaults = robot_defaults(robot if robot in ROBOT_IO else 'libero')
+        # Camera and joint defaults follow the robot given at startup (a shipped robot or a
+        # robot YAML); one that cannot be read keeps libero's, and configure says why.
+        try:
+            defaults = robot_defaults(robot if check_value('robot', robot) is None else 'libero')
+        except RobotSpecError:
+            defaults = robot_defaults('libero')
         for spec in PARAMS:
             if spec.name != 'robot':
                 self._declare(spec, defaults.get(spec.name, spec.default))
@@ -419,7 +430,7 @@ class OxygenNode(LifecycleNode):
                 if robot in self._ios:
                     self._ios[robot].inputs.stale_timeout_s = value
             elif base == 'control_rate_hz' and not robot and self._settings is None:
-                self._period_s = 1.0 / value   # not configured: the period configure starts
+                self._period_s = _period_of(value)   # not configured: what configure starts
             # A fleet's node-level settings hold its shared values; a robot's, its own.
             if robot in robots or (not robot and self._settings is not None):
                 self._replace_settings(robot, base, value)
@@ -434,7 +445,13 @@ class OxygenNode(LifecycleNode):
             f'{k}={v}' for k, v in changes.items()))
 
     def _replace_settings(self, robot: str, base: str, value) -> None:
-        value = parse_decode_budget(value) if base == 'decode_budget' else value
+        value = (parse_decode_budget(value) if base == 'decode_budget'
+                 else parse_rtc_mode(value) if base == 'rtc_mode' else value)
+        if base == 'control_rate_hz':
+            capacity = self._engine.capacity if self._engine is not None else None
+            value = resolve_rate(value, capacity)   # 0: auto, from the configure-time timing
+            if capacity is not None:
+                self._rate_note(capacity, value)
         if robot and self._fleet_settings is not None:
             fleet = self._fleet_settings
             robots = dict(fleet.robots)
@@ -442,6 +459,16 @@ class OxygenNode(LifecycleNode):
             self._fleet_settings = dataclasses.replace(fleet, robots=robots)
         else:
             self._settings = dataclasses.replace(self._settings, **{base: value})
+
+    def _rate_note(self, capacity, asked_hz: float) -> None:
+        """Log what rate this machine holds next to the one asked (a warning if above it)."""
+        message = f'this machine {capacity.describe(asked_hz)}'
+        if asked_hz > capacity.rate_hz:
+            self._problems.note(WARN, f'{message}: ticks will overrun (language still takes '
+                                      'its minimum); set control_rate_hz 0 (auto) or at most '
+                                      f'{capacity.auto_rate_hz():.3g}')
+        else:
+            self.get_logger().info(message)
 
     def _wake_period_s(self) -> float:
         """Return the control timer's period: the robot's, or one meeting every robot's ticks."""
@@ -472,6 +499,9 @@ class OxygenNode(LifecycleNode):
                 scheduler.budget.frame_period_s = settings.period_s
             if robot and 'control_rate_hz' in bases:
                 self._fleet_loop.robots[robot].period_s = settings.period_s
+            if any(base.startswith('rtc_') for base in bases):
+                loop = self._fleet_loop.robots[robot] if robot else self._loop
+                loop.rtc.settings = settings.rtc
         if self._fleet_loop is not None:
             self._fleet_loop.gather_s = 0.5 * self._period_s
 
@@ -538,22 +568,24 @@ class OxygenNode(LifecycleNode):
             f'{engine.description["source"]}, {served}, KV pool {pool.num_slots} slots '
             f'({pool.total_bytes / (1 << 20):.1f} MiB), '
             f'{engine.description.get("torch_threads", "?")} torch threads')
+        if engine.capacity is not None:
+            self._rate_note(engine.capacity, max(
+                s.control_rate_hz for s in self._robot_settings().values()))
         self._lifecycle = 'inactive'
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_robot(self, values: dict):
         """One robot: its engine, its topics in the node's namespace, a FrameLoop."""
-        settings = Settings.from_values(values)
         from oxygen_ros.runtime.engine_setup import build_engine   # torch: load lazily
 
-        engine = build_engine(settings)
-        self._settings = settings
+        engine = (self._engine_builder or build_engine)(Settings.from_values(values))
+        self._settings = settings = engine.settings   # the control rate resolved
         io = self._ios[''] = RobotIO(self, settings, self._problems,
                                      lambda: self._max_instruction_chars)
         self._inputs, self._outputs = io.inputs, io.outputs
         self._stats = LoopStats()
         self._loop = FrameLoop(engine.system, io.inputs, problems=self._problems,
-                               stats=self._stats)
+                               stats=self._stats, rtc=planner_for(settings))
         return engine
 
     def _configure_fleet(self, values: dict):
@@ -566,7 +598,8 @@ class OxygenNode(LifecycleNode):
         fleet_settings = FleetSettings.from_values(values)
         from oxygen_ros.runtime.engine_setup import build_fleet   # torch: load lazily
 
-        engine = build_fleet(fleet_settings)
+        engine = (self._engine_builder or build_fleet)(fleet_settings)
+        fleet_settings = engine.settings   # the robots' control rates resolved
         self._settings, self._fleet_settings = fleet_settings.node, fleet_settings
         loops = []
         for name, settings in fleet_settings.robots.items():
@@ -574,7 +607,8 @@ class OxygenNode(LifecycleNode):
                 lambda level, message, name=name: self._problems.note(level, f'{name}: {message}'))
             io = self._ios[name] = RobotIO(self, settings, problems,
                                            lambda: self._max_instruction_chars, namespace=name)
-            loops.append(RobotLoop(name, io.inputs, io.outputs, settings.period_s, problems))
+            loops.append(RobotLoop(name, io.inputs, io.outputs, settings.period_s, problems,
+                                   rtc=planner_for(settings)))
         period = wake_period_s([s.period_s for s in fleet_settings.robots.values()])
         # Half a wake-up of slack: a robot due at a wake-up the timer fires a little early or
         # late for is served at that wake-up, not one later.
@@ -746,7 +780,9 @@ class OxygenNode(LifecycleNode):
         for name, robot in list(fleet_loop.robots.items()):
             io = self._ios.get(name)
             inputs = robot.last_inputs
-            about = {'robot': io.settings.robot if io else '',
+            spec = io.settings.spec if io else None
+            about = {'robot': spec.name if spec else '',
+                     'robot_spec': (spec.source or 'inferred') if spec else '',
                      'namespace': io.resolved_namespace if io else '',
                      'kv_quota': self._scheduler(name).pool.num_slots}
             statuses += build_statuses(
@@ -817,6 +853,11 @@ class OxygenNode(LifecycleNode):
             self.get_logger().error(message)
 
 
+def _period_of(rate_hz: float) -> float:
+    """Return the period of a rate (0, auto: unknown until configure has timed it)."""
+    return 1.0 / rate_hz if rate_hz else math.inf
+
+
 def make_executor(context=None) -> SingleThreadedExecutor:
     """Return the executor oxygen_node runs in: single-threaded, I/O only (module docstring)."""
     return SingleThreadedExecutor(context=context)
@@ -843,12 +884,13 @@ def default_discovery_to_localhost(environ=os.environ) -> str:
     return 'ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (oxygen_node default)'
 
 
-def main(args=None, *, fast_exit: bool = True) -> int:
+def main(args=None, *, fast_exit: bool = True, engine_builder=None) -> int:
     """Run oxygen_node until Ctrl-C (console script and `ros2 run oxygen_ros oxygen_node`).
 
     fast_exit: once the node and the ROS context are released, end the process at once. The
     interpreter's own teardown of torch takes over a second (measured 1.2 s here) and has
     nothing left to release; without it Ctrl-C ends the node well within a second.
+    engine_builder: passed to OxygenNode (the soak's fault injection).
     """
     discovery = default_discovery_to_localhost()
     rclpy.init(args=args)
@@ -856,7 +898,7 @@ def main(args=None, *, fast_exit: bool = True) -> int:
     code = 0
     executor = make_executor()
     try:
-        node = OxygenNode()
+        node = OxygenNode(engine_builder=engine_builder)
         node.get_logger().info(f'DDS discovery: {discovery}, ROS_DOMAIN_ID='
                                f'{os.environ.get("ROS_DOMAIN_ID", "0 (default)")}')
         executor.add_node(node)

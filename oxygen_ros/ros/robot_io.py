@@ -13,6 +13,7 @@ import copy
 import threading
 from typing import Callable
 
+import rclpy
 from rclpy.lifecycle import LifecycleNode
 from rclpy.qos_overriding_options import QoSOverridingOptions
 
@@ -24,10 +25,11 @@ from oxygen_ros.msg import ActionChunk, LanguageChunk
 from oxygen_ros.ros import qos
 from oxygen_ros.ros.conversions import (action_chunk_msg, joint_trajectory_msg,
                                         language_chunk_msg)
-from oxygen_ros.ros.polling import never_called, PolledGroup, take_all
+from oxygen_ros.ros.polling import LostMessages, never_called, PolledGroup, take_all
 from oxygen_ros.runtime.actions import action_layout, ActionLayout
 from oxygen_ros.runtime.conversions import (check_frame_size, compressed_to_rgb, image_to_rgb,
                                             InputError, joint_state_to_vector)
+from oxygen_ros.runtime.dds_profile import profile_path, profile_variable
 from oxygen_ros.runtime.inputs import InputSet, InputSource, sanitize_instruction
 from oxygen_ros.runtime.params import Settings
 from oxygen_ros.runtime.status import OK, ProblemLog, WARN
@@ -38,6 +40,14 @@ except ImportError:   # pragma: no cover - Humble
     from rclpy.qos_event import SubscriptionEventCallbacks
 
 JOINT_STATES_KEY = 'joint_states'
+
+
+def loss_remedy() -> str:
+    """Return what a camera message loss warning advises, for the middleware in use."""
+    if 'fastrtps' not in rclpy.get_rmw_implementation_identifier():
+        return 'check the publisher and the link to it'
+    return (f'start the camera driver with {profile_variable()}={profile_path()} (raw '
+            "frames overrun Fast DDS's default 512 KB shared-memory segment; docs/cameras.md)")
 
 
 def ns_to_stamp(stamp_ns: int) -> Time:
@@ -140,7 +150,9 @@ class RobotIO:
         self.namespace = namespace
         self._max_instruction_chars = max_instruction_chars
         self.subscriptions: list = []
-        self.outputs = RosOutputs(node, settings.frame_id, action_layout(settings.robot),
+        self.lost_counters: list[tuple[str, LostMessages]] = []   # (camera key, its count)
+        self.outputs = RosOutputs(node, settings.frame_id,
+                                  action_layout(settings.spec or settings.robot),
                                   settings.publish_trajectory, namespace)
         try:
             self.inputs = self._subscribe(settings)
@@ -156,6 +168,9 @@ class RobotIO:
 
     def destroy(self) -> None:
         """Drop the subscriptions and publishers."""
+        for _, lost in self.lost_counters:            # events before their subscriptions
+            lost.destroy()
+        self.lost_counters = []
         for sub in self.subscriptions:
             self.node.destroy_subscription(sub)
         self.subscriptions = []
@@ -175,6 +190,7 @@ class RobotIO:
                 qos_overriding_options=QoSOverridingOptions.with_default_policies())
             polled.append((key, sub))
             self.subscriptions.append(sub)
+            self.lost_counters.append((key, LostMessages(sub)))
             if cam.check_camera_info:
                 infos[cam.name] = f'camera_info:{cam.name}'
                 info_sub = node.create_subscription(
@@ -220,10 +236,19 @@ class RobotIO:
             self.subscriptions.append(sub)
             inputs.instruction_topic = sub.topic_name   # as remapped
 
+        camera_keys = {key for key, _ in self.lost_counters}
+        loss = inputs.loss
+        inputs.loss_remedy = loss_remedy()
+
         def take_polled(now_s: float) -> None:
             for key, polled_sub in polled:
-                for msg, age_s in take_all(polled_sub):
-                    inputs.put(key, msg, now_s - age_s)
+                for taken in take_all(polled_sub):
+                    inputs.put(key, taken.msg, now_s - taken.age_s)
+                    if key in camera_keys:
+                        loss.taken(key, now_s, taken.age_s, taken.sequence, taken.publisher,
+                                   taken.sent_s)
+            for key, lost in self.lost_counters:
+                loss.lost_total(key, now_s, lost.total())
 
         inputs.pull = take_polled
         return inputs

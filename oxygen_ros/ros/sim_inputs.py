@@ -6,9 +6,14 @@ Used by the demo and the tests; runnable on its own:
         --instruction "pick up the black bowl"
     python -m oxygen_ros.ros.sim_inputs --width 640 --height 480 --rate 15   # VGA cameras
     python -m oxygen_ros.ros.sim_inputs --namespace arm_right --robot droid  # one of a fleet
+    python -m oxygen_ros.ros.sim_inputs --compressed                        # jpeg, not rgb8
 
 --namespace puts every topic under it: one such process per robot of a node serving several
 (`robots: [arm_left, arm_right]`) stands in for a robot team.
+
+Cameras send raw rgb8 sensor_msgs/Image, as a camera driver does, and the process uses the Fast
+DDS profile for large frames (config/fastdds_large_frames.xml, docs/cameras.md) unless its
+environment names a profile already; `--dds-profile none` sends with Fast DDS's defaults.
 
 The photos are scikit-image's sample images (shipped with the package, no download). Each
 camera pans a crop window slowly over its photo, so consecutive frames differ a little, as a
@@ -23,6 +28,7 @@ import dataclasses
 import functools
 import io
 import math
+import os
 
 import numpy as np
 from PIL import Image as PILImage
@@ -32,7 +38,9 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 
 from oxygen_ros.ros import qos
-from oxygen_ros.runtime.params import default_camera_topic, ROBOT_IO, transport_topic
+from oxygen_ros.runtime.dds_profile import profile_environment
+from oxygen_ros.runtime.params import (default_camera_topic, robot_defaults, RobotSpecError,
+                                       transport_topic)
 
 PHOTOS = ('astronaut', 'coffee', 'chelsea', 'rocket', 'immunohistochemistry')
 
@@ -103,10 +111,13 @@ class SimCamera:
 
 
 def robot_cameras(robot: str, compressed: bool = False) -> list[SimCamera]:
-    """List the robot's cameras on the node's default topics, each showing another photo."""
+    """List the robot's cameras on the node's default topics, each showing another photo.
+
+    robot: a shipped robot's name or the path of a robot YAML.
+    """
     return [SimCamera(name, transport_topic(default_camera_topic(name), compressed),
                       PHOTOS[i % len(PHOTOS)], compressed)
-            for i, name in enumerate(ROBOT_IO[robot][0])]
+            for i, name in enumerate(robot_defaults(robot)['camera_names'])]
 
 
 class CameraPublisher(Node):
@@ -201,7 +212,9 @@ class InstructionPublisher(Node):
 def main(argv: list[str] | None = None) -> int:
     """Run the simulated cameras, joint states and instruction until Ctrl-C."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--robot', default='libero', choices=sorted(ROBOT_IO))
+    parser.add_argument('--robot', default='libero',
+                        help='a shipped robot (libero, droid, aloha, so101) or the path of a '
+                             'robot YAML: its cameras and joints (default %(default)s)')
     parser.add_argument('--namespace', default='',
                         help="namespace of every topic (a fleet robot's name, e.g. arm_left)")
     parser.add_argument('--rate', type=float, default=10.0, help='camera frames per second')
@@ -211,20 +224,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--height', type=int, default=0,
                         help='image height in pixels (default: --size)')
     parser.add_argument('--joint-rate', type=float, default=50.0, help='joint states per second')
-    parser.add_argument('--compressed', action='store_true', help='publish jpeg')
+    parser.add_argument('--compressed', action='store_true',
+                        help='publish jpeg (sensor_msgs/CompressedImage on <topic>/compressed) '
+                             'instead of raw rgb8')
+    parser.add_argument('--dds-profile', default='', metavar='PATH|none',
+                        help='Fast DDS profile of this process (default: the shipped one for '
+                             "large frames, unless the environment names one; 'none': Fast "
+                             "DDS's defaults)")
     parser.add_argument('--instruction', action='append',
                         help='task text (repeat to cycle through several)')
     parser.add_argument('--instruction-period', type=float, default=30.0)
     args, ros_args = parser.parse_known_args(argv)
+    try:
+        joints = robot_defaults(args.robot)['joint_names']
+    except RobotSpecError as err:
+        parser.error(str(err))
     from rclpy.executors import SingleThreadedExecutor
 
+    # Before the first participant: Fast DDS reads its profile then.
+    if args.dds_profile != 'none':   # a path given here wins over one in the environment
+        os.environ.update(profile_environment(args.dds_profile or None,
+                                              keep_existing=not args.dds_profile))
     rclpy.init(args=ros_args)
     height = args.height or args.size
     width = args.width or height
     ns = {'namespace': args.namespace}
     nodes = [CameraPublisher(robot_cameras(args.robot, args.compressed), args.rate, height,
                              width=width, **ns),
-             JointStatePublisher(list(ROBOT_IO[args.robot][1]), args.joint_rate, **ns),
+             JointStatePublisher(list(joints), args.joint_rate, **ns),
              InstructionPublisher(args.instruction or ['pick up the black bowl'],
                                   args.instruction_period, **ns)]
     # Single-threaded: a MultiThreadedExecutor spins while a callback group is busy (here the

@@ -16,7 +16,8 @@ import dataclasses
 
 import numpy as np
 
-from oxygen_ros.model.robots import END_EFFECTOR_DELTA, get_robot, JOINT_POSITION, JOINT_VELOCITY
+from oxygen_ros.model.robot_spec import (END_EFFECTOR_DELTA, get_robot, JOINT_POSITION,
+                                         JOINT_VELOCITY, RobotSpec)
 
 # ActionChunk.action_space values (msg/ActionChunk.msg constants; a test checks they agree).
 ACTION_SPACE_IDS = {JOINT_POSITION: 0, JOINT_VELOCITY: 1, END_EFFECTOR_DELTA: 2}
@@ -26,7 +27,7 @@ ACTION_SPACE_IDS = {JOINT_POSITION: 0, JOINT_VELOCITY: 1, END_EFFECTOR_DELTA: 2}
 class ActionLayout:
     """How a controller reads one robot's action chunks."""
 
-    action_space: str              # model.robots.JOINT_POSITION / JOINT_VELOCITY / ...
+    action_space: str              # robot_spec.JOINT_POSITION / JOINT_VELOCITY / ...
     names: tuple[str, ...]         # one per action column
     step_period_s: float           # seconds between rows
     open_loop_rows: int            # rows openpi's client plays before it replans
@@ -37,8 +38,8 @@ class ActionLayout:
         return ACTION_SPACE_IDS[self.action_space]
 
 
-def action_layout(robot: str) -> ActionLayout:
-    """Return the action layout of robot `robot` (from its RobotSpec)."""
+def action_layout(robot: str | RobotSpec) -> ActionLayout:
+    """Return the action layout of a robot (a spec, a shipped robot's name or a YAML path)."""
     spec = get_robot(robot)
     return ActionLayout(spec.action_space, spec.action_names, spec.step_period_s,
                         spec.open_loop_rows)
@@ -68,6 +69,7 @@ class Chunk:
     actions: np.ndarray            # float [H, A]
     step_period_s: float           # seconds between rows
     frame_index: int = 0
+    start_row: int = 0             # first row to play (ActionChunk.start_row)
 
 
 @dataclasses.dataclass
@@ -82,7 +84,7 @@ class PlaybackStats:
 
 
 class ChunkPlayback:
-    """Plays the first `open_loop_rows` rows of each chunk, then replans with the newest one.
+    """Plays `open_loop_rows` rows of each chunk from its start_row, then replans.
 
     offer(chunk) stores the newest chunk; step(now_s) returns the row to command at this step.
     When the open-loop rows are done and no newer chunk has arrived, playback goes on along
@@ -100,6 +102,7 @@ class ChunkPlayback:
         self._pending: Chunk | None = None    # newest chunk not yet started
         self._current: Chunk | None = None
         self._next_row = 0
+        self._first_row = 0                   # the current chunk's start_row
 
     @property
     def current(self) -> Chunk | None:
@@ -116,7 +119,8 @@ class ChunkPlayback:
         self._pending = chunk
 
     def _plan_done(self) -> bool:
-        return self._current is None or self._next_row >= self.open_loop_rows
+        return (self._current is None
+                or self._next_row - self._first_row >= self.open_loop_rows)
 
     def step(self, now_s: float) -> np.ndarray | None:
         """Return the row to command now (float [A]), or None to hold."""
@@ -125,7 +129,10 @@ class ChunkPlayback:
             if now_s - pending.stamp_s > self.max_age_s:
                 self.stats.chunks_stale += 1
             else:
-                self._current, self._next_row = pending, 0
+                # Rows before start_row play while the chunk is computed (real-time chunking).
+                self._first_row = self._next_row = min(max(pending.start_row, 0),
+                                                       len(pending.actions))
+                self._current = pending
                 self.stats.chunks_started += 1
         current = self._current
         # No newer chunk when the plan is done: go on along the current one (still a plan,

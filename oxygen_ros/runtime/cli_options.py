@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-from oxygen_ros.runtime.params import DTYPES
+from oxygen_ros.runtime.params import DTYPES, RTC_MODES, RTC_SCHEDULES
+
+# The real-time chunking options' dests (node parameters), for the commands' parameter lists.
+RTC_PARAMS = ('rtc_mode', 'rtc_schedule', 'rtc_delay', 'rtc_execution_horizon',
+              'rtc_max_guidance_weight')
 
 
 def add_engine_options(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -31,3 +35,13 @@ def add_engine_options(group: argparse.ArgumentParser | argparse._ArgumentGroup)
                        help='language prompt template ({instruction} is replaced)')
     group.add_argument('--kv-capacity', type=int)
     group.add_argument('--denoise-steps', type=int)
+    group.add_argument('--rtc', dest='rtc_mode', choices=list(RTC_MODES),
+                       help='real-time chunking: each chunk continues the committed one '
+                            '(docs/rtc.md; default off)')
+    group.add_argument('--rtc-schedule', dest='rtc_schedule', choices=list(RTC_SCHEDULES))
+    group.add_argument('--rtc-delay', dest='rtc_delay', type=int, metavar='ROWS',
+                       help='rows that play while a chunk is computed; -1 = auto (default)')
+    group.add_argument('--rtc-execution-horizon', dest='rtc_execution_horizon', type=int,
+                       metavar='ROWS', help='rows guided toward the committed chunk (0 = all)')
+    group.add_argument('--rtc-max-guidance-weight', dest='rtc_max_guidance_weight', type=float,
+                       metavar='BETA')

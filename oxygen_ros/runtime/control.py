@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Callable
 
+from oxygen_ros.runtime.procfs import thread_cpu
+
 logger = logging.getLogger(__name__)
 
 THREAD_NAME = 'oxy_control'   # native thread name (top -H, /proc/<pid>/task/*/comm)
@@ -151,31 +153,6 @@ class ControlThread:
             finally:
                 self._busy = False
                 self.ticks += 1
-
-
-def thread_cpu(pid: int | str = 'self') -> dict[int, tuple[str, float]] | None:
-    """Return {thread id: (native name, CPU seconds user + system)} of a process, from /proc.
-
-    None when the process (or /proc) is gone; threads that end while being read are skipped.
-    """
-    task_dir = f'/proc/{pid}/task'
-    try:
-        tids = os.listdir(task_dir)
-    except OSError:
-        return None
-    tick_s = 1.0 / os.sysconf('SC_CLK_TCK')
-    out = {}
-    for tid in tids:
-        try:
-            with open(f'{task_dir}/{tid}/comm') as f:
-                name = f.read().strip()
-            with open(f'{task_dir}/{tid}/stat') as f:
-                # Fields after the ')' that closes the name: utime and stime are 12 and 13.
-                fields = f.read().rpartition(')')[2].split()
-            out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) * tick_s)
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
 
 
 class CpuSplit:

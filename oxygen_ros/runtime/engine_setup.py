@@ -11,24 +11,34 @@ import logging
 import os
 from pathlib import Path
 import time
+from typing import Callable
 
 import torch
 
 from oxygen_ros.engine import (AdaptiveBudget, Budget, FixedBudget, FleetRobot, Frontend,
-                               identity_norm_stats, LanguagePolicy, make_fleet, make_system,
+                               identity_norm_stats, LanguagePolicy, make_engine, make_fleet,
                                random_observation, random_setup)
 from oxygen_ros.engine.engine import pool_slot_bytes
 from oxygen_ros.engine.hardware import choose_dtype
-from oxygen_ros.engine.prepare import CompilePlan, prepare_model, runner_options, seal
+from oxygen_ros.engine.prepare import (CompilePlan, prepare_model, runner_options, seal,
+                                       warm_up)
 from oxygen_ros.engine.workload import default_num_slots
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
 from oxygen_ros.model.config import get_preset
-from oxygen_ros.model.robots import get_robot
+from oxygen_ros.model.robot_spec import (check_fits_model, check_norm_stats, get_robot,
+                                         RobotSpec, RobotSpecError)
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer
+from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, resolve_rate,
+                                         steady_batch, time_ticks, TIMED_FRAMES)
 from oxygen_ros.runtime.params import FleetSettings, Settings
+from oxygen_ros.runtime.procfs import meminfo_kb
 
 logger = logging.getLogger(__name__)
+
+# Robots due in the same tick denoise together: a fleet's denoise runs batches of 1 and of
+# several rows (one compiled graph each).
+FLEET_ACTION_ROWS = (1, 2)
 
 
 class EngineSetupError(RuntimeError):
@@ -47,6 +57,9 @@ class Engine:
     frontend: Frontend | None      # the robot's (None for a fleet: each robot has its own)
     description: dict              # for diagnostics: source, preset, device, dtype, ...
     warnings: list[str]            # things that work but deserve a look (e.g. tiny tokenizer)
+    settings: Settings | FleetSettings | None = None   # what it was built from, with the
+    #                                control rate resolved (auto: from `capacity`)
+    capacity: Capacity | None = None   # the rate this machine holds (None: not timed)
 
 
 def inference_threads(torch_threads: int) -> int:
@@ -116,8 +129,32 @@ def slots_needed(every_n_frames: int, tokens_per_request: int, k: int | None) ->
     return default_num_slots(policy, k or 1)
 
 
+def robot_spec(settings: Settings) -> RobotSpec:
+    """Return the spec of the robot the settings name (resolved by Settings.check)."""
+    return settings.spec if settings.spec is not None else get_robot(settings.robot)
+
+
+def _frontend(config, spec: RobotSpec, tokenizer, norm_stats, device) -> Frontend:
+    """Build a robot's frontend; a spec that does not fit the model is a one-line error."""
+    try:
+        check_fits_model(spec, config.action_dim, config.num_cameras)
+        check_norm_stats(spec, norm_stats, config.action_dim)
+    except RobotSpecError as err:
+        raise EngineSetupError(str(err)) from None
+    return Frontend.from_config(config, spec, tokenizer, norm_stats, device)
+
+
+def _check_fits(settings: Settings, config) -> None:
+    """Refuse a robot that does not fit the model before any weight is built or read."""
+    try:
+        check_fits_model(robot_spec(settings), config.action_dim, config.num_cameras)
+    except RobotSpecError as err:
+        raise EngineSetupError(str(err)) from None
+
+
 def _random_weights(settings: Settings, device: str, dtype: torch.dtype, config):
-    model, frontend = random_setup(config, settings.robot, seed=settings.seed, device=device,
+    spec = robot_spec(settings)
+    model, frontend = random_setup(config, spec, seed=settings.seed, device=device,
                                    dtype=dtype)
     warnings = []
     tokenizer = frontend.tokenizer
@@ -126,9 +163,8 @@ def _random_weights(settings: Settings, device: str, dtype: torch.dtype, config)
     else:
         warnings.append('random weights with the tiny offline tokenizer: narration is noise')
 
-    def make_frontend(robot: str) -> Frontend:
-        return Frontend.from_config(config, robot, tokenizer, identity_norm_stats(robot),
-                                    device)
+    def make_frontend(spec: RobotSpec) -> Frontend:
+        return _frontend(config, spec, tokenizer, identity_norm_stats(spec), device)
     return model, make_frontend, {'source': f'random weights (preset {settings.preset}, '
                                             f'seed {settings.seed})'}, warnings
 
@@ -140,16 +176,15 @@ def _checkpoint(settings: Settings, device: str, dtype: torch.dtype, config):
                        dtype=dtype)
     stats = loaded.norm_stats
 
-    def norm_stats_of(robot: str):
-        spec = get_robot(robot)
+    def norm_stats_of(spec: RobotSpec):
+        # A LeRobot folder has one set of statistics (its processor files), whatever the key.
+        if loaded.layout == 'lerobot':
+            return next(iter(stats.items()))
         if spec.asset_id in stats:
             return spec.asset_id, stats[spec.asset_id]
-        if len(stats) == 1:
-            return next(iter(stats.items()))
         raise EngineSetupError(
-            f'checkpoint {path}: no norm stats for robot {robot!r} (looked for '
-            f'assets/{spec.asset_id}/norm_stats.json; found {sorted(stats) or "none"})')
-    asset, _ = norm_stats_of(settings.robot)   # the node's robot must have them: fail now
+            f'{spec.where}: norm_stats: {spec.asset_id!r} is not in checkpoint {path}; expected '
+            f'one of {sorted(stats) or "none"} (assets/<key>/norm_stats.json)')
     warnings = []
     if settings.tokenizer:
         tokenizer_path = Path(settings.tokenizer).expanduser()
@@ -161,12 +196,28 @@ def _checkpoint(settings: Settings, device: str, dtype: torch.dtype, config):
                                '(tokenizer.model)')
     tokenizer = PaligemmaTokenizer(tokenizer_path, max_len=loaded.config.max_token_len)
 
-    def make_frontend(robot: str) -> Frontend:
-        return Frontend.from_config(loaded.config, robot, tokenizer, norm_stats_of(robot)[1],
-                                    device)
-    return loaded.model, make_frontend, {'source': f'{loaded.layout} checkpoint {path}',
-                                         'norm_stats': asset,
-                                         'tokenizer': str(tokenizer_path)}, warnings
+    description = {'source': f'{loaded.layout} checkpoint {path}', 'norm_stats': '',
+                   'tokenizer': str(tokenizer_path)}
+
+    def make_frontend(spec: RobotSpec) -> Frontend:
+        key, robot_stats = norm_stats_of(spec)
+        try:
+            check_norm_stats(spec, robot_stats, loaded.config.action_dim,
+                             f'assets/{key}' if loaded.layout == 'openpi' else str(path))
+        except RobotSpecError as err:
+            raise EngineSetupError(str(err)) from None
+        used = [k for k in description['norm_stats'].split(', ') if k]
+        description['norm_stats'] = ', '.join(dict.fromkeys([*used, key]))
+        return _frontend(loaded.config, spec, tokenizer, robot_stats, device)
+    return loaded.model, make_frontend, description, warnings
+
+
+def describe_robot(spec: RobotSpec) -> dict:
+    """Return what the diagnostics say about a robot: its spec's name, file and layout."""
+    return {'robot': spec.name, 'robot_spec': spec.source or 'inferred',
+            'cameras': ', '.join(f'{cam} ({slot})' for cam, slot in spec.cameras),
+            'state_dim': spec.state_dim,
+            'actions': f'{spec.action_dim} {spec.action_space} at {1 / spec.step_period_s:g} Hz'}
 
 
 def available_memory_bytes(device: str) -> int | None:
@@ -174,14 +225,8 @@ def available_memory_bytes(device: str) -> int | None:
     if device.startswith('cuda'):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
-    try:
-        with open('/proc/meminfo') as f:
-            for line in f:
-                if line.startswith('MemAvailable:'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    available_kb = meminfo_kb('MemAvailable')
+    return None if available_kb is None else available_kb * 1024
 
 
 def check_pool_fits(settings: Settings, config, policy: LanguagePolicy,
@@ -203,25 +248,99 @@ def check_pool_fits(settings: Settings, config, policy: LanguagePolicy,
             f'kv_capacity 0 (sized from N and k) or at most {max(free // 2 // per_slot, 1)}')
 
 
-def warm_up(model, frontend: Frontend, settings: Settings) -> None:
-    """Run one throwaway frame (own 2-slot scheduler) so the first real tick is not slow.
+def _timing_label(settings: Settings) -> str:
+    if settings.checkpoint:
+        return f'checkpoint {Path(settings.checkpoint).expanduser().name}'
+    return f'preset {settings.preset}'
 
-    The first torch calls allocate and pick kernels (CUDA: initialise the context); doing it
-    here keeps it out of the control loop and leaves the node's scheduler untouched, so frame
-    and request numbering start at 0.
+
+def _k_min(settings: Settings) -> int:
+    """Return the fewest steps per request per frame its budget stands for (budget_for)."""
+    return settings.decode_budget or 1
+
+
+def _steady_batch(settings: Settings) -> int:
+    return steady_batch(settings.tokens_per_request, _k_min(settings),
+                        settings.request_every_n_frames,
+                        settings.kv_capacity - 1 if settings.kv_capacity else None)
+
+
+def time_capacity(model, frontend: Frontend, settings: Settings,
+                  clock: Callable[[], float] = time.perf_counter,
+                  plan: CompilePlan | None = None) -> Capacity:
+    """Time the node's frames on a throwaway engine: what rate this machine holds.
+
+    Also the warm-up: the first torch calls allocate and pick kernels (CUDA: initialise the
+    context) here, not in the control loop, and the node's scheduler is untouched, so frame
+    and request numbering start at 0. See runtime/capacity.py for what is timed.
+    plan: the model's compiled passes (prepare_model), compiled here before any frame is
+    timed, so the timed frames run what the node will run.
     """
-    policy = LanguagePolicy(max_new_tokens=2, every_n_frames=1, eos_id=frontend.eos_id)
-    system = make_system('oxygen', model, frontend, policy, k=2, num_slots=2, seed=settings.seed)
-    obs = random_observation(settings.robot, 0, settings.seed,
-                             image_size=model.config.vision.image_size)
-    system.step(obs)
-    system.step(random_observation(settings.robot, 1, settings.seed,
-                                   image_size=model.config.vision.image_size))
+    k_min = _k_min(settings)
+    options = runner_options(plan, settings.device) if plan else {}
+    system = make_engine('oxygen', model, frontend, policy_for(settings, frontend.eos_id),
+                         FixedBudget(k_min), num_slots=TIMED_FRAMES + 3, seed=settings.seed,
+                         kv_dtype=_kv_dtype(settings, model), clock=clock, **options)
+    image_size = model.config.vision.image_size
+    if plan:
+        warm_up(system.runner, plan, [warm_up_frame(frontend, settings, image_size)])
+
+    def tick(index: int) -> tuple[float, float, int]:
+        action = system.act(random_observation(frontend.adapter.spec, index, settings.seed,
+                                               image_size=image_size))
+        result = system.advance_language()
+        return action.inference_time_s, result.timings.total_s, result.decode_batch_size
+    return capacity_from(time_ticks(tick, clock=clock), _steady_batch(settings),
+                         _timing_label(settings))
+
+
+def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSettings,
+                        max_prefill_rows: int | None,
+                        plan: CompilePlan | None = None) -> Capacity:
+    """Time ticks of a throwaway fleet in which every robot sends a frame (time_capacity)."""
+    node = fleet.node
+    robots = [FleetRobot(name, frontends[s.robot], policy_for(s, frontends[s.robot].eos_id),
+                         FixedBudget(_k_min(s)), kv_quota=TIMED_FRAMES + 3, seed=s.seed)
+              for name, s in fleet.robots.items()]
+    options = runner_options(plan, node.device) if plan else {}
+    system = make_fleet(model, robots, kv_dtype=_kv_dtype(node, model),
+                        max_prefill_rows=max_prefill_rows, **options)
+    image_size = model.config.vision.image_size
+    if plan:
+        warm_up(system.runner, plan, [warm_up_frame(frontends[s.robot], s, image_size)
+                                      for s in fleet.robots.values()], FLEET_ACTION_ROWS)
+
+    def tick(index: int) -> tuple[float, float, int]:
+        act = system.act({name: random_observation(frontends[s.robot].adapter.spec, index,
+                                                   s.seed, image_size=image_size)
+                          for name, s in fleet.robots.items()})
+        result = system.advance_language()
+        return act.act_s, result.timings.total_s, result.decode_batch_size
+    batch = sum(_steady_batch(s) for s in fleet.robots.values())
+    label = f'{_timing_label(node)} with {len(robots)} robots ticking together'
+    return capacity_from(time_ticks(tick), batch, label)
+
+
+def with_rate(settings: Settings, capacity: Capacity | None) -> Settings:
+    """Return `settings` with control_rate_hz resolved (0, auto: the capacity's auto rate)."""
+    rate = resolve_rate(settings.control_rate_hz, capacity)
+    return settings if rate == settings.control_rate_hz else dataclasses.replace(
+        settings, control_rate_hz=rate)
+
+
+def _rate_description(settings: Settings, asked_hz: float, capacity: Capacity | None) -> dict:
+    about = {'control_rate_hz': settings.control_rate_hz,
+             'control_rate': ('auto: {:g}% of capacity'.format(100 * AUTO_SHARE)
+                              if not asked_hz else 'given')}
+    if capacity is not None:
+        about.update(capacity.values())
+        about['capacity'] = capacity.describe(settings.control_rate_hz)
+    return about
 
 
 def warm_up_frame(frontend: Frontend, settings: Settings, image_size: int) -> dict:
-    """Prepare a synthetic frame of the settings' robot (its cameras, a prompt): tensors."""
-    obs = random_observation(settings.robot, 0, settings.seed, image_size=image_size)
+    """Prepare a synthetic frame of the robot (its cameras, a prompt): tensors."""
+    obs = random_observation(frontend.adapter.spec, 0, settings.seed, image_size=image_size)
     return frontend.prepare(obs).tensors
 
 
@@ -238,6 +357,7 @@ def load_model(settings: Settings):
     torch.set_num_threads(inference_threads(settings.torch_threads))
     try:
         config = _model_config(settings)
+        _check_fits(settings, config)
         dtype, why = resolve_dtype(settings, config)
         logger.info('dtype %s: %s', str(dtype).removeprefix('torch.'), why)
         if settings.checkpoint:
@@ -285,29 +405,37 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
     started = time.perf_counter()
     model, make_frontend, description, warnings = load_model(settings)
     try:
-        frontend = make_frontend(settings.robot)
+        frontend = make_frontend(robot_spec(settings))
+    except EngineSetupError:
+        raise
     except ValueError as err:
         raise EngineSetupError(f'loading the model failed: {err}') from err
     policy = policy_for(settings, frontend.eos_id)
     kv_dtype = _kv_dtype(settings, model)
     check_pool_fits(settings, model.config, policy, kv_dtype)
     plan = prepare_model(model, settings.device, settings.compile)
-    compile_start = time.perf_counter()
-    if warmup:
-        warm_up(model, frontend, settings)
+    frames = [warm_up_frame(frontend, settings, model.config.vision.image_size)]
+    asked_hz = settings.control_rate_hz
+    # The timing compiles first (on its throwaway engine), so the frames it times run the
+    # compiled passes the node will run.
+    capacity = (time_capacity(model, frontend, settings, plan=plan)
+                if warmup or not asked_hz else None)
+    settings = with_rate(settings, capacity)
     k = settings.decode_budget
-    system = make_system('oxygen' if k is not None else 'oxygen-adaptive', model, frontend,
-                         policy, k=k or 1, frame_period_s=settings.period_s,
-                         num_slots=settings.kv_capacity or None, seed=settings.seed,
-                         runner_options={'kv_dtype': kv_dtype,
-                                         **runner_options(plan, settings.device)})
+    system = make_engine('oxygen' if k is not None else 'oxygen-adaptive', model, frontend,
+                         policy, budget_for(settings), num_slots=settings.kv_capacity or None,
+                         seed=settings.seed, kv_dtype=kv_dtype,
+                         **runner_options(plan, settings.device))
     if warmup:
-        system.runner.warm_up_compiled(frames=[warm_up_frame(
-            frontend, settings, model.config.vision.image_size)])
-        seal(model, plan, compile_start)
-    _describe(description, settings, model, system.pool.num_slots, {'robot': settings.robot},
-              {'tokens_per_request': settings.tokens_per_request}, plan, started)
-    return Engine(system, frontend, description, warnings)
+        # Every shape of this engine's own pool (graphs of the timing engine are reused where
+        # their guards hold), then nothing compiles in a tick.
+        warm_up(system.runner, plan, frames)
+        seal(model, plan)
+    _describe(description, settings, model, system.pool.num_slots,
+              describe_robot(frontend.adapter.spec),
+              {'tokens_per_request': settings.tokens_per_request,
+               **_rate_description(settings, asked_hz, capacity)}, plan, started)
+    return Engine(system, frontend, description, warnings, settings, capacity)
 
 
 def budget_for(settings: Settings) -> Budget:
@@ -330,37 +458,43 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     node = fleet.node
     started = time.perf_counter()
     model, make_frontend, description, warnings = load_model(node)
-    frontends, robots = {}, []
+    frontends, policies = {}, {}
     kv_dtype = _kv_dtype(node, model)
     for name, settings in fleet.robots.items():
         try:
             if settings.robot not in frontends:
-                frontends[settings.robot] = make_frontend(settings.robot)
+                frontends[settings.robot] = make_frontend(robot_spec(settings))
         except (ValueError, EngineSetupError) as err:
             raise EngineSetupError(f'robot {name}: {err}') from err
-        frontend = frontends[settings.robot]
-        policy = policy_for(settings, frontend.eos_id)
+        policies[name] = policy_for(settings, frontends[settings.robot].eos_id)
         try:
-            check_pool_fits(settings, model.config, policy, kv_dtype)
+            check_pool_fits(settings, model.config, policies[name], kv_dtype)
         except EngineSetupError as err:
             raise EngineSetupError(f'{name}.{err}') from None
-        robots.append(FleetRobot(name, frontend, policy, budget_for(settings),
-                                 kv_quota=settings.kv_capacity or None, seed=settings.seed))
+    max_prefill_rows = 1 if node.device == 'cpu' else None
     plan = prepare_model(model, node.device, node.compile)
-    compile_start = time.perf_counter()
-    if warmup:
-        first = next(iter(fleet.robots.values()))
-        warm_up(model, frontends[first.robot], first)
-    system = make_fleet(model, robots, kv_dtype=kv_dtype,
-                        max_prefill_rows=1 if node.device == 'cpu' else None,
+    frames = [warm_up_frame(frontends[s.robot], s, model.config.vision.image_size)
+              for s in fleet.robots.values()]
+    auto = [name for name, s in fleet.robots.items() if not s.control_rate_hz]
+    capacity = (time_fleet_capacity(model, frontends, fleet, max_prefill_rows, plan=plan)
+                if warmup or auto else None)
+    fleet = dataclasses.replace(
+        fleet, node=with_rate(node, capacity),
+        robots={name: with_rate(s, capacity) for name, s in fleet.robots.items()})
+    robots = [FleetRobot(name, frontends[s.robot], policies[name], budget_for(s),
+                         kv_quota=s.kv_capacity or None, seed=s.seed)
+              for name, s in fleet.robots.items()]
+    system = make_fleet(model, robots, kv_dtype=kv_dtype, max_prefill_rows=max_prefill_rows,
                         **runner_options(plan, node.device))
     if warmup:
-        # Robots due in the same tick denoise together: batches of 1 and of several rows.
-        system.runner.warm_up_compiled(
-            action_rows=(1, 2), frames=[warm_up_frame(frontends[s.robot], s,
-                                                      model.config.vision.image_size)
-                                        for s in fleet.robots.values()])
-        seal(model, plan, compile_start)
-    _describe(description, node, model, system.pool.num_slots, {'robots': ', '.join(
-        f'{name} ({s.robot})' for name, s in fleet.robots.items())}, {}, plan, started)
-    return Engine(system, None, description, warnings)
+        warm_up(system.runner, plan, frames, FLEET_ACTION_ROWS)
+        seal(model, plan)
+    rates = {'robot_rates_hz': ', '.join(f'{name} {s.control_rate_hz:.3g}'
+                                         + (' (auto)' if name in auto else '')
+                                         for name, s in fleet.robots.items())}
+    if capacity is not None:
+        rates.update(capacity.values(), capacity=capacity.describe(
+            max(s.control_rate_hz for s in fleet.robots.values())))
+    _describe(description, fleet.node, model, system.pool.num_slots, {'robots': ', '.join(
+        f'{name} ({s.robot})' for name, s in fleet.robots.items())}, rates, plan, started)
+    return Engine(system, None, description, warnings, fleet, capacity)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fractions
+import functools
 import logging
 import math
 import time
@@ -31,8 +32,9 @@ from typing import Callable
 
 from oxygen_ros.engine import FleetEngine
 from oxygen_ros.runtime.frame_loop import (act_with_cpu_share, emit_language, engine_summary,
-                                           OutputSink, TickOutcome)
+                                           OutputSink, report_inputs, TickOutcome)
 from oxygen_ros.runtime.inputs import InputSet, ObservationResult
+from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import LoopStats, ProblemLog
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class RobotLoop:
     skipped_ticks: int = 0             # grid ticks that passed while the fleet was busy
     finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     last_inputs: ObservationResult | None = None   # its inputs at its last tick (diagnostics)
+    rtc: RtcPlanner | None = None      # real-time chunking: what its chunks continue
 
     def __post_init__(self):
         if not self.period_s > 0:
@@ -128,20 +131,28 @@ class FleetLoop:
                                                built.stamp_ns if built.observation else now_ns)
             if built.observation is not None:
                 observations[robot.name] = built.observation
-        act, cpu_share = (act_with_cpu_share(self.fleet.act, observations) if observations
+        continuations = {name: c for name, obs in observations.items()
+                         if (rtc := self.robots[name].rtc) is not None
+                         and (c := rtc.continuation(obs)) is not None}
+        fleet_act = (functools.partial(self.fleet.act, continuations=continuations)
+                     if continuations else self.fleet.act)
+        act, cpu_share = (act_with_cpu_share(fleet_act, observations) if observations
                           else (None, None))                                  # 2. act
         for name, action in (act.actions.items() if act else ()):   # 3. emit at once
             outcome = outcomes[name]
-            self.robots[name].sink.action(action, outcome.stamp_ns)
+            robot = self.robots[name]
+            robot.sink.action(action, outcome.stamp_ns)
             outcome.action = action
             outcome.latency_s = self.clock() - start
             outcome.act_cpu_share = cpu_share
+            if robot.rtc is not None:   # the chunk the robot now executes
+                robot.rtc.record(action, now_s + outcome.latency_s)
         for name, why in (act.rejected.items() if act else ()):
             outcomes[name].problems['observation'] = f'observation rejected: {why}'
             outcomes[name].stamp_ns = now_ns
         for robot in due:
             if robot.problems is not None:
-                robot.problems.update('inputs', outcomes[robot.name].problems)
+                report_inputs(robot.problems, outcomes[robot.name].problems, robot.last_inputs)
         if act is not None or self.fleet.num_live_requests:   # 4. language
             self.last_result = self.fleet.advance_language()
             for name, result in self.last_result.robots.items():   # 5. emit
@@ -151,13 +162,17 @@ class FleetLoop:
                 if name in outcomes or outcome.tokens:
                     outcomes[name] = outcome
         duration = self.clock() - start
+        due_names = {robot.name for robot in due}
+        for name, outcome in outcomes.items():
+            if name not in due_names:   # language only: its requests still count in its window
+                self.robots[name].stats.record_ended(start, outcome.ended)
         for robot in due:
             outcome = outcomes[robot.name]
             outcome.duration_s = duration
             action = outcome.action
             robot.stats.record(start, duration, robot.period_s, outcome.latency_s,
                                action.inference_time_s if action is not None else None,
-                               outcome.tokens, outcome.act_cpu_share)
+                               outcome.tokens, outcome.act_cpu_share, outcome.ended)
             robot.advance(now_s)
         return outcomes
 

@@ -8,7 +8,8 @@ comes from, so a replay reproduces what the node would have done with the same i
 One tick, in the order the work happens:
 
     1. build       the observation from the newest inputs (or the reasons there is none)
-    2. act         prefill + denoise -> ActionOutput               (only with an observation)
+    2. act         prefill + denoise -> ActionOutput               (only with an observation;
+                   with real-time chunking it continues the committed chunk, runtime/rtc.py)
     3. emit        sink.action(...) at once: nothing below can delay an action
     4. language    system.advance_language(): k tokens per live request, one batched decode
                    step per token step (also without a new frame, so no request stalls
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Protocol
@@ -27,6 +29,7 @@ from typing import Callable, Protocol
 from oxygen_ros.engine import FinishReason
 from oxygen_ros.engine.types import ActionOutput, FinishedRequest, FrameResult, TokenDelta
 from oxygen_ros.runtime.inputs import InputSet, ObservationResult
+from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import LoopStats, ProblemLog, WARN
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,8 @@ class TickOutcome:
     action: ActionOutput | None = None  # the chunk emitted (None: no action this tick)
     result: FrameResult | None = None   # the engine's frame result (None: no engine call)
     tokens: int = 0                     # tokens emitted
+    ended: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    #                                     language requests that ended, by finish reason
     duration_s: float = 0.0             # wall time of the whole tick
     latency_s: float | None = None      # tick start -> action emitted
     act_cpu_share: float | None = None  # act()'s CPU time on this thread / its wall time
@@ -75,9 +80,11 @@ class FrameLoop:
     """
 
     def __init__(self, system, inputs: InputSet, *, problems: ProblemLog | None = None,
-                 stats: LoopStats | None = None, clock: Callable[[], float] = time.monotonic):
+                 stats: LoopStats | None = None, clock: Callable[[], float] = time.monotonic,
+                 rtc: RtcPlanner | None = None):
         self.system = system
         self.inputs = inputs
+        self.rtc = rtc      # real-time chunking: what each chunk continues (None: nothing)
         self.problems = problems
         self.stats = stats if stats is not None else LoopStats()
         self.clock = clock
@@ -110,7 +117,8 @@ class FrameLoop:
                 stats_start, duration, period_s, outcome.latency_s if outcome else None,
                 action.inference_time_s if action is not None else None,
                 outcome.tokens if outcome else 0,
-                outcome.act_cpu_share if outcome else None)
+                outcome.act_cpu_share if outcome else None,
+                outcome.ended if outcome else None)
             if missed:
                 logger.debug('tick over deadline: %.1f ms > %.1f ms', duration * 1e3,
                              period_s * 1e3)
@@ -128,7 +136,8 @@ class FrameLoop:
         # 2-3. the action path, emitted before any language work
         if obs is not None:
             try:
-                action, outcome.act_cpu_share = act_with_cpu_share(system.act, obs)
+                action, outcome.act_cpu_share = act_with_cpu_share(
+                    continuing(system.act, self.rtc, obs), obs)
             except ValueError as err:   # the robot adapter rejected the observation
                 problems['observation'] = f'observation rejected: {err}'
                 obs = None
@@ -137,8 +146,10 @@ class FrameLoop:
                 sink.action(action, outcome.stamp_ns)
                 outcome.action = action
                 outcome.latency_s = self.clock() - start
+                if self.rtc is not None:   # the chunk the robot now executes
+                    self.rtc.record(action, now_s + outcome.latency_s)
         if self.problems is not None:
-            self.problems.update('inputs', problems)
+            report_inputs(self.problems, problems, built)
         # 4-5. language: this frame's request joins the live ones, k tokens each
         if obs is None and not system.num_live_requests:
             return outcome
@@ -158,6 +169,12 @@ class FrameLoop:
         return engine_summary(self.last_result, self.finished, self.system.budget)
 
 
+def continuing(act: Callable, rtc: RtcPlanner | None, obs) -> Callable:
+    """Return `act` with the continuation of the committed chunk bound (when RTC has one)."""
+    continuation = rtc.continuation(obs) if rtc is not None else None
+    return act if continuation is None else functools.partial(act, continuation=continuation)
+
+
 def act_with_cpu_share(act: Callable, observation) -> tuple:
     """Return (act(observation), the share of its wall time this thread spent on a CPU).
 
@@ -168,6 +185,12 @@ def act_with_cpu_share(act: Callable, observation) -> tuple:
     result = act(observation)
     wall = time.perf_counter() - wall_start
     return result, ((time.thread_time() - cpu_start) / wall if wall > 0 else None)
+
+
+def report_inputs(log: ProblemLog, problems: dict[str, str], built: ObservationResult) -> None:
+    """Log a tick's input problems and its warnings (messages lost in transport), throttled."""
+    log.update('inputs', problems)
+    log.update('transport', {s.label: s.warning for s in built.inputs if s.warning})
 
 
 def emit_language(result: FrameResult, sink: OutputSink, outcome: TickOutcome,
@@ -184,6 +207,7 @@ def emit_language(result: FrameResult, sink: OutputSink, outcome: TickOutcome,
         outcome.tokens += len(delta.token_ids)
     for done in result.finished:
         finished[done.finish_reason] += 1
+        outcome.ended[done.finish_reason] += 1
         if FinishReason(done.finish_reason).completed:   # narration: whole texts only
             sink.narration(done, outcome.stamp_ns)
         elif problems is not None:

@@ -10,6 +10,7 @@ unsynchronised, and with use_sim_time both sides follow /clock, so bag replays s
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import unicodedata
@@ -174,6 +175,115 @@ class JointStateMerger:
         self._latest.clear()
 
 
+# --- messages lost in transport ------------------------------------------------------------------
+LOSS_WINDOW_S = 10.0        # losses are judged over this window
+LOSS_WARN_SHARE = 0.05      # warn when more than this share of the messages sent was lost
+LOSS_WARN_MIN = 3           # ... and at least this many (one lost frame is not a pattern)
+LATE_PERIODS = 1.5          # estimate: a newest message older than this many periods is late
+
+
+@dataclasses.dataclass
+class _Delivery:
+    """One input's delivery records: (time, sent, lost) increments and what they came from."""
+
+    records: collections.deque = dataclasses.field(default_factory=collections.deque)
+    last_sequence: dict = dataclasses.field(default_factory=dict)   # publisher -> (seq, sent s)
+    last_lost_total: int | None = None
+    period_s: float | None = None        # the publisher's period, from sequence numbers
+    counted: bool = False                # the middleware counts lost messages
+
+
+class TransportLoss:
+    """Messages of each input lost between its publishers and this subscription, per window.
+
+    The node reads each camera at tick time from a depth-1 subscription, so messages it did not
+    need are overwritten, and a gap in sequence numbers between two ticks is mostly those:
+    not a loss. What is counted instead, best source first:
+
+    1. lost_total(): the middleware's own count of messages that never arrived whole (the
+       subscription's "message lost" event; rmw_fastrtps counts a raw frame whose fragments
+       overran the shared-memory segment). Exact, and free: one call per tick.
+    2. Without it (a middleware that does not count): an estimate from taken(), comparing
+       receipt with publication: the newest message a tick takes is less than one publisher
+       period old when every message arrives; older than LATE_PERIODS periods, those after it
+       were lost (a lower bound). The period comes from publication sequence numbers and
+       source stamps; without sequence numbers there is no estimate.
+
+    sent: messages published in the window, from the publication sequence numbers of the
+    messages taken (per publisher). Everything here runs on the tick's thread.
+    """
+
+    def __init__(self, window_s: float = LOSS_WINDOW_S):
+        self.window_s = window_s
+        self._inputs: dict[str, _Delivery] = {}
+
+    def _delivery(self, key: str) -> _Delivery:
+        return self._inputs.setdefault(key, _Delivery())
+
+    def taken(self, key: str, now_s: float, age_s: float, sequence: int | None = None,
+              publisher: bytes = b'', sent_s: float | None = None) -> None:
+        """Record a message taken at `now_s`, received `age_s` before.
+
+        sequence, publisher, sent_s: its publication sequence number, publisher id and
+        source time (seconds), when the middleware gives them.
+        """
+        d = self._delivery(key)
+        if sequence is None:
+            return
+        last = d.last_sequence.get(publisher)
+        d.last_sequence[publisher] = (sequence, sent_s)
+        sent = 1 if last is None or sequence <= last[0] else sequence - last[0]
+        if last is not None and sent_s is not None and last[1] is not None and sent > 0:
+            period = (sent_s - last[1]) / sent
+            if period > 0:
+                d.period_s = period if d.period_s is None else 0.8 * d.period_s + 0.2 * period
+        lost = 0
+        if not d.counted and d.period_s and age_s >= LATE_PERIODS * d.period_s:
+            lost = int(age_s / d.period_s - 0.5)      # the periods it missed, about
+        d.records.append((now_s, sent, lost))
+        self._trim(d, now_s)
+
+    def lost_total(self, key: str, now_s: float, total: int | None) -> None:
+        """Record the middleware's running count of lost messages (None: it counts none)."""
+        if total is None:
+            return
+        d = self._delivery(key)
+        if not d.counted:                      # exact counts from now on: drop estimates
+            d.counted = True
+            d.records = collections.deque((t, sent, 0) for t, sent, _ in d.records)
+        if d.last_lost_total is not None and total > d.last_lost_total:
+            d.records.append((now_s, 0, total - d.last_lost_total))
+        d.last_lost_total = total
+        self._trim(d, now_s)
+
+    def _trim(self, d: _Delivery, now_s: float) -> None:
+        while d.records and d.records[0][0] < now_s - self.window_s:
+            d.records.popleft()
+
+    def window(self, key: str, now_s: float) -> tuple[int | None, int | None]:
+        """Return (sent, lost) over the last window_s (None where not measured)."""
+        d = self._inputs.get(key)
+        if d is None:
+            return None, None
+        self._trim(d, now_s)
+        sent = sum(r[1] for r in d.records) if d.last_sequence else None
+        measured = d.counted or d.period_s is not None
+        lost = sum(r[2] for r in d.records) if measured else None
+        return sent, lost
+
+    def clear(self) -> None:
+        self._inputs.clear()
+
+
+def loss_warning(label: str, sent: int | None, lost: int | None, window_s: float,
+                 remedy: str) -> str:
+    """Return the warning for `lost` of `sent` messages lost in `window_s` ('' when fine)."""
+    if not lost or lost < LOSS_WARN_MIN or (sent and lost <= LOSS_WARN_SHARE * sent):
+        return ''
+    share = f'{lost} of {sent} ({lost / sent:.0%})' if sent else f'{lost}'
+    return f'{label}: {share} messages lost in transport over {window_s:g} s: {remedy}'
+
+
 # --- observation ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class InputSource:
@@ -193,6 +303,9 @@ class InputStatus:
     age_s: float | None     # seconds since the newest message (None: never received)
     count: int              # messages received
     detail: str = ''        # the reason when not ok
+    sent: int | None = None     # messages published over the loss window (None: unknown)
+    lost: int | None = None     # of those, lost in transport (None: not measured)
+    warning: str = ''       # a problem that does not stop actions (e.g. messages lost)
 
 
 @dataclasses.dataclass
@@ -303,6 +416,8 @@ class InputSet:
         self.instruction: Instruction | None = None
         self.started_s = 0.0          # when waiting began (how long a missing input is missing)
         self.pull: Callable[[float], None] | None = None
+        self.loss = TransportLoss()   # fed by whoever takes the messages (the node's poller)
+        self.loss_remedy = 'check the link and the publisher'   # what a loss warning advises
 
     def put(self, key: str, msg: Any, received_s: float) -> None:
         if key == self.joints.key and self.merger is not None:
@@ -326,13 +441,19 @@ class InputSet:
         """Build the observation of a tick at `now_s`, or the reasons there is none."""
         if self.pull is not None:
             self.pull(now_s)
-        return build_observation(self.buffer, self.cameras, self.joints, self.instruction,
-                                 now_s, self.stale_timeout_s, self.started_s,
-                                 self.instruction_topic)
+        result = build_observation(self.buffer, self.cameras, self.joints, self.instruction,
+                                   now_s, self.stale_timeout_s, self.started_s,
+                                   self.instruction_topic)
+        for (_, source), status in zip(self.cameras, result.inputs):
+            status.sent, status.lost = self.loss.window(source.key, now_s)
+            status.warning = loss_warning(status.label, status.sent, status.lost,
+                                          self.loss.window_s, self.loss_remedy)
+        return result
 
     def clear(self) -> None:
         """Forget every message and the instruction (cleanup)."""
         self.buffer.clear()
         if self.merger is not None:
             self.merger.clear()
+        self.loss.clear()
         self.instruction = None

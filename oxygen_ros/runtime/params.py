@@ -19,7 +19,7 @@ Two kinds of parameters:
   configure-time  shape the model, the KV pool or the subscriptions; changeable only while
                   the node is unconfigured (cleanup, set, configure again).
   runtime         applied while active (control rate, decode budget, request period, stale
-                  timeout, instruction length).
+                  timeout, instruction length, real-time chunking rtc_*).
 """
 
 from __future__ import annotations
@@ -33,25 +33,21 @@ from typing import Any, Callable
 
 import yaml
 
+from oxygen_ros.model.robot_spec import (BUILTIN_ROBOTS, get_robot, is_robot_path,
+                                         JOINT_POSITION, RobotSpec, RobotSpecError,
+                                         shipped_robots)
+from oxygen_ros.model.config import DEFAULT_MAX_GUIDANCE_WEIGHT
+
 NODE_NAME = 'oxygen_node'
-ROBOTS = ('libero', 'droid', 'aloha')
+ROBOTS = BUILTIN_ROBOTS
 DTYPES = ('float32', 'bfloat16')
 COMPILE_CHOICES = ('auto', 'on', 'off')
 _DEVICE_RE = re.compile(r'^(cpu|cuda(:\d+)?|mps)$')
 
-# Robot -> (camera names, joint names). Camera names are the robot adapters' observation keys;
-# joint names are the usual JointState names of that robot (override them in the YAML).
-ROBOT_IO = {
-    'libero': (('image', 'wrist_image'),
-               ('eef_x', 'eef_y', 'eef_z', 'eef_rx', 'eef_ry', 'eef_rz',
-                'gripper_left_finger', 'gripper_right_finger')),
-    'droid': (('exterior_image_1_left', 'wrist_image_left'),
-              tuple(f'panda_joint{i}' for i in range(1, 8)) + ('panda_finger_joint1',)),
-    'aloha': (('cam_high', 'cam_left_wrist', 'cam_right_wrist'),
-              tuple(f'{side}_{joint}' for side in ('left', 'right')
-                    for joint in ('waist', 'shoulder', 'elbow', 'forearm_roll', 'wrist_angle',
-                                  'wrist_rotate', 'gripper'))),
-}
+# Shipped robot -> (camera names, joint names), read from its spec (config/robots/<name>.yaml):
+# the parameters camera_names and joint_names default to these (override them in the YAML).
+ROBOT_IO = {name: (spec.camera_names, spec.joint_names)
+            for name, spec in ((name, get_robot(name)) for name in shipped_robots())}
 
 
 def default_camera_topic(camera: str) -> str:
@@ -86,6 +82,33 @@ class ParamSpec:
     # (reason it is bad or None, the warning). The node declares such a parameter with
     # dynamic typing.
     legacy: Callable[[Any], tuple[str | None, str]] | None = None
+
+
+# ---- real-time chunking (oxygen_ros.runtime.rtc uses these; docs/rtc.md) ----
+OFF, GUIDED, PREFIX = 'off', 'guided', 'prefix'
+RTC_MODES = (OFF, GUIDED, PREFIX)
+RTC_SCHEDULES = ('linear', 'exp')
+AUTO_DELAY = -1                  # rtc_delay: take d from the measured latency p95
+
+
+@dataclasses.dataclass(frozen=True)
+class RtcSettings:
+    """How a robot's chunks continue each other (the node's rtc_* parameters)."""
+
+    mode: str = OFF                  # off | guided | prefix (checkpoints trained with delays)
+    schedule: str = 'exp'            # weight decay over the overlap: linear | exp
+    delay: int = AUTO_DELAY          # d in rows; AUTO_DELAY: from the latency p95
+    execution_horizon: int = 0       # rows >= this are free (0: every committed row guided)
+    max_guidance_weight: float = DEFAULT_MAX_GUIDANCE_WEIGHT   # β, the guidance cap
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != OFF
+
+    def problems(self) -> list[str]:
+        """Return why these settings are not usable ([] when they are): the rtc_* checks."""
+        return [f'rtc_{name}: {why}' for name, value in dataclasses.asdict(self).items()
+                if (why := check_value(f'rtc_{name}', value))]
 
 
 def _check_choice(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
@@ -134,6 +157,22 @@ def _check_checkpoint(value) -> str | None:
     return None
 
 
+def _check_robot(value) -> str | None:
+    # The file is read (and its schema checked) at configure, in Settings.check.
+    def is_yaml_file(path: Path) -> bool:
+        return path.is_file() and os.access(path, os.R_OK)
+    if not isinstance(value, str) or not value:
+        return 'expected a robot name or the path of a robot YAML file'
+    if is_robot_path(value):
+        if not _usable_path(value, is_yaml_file):
+            return 'is not a readable robot YAML file (docs/robots.md)'
+        return None
+    if value not in shipped_robots():
+        return (f'unknown robot; expected one of {", ".join(sorted(shipped_robots()))} '
+                '(config/robots/) or the path of a robot YAML file')
+    return None
+
+
 def _check_tokenizer(value) -> str | None:
     def is_model_file(path: Path) -> bool:
         return path.suffix == '.model' and path.is_file() and os.access(path, os.R_OK)
@@ -173,6 +212,24 @@ def _legacy_decode_budget(value) -> tuple[str | None, str]:
         return str(err), ''
     return None, (f'decode_budget as a string ({value!r}) is deprecated: use the integer '
                   f'{k or 0} (0 = adaptive), e.g. `-p decode_budget:={k or 0}`')
+
+
+def parse_rtc_mode(value: str | bool) -> str:
+    """Read rtc_mode: a mode name, or false (what YAML makes of a bare `off`) for 'off'."""
+    return OFF if value is False else value
+
+
+def _legacy_rtc_mode(value) -> tuple[str | None, str]:
+    if value is False:   # `-p rtc_mode:=off` and `ros2 param set ... rtc_mode off` send false
+        return None, ("rtc_mode false is read as 'off' (YAML reads a bare off as false; "
+                      "quote it, rtc_mode:=\"'off'\", to say so)")
+    return f'expected one of {", ".join(RTC_MODES)}, got {value!r}', ''
+
+
+def _check_rate(value) -> str | None:
+    if 0 < value < 0.1:
+        return f'must be 0 (auto) or in [0.1, 1000], got {value:g}'
+    return None
 
 
 def _check_names(value) -> str | None:
@@ -244,8 +301,9 @@ PARAMS: tuple[ParamSpec, ...] = (
               "by the parameters here); each robot has the per-robot parameters under its "
               "name (<robot>.robot, <robot>.cameras.<camera>.topic, ...) and its topics in the "
               "namespace <robot>.", check=_check_robot_names),
-    ParamSpec('robot', 'libero', 'Robot adapter (cameras, state and action layout).',
-              check=_check_choice(ROBOTS)),
+    ParamSpec('robot', 'libero', 'Robot spec: a shipped robot (config/robots/<name>.yaml: '
+              'libero, droid, aloha, so101) or the path of a robot YAML file (cameras, state, '
+              'actions; docs/robots.md).', check=_check_robot),
     ParamSpec('camera_names', list(ROBOT_IO['libero'][0]),
               "Robot camera names, in the adapter's terms; each has the sub-parameters "
               'cameras.<name>.topic, .compressed and .check_camera_info.', check=_check_names),
@@ -255,8 +313,11 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec('publish_trajectory', False, 'Also publish each chunk as trajectory_msgs/'
               'JointTrajectory on joint_trajectory (joint-position robots only), for '
               "ros2_control's joint_trajectory_controller."),
-    ParamSpec('control_rate_hz', 10.0, 'Control ticks per second (one action chunk each).',
-              configure_time=False, float_range=(0.1, 1000.0)),
+    ParamSpec('control_rate_hz', 10.0, 'Control ticks per second (one action chunk each); 0 '
+              '= auto: 90% of the rate this machine holds, timed at configure on a few frames '
+              '(act p50 plus the least language work of a tick: one decode step per live '
+              'request at the steady batch, k steps with a fixed decode_budget).',
+              configure_time=False, float_range=(0.0, 1000.0), check=_check_rate),
     ParamSpec('denoise_steps', 0, 'Flow-matching steps; 0 = the model config default.',
               int_range=(0, 100)),
     ParamSpec('language_prompt', '', "Template fed after the observation prefix for narration "
@@ -284,6 +345,25 @@ PARAMS: tuple[ParamSpec, ...] = (
               float_range=(0.05, 60.0)),
     ParamSpec('seed', 0, 'Seed of random weights, flow-matching noise and request arrivals.',
               int_range=(0, 2**31 - 1)),
+    # Real-time chunking (docs/rtc.md): each chunk continues the one the robot executes.
+    ParamSpec('rtc_mode', OFF, "Real-time chunking: 'off'; 'guided' (each chunk is guided "
+              "toward the committed one; act() pays a backward pass per denoise step); "
+              "'prefix' (the delay's rows held to the committed ones, for checkpoints trained "
+              'with delays).', configure_time=False, check=_check_choice(RTC_MODES),
+              legacy=_legacy_rtc_mode),
+    ParamSpec('rtc_schedule', 'exp', "Decay of the guidance weights over the overlap: 'exp' "
+              "(the paper's) or 'linear'.", configure_time=False,
+              check=_check_choice(RTC_SCHEDULES)),
+    ParamSpec('rtc_delay', AUTO_DELAY, 'd: rows of a chunk that play before it is out (frozen '
+              f'to the committed chunk, and ActionChunk.start_row); {AUTO_DELAY} = auto, from '
+              'the p95 of observation-to-chunk latency and the step period.',
+              configure_time=False, int_range=(AUTO_DELAY, 1000)),
+    ParamSpec('rtc_execution_horizon', 0, 'Rows of a chunk guided toward the committed one '
+              "(the overlap's end, the paper's H - s); 0 = every row the committed chunk still "
+              'covers.', configure_time=False, int_range=(0, 1000)),
+    ParamSpec('rtc_max_guidance_weight', DEFAULT_MAX_GUIDANCE_WEIGHT,
+              'β: cap of the guidance weight (guided mode; caps the t = 1 step at 10 steps).',
+              configure_time=False, float_range=(0.01, 100.0)),
     ParamSpec('tokenizer', '', "SentencePiece model; '' = the checkpoint's tokenizer.model, or "
               'a tiny tokenizer trained offline (random weights).',
               check=_check_tokenizer),
@@ -293,7 +373,9 @@ PARAMS_BY_NAME = {spec.name: spec for spec in PARAMS}
 # the node's and shared by every robot (one model, one device, one control thread).
 ROBOT_PARAMS = ('robot', 'camera_names', 'joint_names', 'frame_id', 'publish_trajectory',
                 'control_rate_hz', 'language_prompt', 'tokens_per_request', 'decode_budget',
-                'request_every_n_frames', 'kv_capacity', 'stale_frame_timeout_s', 'seed')
+                'request_every_n_frames', 'kv_capacity', 'stale_frame_timeout_s', 'seed',
+                'rtc_mode', 'rtc_schedule', 'rtc_delay', 'rtc_execution_horizon',
+                'rtc_max_guidance_weight')
 
 # Per-camera sub-parameters: cameras.<name>.<field>.
 CAMERA_PARAMS: tuple[ParamSpec, ...] = (
@@ -411,7 +493,7 @@ def check_value(name: str, value: Any) -> str | None:
     if spec is None:
         return None
     why = _type_problem(spec.default, value)
-    if why and spec.legacy is not None and isinstance(value, str):
+    if why and spec.legacy is not None and isinstance(value, (str, bool)):
         return spec.legacy(value)[0]
     if why:
         return why
@@ -477,30 +559,52 @@ class Settings:
     diagnostics_period_s: float
     seed: int
     tokenizer: str
+    rtc_mode: str = OFF
+    rtc_schedule: str = 'exp'
+    rtc_delay: int = AUTO_DELAY
+    rtc_execution_horizon: int = 0
+    rtc_max_guidance_weight: float = DEFAULT_MAX_GUIDANCE_WEIGHT
     compile: str = 'auto'              # torch.compile: auto, on, off
+    spec: RobotSpec | None = None      # the robot's spec, resolved from `robot` at check
 
     @property
     def period_s(self) -> float:
+        if not self.control_rate_hz:
+            raise ValueError('control_rate_hz 0 (auto) has no period until the rate is '
+                             'resolved (engine_setup.build_engine times it)')
         return 1.0 / self.control_rate_hz
 
+    @property
+    def rtc(self) -> RtcSettings:
+        """The real-time chunking settings of the rtc_* parameters."""
+        return RtcSettings(self.rtc_mode, self.rtc_schedule, self.rtc_delay,
+                           self.rtc_execution_horizon, self.rtc_max_guidance_weight)
+
     @classmethod
-    def from_values(cls, values: dict[str, Any]) -> Settings:
+    def from_values(cls, values: dict[str, Any], robot_spec: RobotSpec | None = None
+                    ) -> Settings:
         """Check every value and their combinations; raise ValueError naming what is wrong."""
-        settings, problems = cls.check(values)
+        settings, problems = cls.check(values, robot_spec=robot_spec)
         if problems:
             raise ValueError('invalid parameters:\n  ' + '\n  '.join(problems))
         return settings
 
     @classmethod
-    def check(cls, values: dict[str, Any], prefix: str = '') -> tuple[Settings | None, list[str]]:
+    def check(cls, values: dict[str, Any], prefix: str = '', robot_spec: RobotSpec | None = None
+              ) -> tuple[Settings | None, list[str]]:
         """Check every value and their combinations: (settings, []) or (None, problems).
 
         prefix is put before every parameter name in the problems (a robot's 'arm_left.').
+        robot_spec: the robot's spec when it has no file (read from a dataset); `robot` is
+        then its name.
         """
         merged = {spec.name: spec.default for spec in PARAMS}
         merged.update(values)
+        if robot_spec is not None:
+            merged['robot'] = robot_spec.name
         problems = [f'{prefix}{name}: {why}' for name in PARAMS_BY_NAME
-                    if (why := check_value(name, merged[name]))]
+                    if (why := check_value(name, merged[name]))
+                    and not (name == 'robot' and robot_spec is not None)]
         unknown = sorted(f'{prefix}{n}' for n in values if param_spec(n) is None
                          and n.startswith('cameras.'))
         if unknown:
@@ -523,8 +627,14 @@ class Settings:
         topics = [c.image_topic for c in cameras]
         if len(set(topics)) != len(topics):
             problems.append(f'{prefix}cameras: two cameras subscribe the same topic: {topics}')
-        if robot in ROBOT_IO:
-            required = ROBOT_IO[robot][0]
+        spec = robot_spec
+        if spec is None and not any(p.startswith(f'{prefix}robot:') for p in problems):
+            try:
+                spec = get_robot(robot)   # the schema's errors name the file and the field
+            except RobotSpecError as err:
+                problems.append(f'{prefix}robot: {err}')
+        if spec is not None:
+            required = spec.camera_names
             missing = [c for c in required if c not in names]
             unknown = [c for c in names if c not in required]
             if missing:
@@ -533,14 +643,12 @@ class Settings:
             if unknown:
                 problems.append(f'{prefix}camera_names has {unknown}, which robot {robot!r} '
                                 f'does not use (its cameras: {list(required)})')
-            from oxygen_ros.model.robots import get_robot
-            state_dim = get_robot(robot).state_dim
+            state_dim = spec.state_dim
             if len(merged['joint_names']) != state_dim:
                 problems.append(f'{prefix}joint_names has {len(merged["joint_names"])} names '
                                 f'but robot {robot!r} has a {state_dim}-value state')
             if merged['publish_trajectory']:
-                from oxygen_ros.model.robots import JOINT_POSITION
-                space = get_robot(robot).action_space
+                space = spec.action_space
                 if space != JOINT_POSITION:
                     problems.append(f'{prefix}publish_trajectory: robot {robot!r} acts in '
                                     f'{space}, not joint positions; a JointTrajectory of its '
@@ -568,6 +676,10 @@ class Settings:
             max_instruction_chars=int(merged['max_instruction_chars']),
             diagnostics_period_s=float(merged['diagnostics_period_s']),
             seed=int(merged['seed']), tokenizer=merged['tokenizer'],
+            rtc_mode=parse_rtc_mode(merged['rtc_mode']), rtc_schedule=merged['rtc_schedule'],
+            rtc_delay=int(merged['rtc_delay']),
+            rtc_execution_horizon=int(merged['rtc_execution_horizon']),
+            rtc_max_guidance_weight=float(merged['rtc_max_guidance_weight']), spec=spec,
             compile=merged['compile']), []
 
 
@@ -617,15 +729,24 @@ def robot_param_defaults(node_values: dict[str, Any], robot: str | None) -> dict
     """
     defaults = {n: v for n, v in node_values.items() if not n.startswith('cameras.')}
     node_robot = defaults.get('robot', PARAMS_BY_NAME['robot'].default)
-    if robot is not None and robot != node_robot and robot in ROBOT_IO:
-        defaults.update(robot_defaults(robot))
+    if robot is not None and robot != node_robot and check_value('robot', robot) is None:
+        try:
+            defaults.update(robot_defaults(robot))
+        except RobotSpecError:
+            pass   # configure reports the spec's problem under <robot>.robot
     return defaults
 
 
-def robot_defaults(robot: str) -> dict[str, Any]:
-    """Camera and joint parameter values matching `robot` (defaults follow the robot)."""
-    cameras, joints = ROBOT_IO[robot]
-    return {'robot': robot, 'camera_names': list(cameras), 'joint_names': list(joints)}
+def robot_defaults(robot: str | RobotSpec) -> dict[str, Any]:
+    """Camera and joint parameter values matching `robot` (defaults follow the robot).
+
+    robot: a shipped robot's name, a robot YAML's path, or a spec (then no 'robot' value).
+    Raises RobotSpecError when the spec cannot be read.
+    """
+    spec = get_robot(robot)
+    values = {} if isinstance(robot, RobotSpec) else {'robot': robot}
+    return {**values, 'camera_names': list(spec.camera_names),
+            'joint_names': list(spec.joint_names)}
 
 
 def flatten_params(params: dict[str, Any], prefix: str = '') -> dict[str, Any]:

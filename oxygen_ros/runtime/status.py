@@ -42,6 +42,8 @@ class LoopStats:
         self.clock = clock
         self._lock = threading.Lock()   # the tick records, the diagnostics timer reads
         self._ticks: collections.deque[_Tick] = collections.deque()
+        # (time, {finish reason: count}) of language requests that ended
+        self._ended: collections.deque[tuple[float, dict]] = collections.deque()
         self.ticks_total = 0
         self.actions_total = 0
         self.tokens_total = 0
@@ -52,17 +54,21 @@ class LoopStats:
         self.last_action_s: float | None = None   # monotonic time of the last action chunk
 
     def record(self, start: float, duration: float, period_s: float, latency: float | None,
-               inference: float | None, tokens: int, cpu_share: float | None = None) -> bool:
+               inference: float | None, tokens: int, cpu_share: float | None = None,
+               ended: dict[str, int] | None = None) -> bool:
         """Record one tick; return whether it missed its deadline (ran longer than period).
 
         cpu_share: the share of act()'s wall time its thread spent on a CPU (None: not
         measured). Near 1 the model ran the whole time; well below 1 it waited for a core
-        (or the GIL), which is what a late tick's remedy depends on.
+        (or the GIL), which is what a late tick's remedy depends on. ended: the language
+        requests that ended this tick, by finish reason.
         """
         missed = duration > period_s
         with self._lock:
             self._ticks.append(_Tick(start, duration, latency, inference, tokens, missed,
                                      cpu_share))
+            if ended:
+                self._ended.append((start, dict(ended)))
             self.ticks_total += 1
             self.tokens_total += tokens
             self.deadline_misses_total += missed
@@ -74,6 +80,13 @@ class LoopStats:
             self._trim(start)
         return missed
 
+    def record_ended(self, now: float, ended: dict[str, int]) -> None:
+        """Record language requests that ended outside one of this loop's ticks."""
+        if ended:
+            with self._lock:
+                self._ended.append((now, dict(ended)))
+                self._trim(now)
+
     def record_error(self, message: str) -> None:
         with self._lock:
             self.errors_total += 1
@@ -82,6 +95,7 @@ class LoopStats:
     def reset(self) -> None:
         with self._lock:
             self._ticks.clear()
+            self._ended.clear()
             self.ticks_total = self.actions_total = self.tokens_total = 0
             self.deadline_misses_total = self.skipped_total = self.errors_total = 0
             self.last_error = ''
@@ -90,6 +104,8 @@ class LoopStats:
     def _trim(self, now: float) -> None:
         while self._ticks and self._ticks[0].start < now - self.window_s:
             self._ticks.popleft()
+        while self._ended and self._ended[0][0] < now - self.window_s:
+            self._ended.popleft()
 
     def snapshot(self) -> dict:
         """Rates, percentiles and counters over the window (numbers only)."""
@@ -97,6 +113,7 @@ class LoopStats:
         with self._lock:
             self._trim(now)
             ticks = list(self._ticks)
+            ended_events = list(self._ended)
         span = min(self.window_s, max(now - ticks[0].start, 1e-9)) if ticks else self.window_s
         latencies = [t.latency for t in ticks if t.latency is not None]
         inference = [t.inference for t in ticks if t.inference is not None]
@@ -105,12 +122,24 @@ class LoopStats:
 
         def pct(values, q):
             return float(np.percentile(values, q)) * 1e3 if values else float('nan')
+        ended = collections.Counter()
+        for _, counts in ended_events:
+            ended.update(counts)
+        completed = ended['eos'] + ended['length']
         return {
             'tick_rate_hz': len(ticks) / span if ticks else 0.0,
             'action_rate_hz': len(latencies) / span if ticks else 0.0,
             'tokens_per_s': sum(t.tokens for t in ticks) / span if ticks else 0.0,
+            # language requests that ended in the window: completed (eos or length: one
+            # narration each), preempted for the action path, refused at admission, failed
+            'requests_completed_window': completed,
+            'requests_evicted_window': ended['evicted'],
+            'requests_refused_window': ended['refused'],
+            'requests_error_window': ended['error'],
+            'completed_per_min': 60.0 * completed / span if ticks else 0.0,
             'deadline_misses_window': sum(t.missed for t in ticks),
             'ticks_window': len(ticks),
+            'window_s': self.window_s,
             'latency_p50_ms': pct(latencies, 50),
             'latency_p99_ms': pct(latencies, 99),
             'inference_p50_ms': pct(inference, 50),
@@ -240,6 +269,14 @@ def _mib(n: int) -> str:
     return f'{n / (1 << 20):.2f} MiB'
 
 
+def _loss_text(status) -> str:
+    """', 3 of 150 sent lost in transport' (what was measured of it; '' when nothing)."""
+    if status.lost is None:
+        return f', {status.sent} sent' if status.sent is not None else ''
+    sent = f' of {status.sent} sent' if status.sent is not None else ''
+    return f', {status.lost}{sent} lost in transport'
+
+
 WAITED_SHARE = 0.8   # act() on a CPU for less of its wall time than this: it waited for one
 
 
@@ -298,17 +335,22 @@ def build_statuses(node: str, lifecycle: str, model: dict, loop: dict | None,
     if engine is not None:
         kv = engine['kv_usage']
         finished = engine['finished']
-        lost = sum(finished.get(r, 0) for r in ('evicted', 'error', 'refused'))
+        window = {r: loop.get(f'requests_{r}_window', 0)
+                  for r in ('completed', 'evicted', 'refused', 'error')}
+        lost = {r: n for r, n in window.items() if r != 'completed' and n}
         lang_level = WARN if lost else OK
         lang_msg = (f"{loop['tokens_per_s']:.1f} tok/s, {engine['active_requests']} active, "
-                    f"k={engine['k']}")
+                    f"k={engine['k']}, {window['completed']} requests completed")
         if lost:
-            lang_msg += f', {lost} requests ended early ' + ', '.join(
-                f'{r}={finished[r]}' for r in ('evicted', 'error', 'refused') if finished.get(r))
+            lang_msg += ', ' + ', '.join(f'{n} {r}' for r, n in lost.items())
+        if ticks:
+            lang_msg += f' in the last {loop.get("window_s", 5.0):g} s'
         statuses.append(Status(lang_level, f'{node}: language', lang_msg, [
             ('tokens_per_s', _fmt(loop['tokens_per_s'])),
             ('active_requests', str(engine['active_requests'])),
             ('current_k', str(engine['k'])), ('decode_budget', str(engine['budget']))]
+            + [(f'requests_{r}_window', str(n)) for r, n in window.items()]
+            + [('completed_per_min', _fmt(loop.get('completed_per_min', 0.0)))]
             + [(f'finished_{r}', str(n)) for r, n in sorted(finished.items())]))
         statuses.append(Status(
             OK if kv['slots_in_use'] < kv['slots_total'] else WARN, f'{node}: kv cache',
@@ -321,16 +363,20 @@ def build_statuses(node: str, lifecycle: str, model: dict, loop: dict | None,
     # 4. inputs
     bad = [s for s in inputs if s.state != 'ok']
     values = [(s.label, s.state + (f', age {s.age_s:.2f} s' if s.age_s is not None else '')
-               + f', {s.count} msgs') for s in inputs]
+               + f', {s.count} msgs' + _loss_text(s)) for s in inputs]
     stale = [s.label for s in bad if s.state in ('stale', 'never received')]
     values.append(('stale_or_missing', ', '.join(stale) or 'none'))
+    values.append(('lost_in_transport', ', '.join(
+        f'{s.label}: {s.lost}' for s in inputs if s.lost) or 'none'))
     if instruction is not None:
         values.append(('instruction', instruction.text[:200]))
     notes = instruction.notes if instruction is not None else []
+    warnings = [s.warning for s in inputs if s.warning]
     if input_problems:
-        level, message = ERROR, '; '.join(sorted(input_problems.values()))
-    elif notes:
-        level, message = WARN, 'instruction ' + ', '.join(notes)
+        level, message = ERROR, '; '.join(sorted(input_problems.values()) + warnings)
+    elif notes or warnings:
+        level = WARN
+        message = '; '.join(warnings + (['instruction ' + ', '.join(notes)] if notes else []))
     else:
         level, message = OK, 'all inputs fresh'
     statuses.append(Status(level, f'{node}: inputs', message, values))

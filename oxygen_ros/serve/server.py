@@ -3,11 +3,22 @@
 Protocol (what openpi-client's WebsocketClientPolicy expects, unchanged):
 
     connect      server sends one metadata message (msgpack map)
-    request      client sends a msgpack map: the observation keys of its robot + 'prompt'
+    request      client sends a msgpack map: the observation keys of its robot + 'prompt';
+                 optional (real-time chunking, docs/rtc.md): 'prev_actions' float [n, A],
+                 the rows of the chunk it executes not yet started at this observation, and
+                 'inference_delay' int, the rows that will play while this one is computed
     response     msgpack map {'actions': float32 [H, A], 'server_timing': {...},
-                 'policy_timing': {...}, 'language': {...}, 'frame_index': int}
+                 'policy_timing': {...}, 'language': {...}, 'frame_index': int,
+                 'start_row': int (the first row past the delay; 0 without RTC)}
     error        a text message (the client raises RuntimeError with it); the connection stays
     GET /healthz 200 'OK' while the engine thread runs, 503 after it died
+    too big      a message over the bound (ServerConfig.max_message_bytes; default the robot's
+                 largest valid observation + 25%) is refused from its frame header, before
+                 its payload is read: the connection closes with 1009 and a reason naming the
+                 bound (the client raises ConnectionClosedError with it)
+    token        with ServerConfig.token, the handshake needs `Authorization: Api-Key <token>`
+                 (what openpi-client's WebsocketClientPolicy(api_key=...) sends) or
+                 `Bearer <token>`; others get HTTP 401. /healthz needs none.
 
 Threads: the asyncio event loop (its own thread) does the websocket I/O and decoding; one
 engine thread runs the frame loop. Requests of all clients wait in a FairQueue, served round
@@ -26,6 +37,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import hmac
 import http
 import itertools
 import logging
@@ -34,13 +46,20 @@ import time
 
 import websockets
 import websockets.asyncio.server as ws_server
+from websockets.exceptions import PayloadTooBig
+from websockets.frames import CloseCode
 
 from oxygen_ros import __version__
 from oxygen_ros.engine.types import Observation
+from oxygen_ros.model.robot_spec import get_robot
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.inputs import ObservationResult, sanitize_instruction
+from oxygen_ros.runtime.params import RtcSettings
+from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import LoopStats
-from oxygen_ros.serve.observations import OBSERVATION_KEYS, RequestError, to_observation
+from oxygen_ros.serve.observations import (committed_rows, CommittedRows, keys_for,
+                                           max_request_bytes, ObservationKeys, RequestError,
+                                           to_observation)
 from oxygen_ros.serve.queue import FairQueue
 from oxygen_ros.serve.wire import packb, unpackb, WireError
 
@@ -55,13 +74,18 @@ MAX_OWNED_FRAMES = 4096             # frames whose language output still has a k
 class ServerConfig:
     """How the server listens and reads requests."""
 
-    robot: str                      # whose openpi observation keys requests carry
+    robot: object                   # the robot: a RobotSpec, a shipped name or a YAML path
+    observation_keys: ObservationKeys | None = None   # where requests carry cameras and
+    #                                   state (None: openpi's for its robots, else defaults)
     host: str = '0.0.0.0'           # openpi's default: reachable from the robot computer
     port: int = DEFAULT_PORT        # 0: any free port (see PolicyServer.port)
     default_prompt: str = ''        # used when a request has no 'prompt' ('' = required)
     max_pending: int = 4            # requests one client may have waiting; more are refused
     max_instruction_chars: int = 500
     period_s: float = 0.1           # the frame loop's nominal period (deadline statistics)
+    rtc: RtcSettings = RtcSettings()   # real-time chunking of requests with 'prev_actions'
+    max_message_bytes: int = 0      # largest request read; 0: observations.max_request_bytes
+    token: str = ''                 # shared secret clients must send ('' = none needed)
 
 
 @dataclasses.dataclass
@@ -71,6 +95,26 @@ class _Request:
     received_s: float               # perf_counter() when the message arrived
     future: concurrent.futures.Future
     started_s: float = 0.0          # perf_counter() when the engine thread took it
+    committed: CommittedRows | None = None   # the client's chunk to continue (RTC)
+
+
+class _ClientChunks(RtcPlanner):
+    """Real-time chunking of a server: the committed rows are the request's, not a record.
+
+    The auto delay reads the engine's act() time (the server does not know the client's
+    clock); a client that knows better sends 'inference_delay'.
+    """
+
+    request: _Request | None = None   # the request of the running tick
+
+    def continuation(self, obs):
+        committed = self.request.committed if self.request is not None else None
+        if committed is None:
+            return None
+        return self.continue_rows(committed.rows, committed.delay)
+
+    def record(self, action, out_s: float) -> None:
+        self.latency.observe(action.inference_time_s)
 
 
 class _RequestInputs:
@@ -117,7 +161,9 @@ class EngineWorker:
         self.config = config
         self.queue = FairQueue(config.max_pending)
         self.inputs = _RequestInputs()
-        self.loop = FrameLoop(system, self.inputs, stats=LoopStats())
+        self.rtc = (_ClientChunks(config.rtc, get_robot(config.robot).step_period_s)
+                    if config.rtc.enabled else None)
+        self.loop = FrameLoop(system, self.inputs, stats=LoopStats(), rtc=self.rtc)
         self.replies = _Replies(self)
         self._lock = threading.Lock()             # outboxes and owners: engine + I/O threads
         self._outboxes: dict[int, dict[str, list]] = {}
@@ -138,11 +184,12 @@ class EngineWorker:
         with self._lock:
             self._outboxes[client] = {'deltas': [], 'finished': []}
 
-    def submit(self, client: int, obs: Observation, received_s: float
-               ) -> concurrent.futures.Future:
+    def submit(self, client: int, obs: Observation, received_s: float,
+               committed: CommittedRows | None = None) -> concurrent.futures.Future:
         """Queue one observation; the future gets the response dict or a RequestError."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.queue.put(client, _Request(client, obs, received_s, future)):
+        request = _Request(client, obs, received_s, future, committed=committed)
+        if not self.queue.put(client, request):
             future.set_exception(RequestError(
                 f'too many requests waiting: at most {self.config.max_pending} per client; '
                 'wait for the replies'))
@@ -168,6 +215,8 @@ class EngineWorker:
             request.started_s = time.perf_counter()
             self.inputs.observation = request.obs
             self.replies.request = request
+            if self.rtc is not None:
+                self.rtc.request = request
             try:
                 outcome = self.loop.tick(time.monotonic(), self.config.period_s, self.replies)
             except Exception as err:   # noqa: BLE001 - one bad frame must not end the server
@@ -196,6 +245,7 @@ class EngineWorker:
         request.future.set_result({
             'actions': action.actions,                              # float32 [H, robot dim]
             'frame_index': action.frame_index,
+            'start_row': action.start_row,                          # first row past the delay
             'policy_timing': {'infer_ms': act_ms},
             'server_timing': {'infer_ms': act_ms,
                               'queue_ms': (request.started_s - request.received_s) * 1e3},
@@ -211,6 +261,39 @@ class EngineWorker:
                 outbox[kind].append(item)
 
 
+UNAUTHORIZED_TEXT = ('missing or wrong API key: send "Authorization: Api-Key <token>" '
+                     "(openpi-client: WebsocketClientPolicy(..., api_key=token))\n")
+MAX_CLOSE_REASON_BYTES = 123        # RFC 6455: a close frame's reason fits in 123 bytes
+
+
+def token_matches(authorization: str, token: str) -> bool:
+    """Return whether an Authorization header carries `token` (Api-Key or Bearer scheme)."""
+    scheme, _, given = authorization.strip().partition(' ')
+    if not token or scheme.lower() not in ('api-key', 'bearer'):
+        return False
+    return hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def _connection_class(too_big_reason: str) -> type:
+    """Return a ServerConnection class whose "message too big" close (1009) gives a reason.
+
+    Why: websockets refuses an oversized frame from its header, before reading the payload,
+    and closes with its own reason (the sizes only); the client should learn what the bound
+    is and how to change it.
+    """
+    reason = too_big_reason.encode()[:MAX_CLOSE_REASON_BYTES].decode(errors='ignore')
+
+    class BoundedConnection(ws_server.ServerConnection):
+        def __init__(self, protocol, *args, **kwargs):
+            fail = protocol.fail
+
+            def fail_with_reason(code, text=''):
+                fail(code, reason if code == CloseCode.MESSAGE_TOO_BIG else text)
+            protocol.fail = fail_with_reason
+            super().__init__(protocol, *args, **kwargs)
+    return BoundedConnection
+
+
 class PolicyServer:
     """openpi's websocket policy server over an engine System; start() runs it in threads.
 
@@ -219,10 +302,11 @@ class PolicyServer:
     """
 
     def __init__(self, system, config: ServerConfig, description: dict | None = None):
-        if config.robot not in OBSERVATION_KEYS:
-            raise ValueError(f'robot {config.robot!r}; expected one of '
-                             f'{sorted(OBSERVATION_KEYS)}')
+        self.spec = get_robot(config.robot)   # RobotSpecError (a ValueError) names the file
+        self.keys = config.observation_keys or keys_for(self.spec)
         self.config = config
+        self.max_message_bytes = config.max_message_bytes or max_request_bytes(
+            self.keys, self.spec.state_dim, config.max_instruction_chars)
         self.worker = EngineWorker(system, config)
         self.metadata = self._metadata(system, description or {})
         self.port: int | None = None             # the bound port once started
@@ -234,13 +318,17 @@ class PolicyServer:
         self._thread = threading.Thread(target=self._serve, name='oxygen-serve-io', daemon=True)
 
     def _metadata(self, system, description: dict) -> dict:
-        keys = OBSERVATION_KEYS[self.config.robot]
+        keys = self.keys
         return {
-            'server': 'oxygen_ros', 'version': __version__, 'robot': self.config.robot,
+            'server': 'oxygen_ros', 'version': __version__, 'robot': self.spec.name,
             'observation_keys': {
                 'cameras': {cam: '.'.join(path) for cam, path in keys.cameras.items()},
                 'state': ['.'.join(path) for path in keys.state], 'prompt': 'prompt'},
             'language': 'responses carry language output of earlier frames under "language"',
+            'rtc': {'mode': self.config.rtc.mode,
+                    'request': 'optional prev_actions [n, A] (rows of the executing chunk not '
+                               'started at the observation) and inference_delay (rows)',
+                    'response': 'start_row: the first row to play'},
             'engine': {k: v for k, v in description.items()
                        if isinstance(v, (str, int, float, bool))},
         }
@@ -292,20 +380,29 @@ class PolicyServer:
     async def _main(self) -> None:
         self._event_loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
+        too_big = (f'message over {self.max_message_bytes / 1e6:.1f} MB, the largest '
+                   f'{self.spec.name} observation this server reads (--max-message-mb)')
         async with ws_server.serve(self._connection, self.config.host, self.config.port,
-                                   compression=None, max_size=None,
-                                   process_request=self._health) as server:
+                                   compression=None, max_size=self.max_message_bytes,
+                                   process_request=self._handshake,
+                                   create_connection=_connection_class(too_big)) as server:
             self.port = server.sockets[0].getsockname()[1]
-            logger.info('serving %s on %s:%d', self.config.robot, self.config.host, self.port)
+            logger.info('serving %s on %s:%d', self.spec.name, self.config.host, self.port)
             self._ready.set()
             await self._stopped.wait()
 
-    def _health(self, connection, request):
-        if request.path != HEALTH_PATH:
-            return None                                  # go on with the websocket handshake
-        if self.worker.alive:
-            return connection.respond(http.HTTPStatus.OK, 'OK\n')
-        return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, 'engine stopped\n')
+    def _handshake(self, connection, request):
+        """Answer /healthz; refuse a websocket handshake without the token; else go on."""
+        if request.path == HEALTH_PATH:
+            if self.worker.alive:
+                return connection.respond(http.HTTPStatus.OK, 'OK\n')
+            return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, 'engine stopped\n')
+        if self.config.token and not token_matches(
+                request.headers.get('Authorization', ''), self.config.token):
+            logger.warning('connection from %s refused: missing or wrong API key',
+                           connection.remote_address)
+            return connection.respond(http.HTTPStatus.UNAUTHORIZED, UNAUTHORIZED_TEXT)
+        return None                                      # go on with the websocket handshake
 
     async def _connection(self, websocket) -> None:
         client = next(self._ids)
@@ -324,7 +421,10 @@ class PolicyServer:
                 await websocket.send(reply)
                 previous_ms = (time.perf_counter() - start) * 1e3
         except websockets.ConnectionClosed:
-            pass
+            refused = websocket.protocol.parser_exc
+            if isinstance(refused, PayloadTooBig):
+                logger.warning('client %d: %s (bound %d bytes, --max-message-mb); connection '
+                               'closed', client, refused, self.max_message_bytes)
         finally:
             self.worker.disconnect(client)
             logger.info('client %d disconnected', client)
@@ -334,14 +434,16 @@ class PolicyServer:
         try:
             if isinstance(message, str):
                 raise RequestError('expected a binary msgpack message, got text')
-            obs = to_observation(unpackb(message), self.config.robot, self.config.default_prompt)
+            request = unpackb(message)
+            obs = to_observation(request, self.spec, self.config.default_prompt, self.keys)
+            committed = committed_rows(request, self.spec)
             instruction = sanitize_instruction(obs.instruction,
                                                self.config.max_instruction_chars)
             if not instruction.text:
                 raise RequestError('prompt: nothing left after removing control characters')
             obs.instruction = instruction.text
             obs.stamp = time.time()
-            return await asyncio.wrap_future(self.worker.submit(client, obs, start))
+            return await asyncio.wrap_future(self.worker.submit(client, obs, start, committed))
         except (WireError, RequestError) as err:
             return f'bad request: {err}'
         except Exception as err:   # noqa: BLE001 - the client gets the reason, the server lives

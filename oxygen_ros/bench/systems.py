@@ -1,5 +1,6 @@
-"""The compared systems behind the one System protocol, and make_system.
+"""The systems the benchmark compares, behind the one System protocol (engine/system.py).
 
+    action-only  prefill + denoise, no language at all (the latency and memory reference)
     isolated   action task (prefill + denoise), then language task with its OWN second prefill
                and a full N-token decode, sequentially in the same frame (the paper's baseline)
     shared     one prefill shared by both tasks, but no cross-frame batching: each request
@@ -8,7 +9,10 @@
                (the naive parallel baseline: it doubles weights and prefill work)
     oxygen     shared prefill + cross-frame continuous batching, fixed k
     oxygen-adaptive  the same with a deadline-adaptive k
-All of them produce the same greedy tokens and the same actions for the same frames.
+All of them produce the same greedy tokens and the same actions for the same frames. Only the
+benchmark (and the tests) builds them: the node, the replay and the server run oxygen engines
+(runtime/engine_setup.py). isolated and shared are Engines without a prefix shared across
+frames or without a decode budget; parallel is ParallelSystem below.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import dataclasses
 import logging
 import queue
 import time
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -27,7 +32,10 @@ from oxygen_ros.engine.frontend import Frontend
 from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
 from oxygen_ros.engine.workload import LanguagePolicy
 from oxygen_ros.model.config import Pi05Config
+from oxygen_ros.engine.system import System
 from oxygen_ros.model.pi05 import Pi05Model
+
+from .plan import SystemSpec
 
 logger = logging.getLogger(__name__)
 
@@ -219,28 +227,45 @@ class ParallelSystem:
 
 def make_system(name: str, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy, *,
                 k: int = 5, frame_period_s: float | None = None, num_slots: int | None = None,
-                pressure: str = 'evict_oldest', seed: int = 0, debug: bool = False,
-                runner_options: dict | None = None, **adaptive_kw) -> Engine | ParallelSystem:
+                seed: int = 0, debug: bool = False, runner_options: dict | None = None,
+                clock: Callable[[], float] = time.perf_counter,
+                **adaptive_kw) -> Engine | ParallelSystem:
     """Build system `name` (one of SYSTEMS) over one model and frontend.
 
     k: tokens per request per frame for 'oxygen' (and k_max for 'oxygen-adaptive' unless
     given in adaptive_kw); frame_period_s: the deadline of 'oxygen-adaptive' (required).
     runner_options: ModelRunner options (bucket_sizes, kv_dtype, max_holes_per_row).
+    clock: the engine's clock (not the parallel baseline's).
     """
     if name == 'parallel':
         return ParallelSystem(model, frontend, policy, seed=seed)
     if name == 'oxygen':
-        budget, sizing_k = FixedBudget(k), k
+        budget = FixedBudget(k)
     elif name == 'oxygen-adaptive':
         if frame_period_s is None:
             raise ValueError('oxygen-adaptive needs frame_period_s (the frame deadline)')
         adaptive_kw.setdefault('k_max', max(k, policy.max_request_len))
-        # Sized for k = 1: the budget may give any frame a single token step.
-        budget, sizing_k = AdaptiveBudget(frame_period_s, **adaptive_kw), 1
+        budget = AdaptiveBudget(frame_period_s, **adaptive_kw)
     elif name in ('shared', 'isolated'):
-        budget, sizing_k = UnlimitedBudget(), None
+        budget = UnlimitedBudget()
     else:
         raise ValueError(f'unknown system {name!r}; expected one of {SYSTEMS}')
     return make_engine(name, model, frontend, policy, budget, share_prefix=name != 'isolated',
-                       num_slots=num_slots, sizing_k=sizing_k, pressure=pressure, seed=seed,
-                       debug=debug, **(runner_options or {}))
+                       num_slots=num_slots, seed=seed, debug=debug, clock=clock,
+                       **(runner_options or {}))
+
+
+def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
+                      policy: LanguagePolicy, period_s: float, seed: int,
+                      runner_options: dict | None = None) -> System:
+    """Build one system of a group ('action-only' is an Engine with no requests)."""
+    if spec.name == 'action-only':
+        return make_engine('action-only', model, frontend, action_only_policy(policy),
+                           UnlimitedBudget(), seed=seed)
+    kwargs = {'seed': seed}
+    if spec.name == 'oxygen':
+        kwargs['k'] = spec.k
+    if spec.name == 'oxygen-adaptive':
+        kwargs.update(frame_period_s=period_s, k=spec.k or policy.max_request_len)
+    return make_system(spec.name, model, frontend, policy, runner_options=runner_options,
+                       **kwargs)

@@ -73,11 +73,11 @@ def main(args: argparse.Namespace) -> int:
     system, size = engine.system, config.vision.image_size
     times = []
     for i in range(2):   # the first frame pays one-time costs; the second is the figure
-        obs = random_observation(settings.robot, i, seed=settings.seed, image_size=size)
+        obs = random_observation(settings.spec, i, seed=settings.seed, image_size=size)
         result = system.step(obs)
         times.append(result.timings)
     t = times[-1]
-    print(f'one frame ({settings.robot}, synthetic observation, {settings.device} '
+    print(f'one frame ({settings.spec.name}, synthetic observation, {settings.device} '
           f'{settings.dtype}):')
     print(f'  actions    {list(result.action.actions.shape)} (robot units), model output '
           f'{list(result.action.normalized.shape)}')

@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from oxygen_ros.runtime.procfs import status_kb
+
 FAULT_ENV = 'OXYGEN_ROS_SOAK_FAULTS'   # "rate,seed" for the node process
 EVENTS = ('drop_camera', 'restart_cameras', 'instruction', 'decode_budget', 'request_rate',
           'corrupt_image', 'nothing')
@@ -71,7 +73,7 @@ def _inject_faults(engine, rate: float, rng: random.Random, counts: dict) -> Non
         return decode(*args, **kwargs)
 
     def faulty_allocate(holder):
-        # A "full pool" the scheduler must answer by evicting language, never by dropping
+        # A "full pool" the scheduler must answer by preempting language, never by dropping
         # the frame: only injected while there is a live request to evict.
         if holder.startswith('frame') and system.num_live_requests and rng.random() < rate:
             counts['allocation'] += 1
@@ -85,24 +87,22 @@ def _inject_faults(engine, rate: float, rng: random.Random, counts: dict) -> Non
 def node_with_faults(argv: list[str]) -> int:
     """Run oxygen_node with the faults that FAULT_ENV describes (the soak's node process)."""
     from oxygen_ros.ros import node
-    from oxygen_ros.runtime import engine_setup
+    from oxygen_ros.runtime.engine_setup import build_engine
 
     rate, seed = (float(x) for x in os.environ.get(FAULT_ENV, '0,0').split(','))
     rng, counts = random.Random(int(seed)), {'decode': 0, 'allocation': 0}
-    build = engine_setup.build_engine
 
-    def build_with_faults(settings, **kwargs):
-        engine = build(settings, **kwargs)
+    def build_with_faults(settings):
+        engine = build_engine(settings)   # the soak's node serves one robot
         _inject_faults(engine, rate, rng, counts)
         return engine
-    engine_setup.build_engine = build_with_faults
 
     def report():
         print(f'SOAK_FAULTS {json.dumps(counts)}', flush=True)
     import atexit
     atexit.register(report)
     signal.signal(signal.SIGUSR1, lambda *_: report())
-    return node.main(['oxygen_node'] + argv, fast_exit=False)
+    return node.main(['oxygen_node'] + argv, fast_exit=False, engine_builder=build_with_faults)
 
 
 # --- the chaotic robot ----------------------------------------------------------------------
@@ -250,13 +250,9 @@ class ChaosRobot:
 
 
 def _rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f'/proc/{pid}/status').read_text().splitlines():
-            if line.startswith('VmRSS:'):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    """Resident memory of a process in MiB (None when it is gone)."""
+    kb = status_kb('VmRSS', pid)
+    return kb / 1024 if kb else None
 
 
 def _healthy_rate(actions: list[float], unhealthy: list[tuple[float, float]], start: float,
@@ -297,8 +293,8 @@ def run_soak(opts: SoakOptions, progress=print) -> dict:
     ros_args = ['--ros-args'] + [a for k, v in params.items()
                                  for a in ('-p', f'{k}:={v}')]
     log = open(opts.out / 'node.log', 'w')
-    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.soak', '--node', '--'] + ros_args,
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.tools.soak', '--node', '--']
+                            + ros_args, env=env, stdout=log, stderr=subprocess.STDOUT)
     context = Context()
     rclpy.init(context=context)
     executor = SingleThreadedExecutor(context=context)
@@ -468,4 +464,5 @@ if __name__ == '__main__':
     if sys.argv[1:2] == ['--node']:
         rest = sys.argv[2:]
         raise SystemExit(node_with_faults(rest[1:] if rest[:1] == ['--'] else rest))
-    raise SystemExit('usage: oxygen-ros soak ... (python -m oxygen_ros.soak --node is internal)')
+    raise SystemExit('usage: oxygen-ros soak ... '
+                     '(python -m oxygen_ros.tools.soak --node is internal)')

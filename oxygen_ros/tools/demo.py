@@ -1,7 +1,7 @@
 """The demo: oxygen_node on a random-weight CPU model, fed by simulated cameras, with a live view.
 
-    python -m oxygen_ros.demo [--duration 60] [--rate auto] [--preset pi05-cpu]
-    python -m oxygen_ros.demo --robots arm_left,arm_right    # one node serving two arms
+    python -m oxygen_ros.tools.demo [--duration 60] [--rate auto] [--preset pi05-cpu]
+    python -m oxygen_ros.tools.demo --robots arm_left,arm_right    # one node serving two arms
 
 Two processes, as on a robot: the node runs in its own process (its model work never starves
 the camera publishers or the view, and it is exactly the `oxygen_node` a robot runs), while
@@ -10,27 +10,22 @@ back on `actions`, `language/tokens`, `language/narration` and `/diagnostics`. C
 end of --duration) stops both cleanly. The node's log goes to a file; its warnings and errors
 are shown in the view.
 
-`--rate auto` (the default) first builds the node's engine in this process (same robot YAML,
-preset, N, threads) and times its frames, as `oxygen-ros bench --parts node` does; the node
-then starts at 0.8 / p50(frame time), capped by the camera rate, and holds that rate. The frame
-time is measured at the demo's k, or at k = 1 for the adaptive budget (its least work per
-frame: with the rate chosen so, the adaptive budget spends the spare time on more tokens).
-Measuring before the node starts, with nothing else running, is steadier than reading the
-node's first frames, which include start-up effects. The view shows the node's inference time
-over the engine's (the cost of running inside the node), deadline misses, tokens/s per 5 s
-window and k; the final line sums them up after a 10 s warm-up.
+`--rate auto` (the default) starts the node with `control_rate_hz: 0`: it times a few frames of
+its own engine at configure (act plus the least language work of a tick, runtime/capacity.py)
+and runs at 90% of the rate it holds; the view prints what it found ("holds about X Hz at
+preset P, asked Y Hz"). The view shows the node's inference time over that configure-time
+act() p50 (the cost of running inside the node, next to the demo's publishers), deadline
+misses, tokens/s per 5 s window and k; the final line sums them up after a 10 s warm-up.
 
 `--robots a,b` runs one node serving several robots of the --robot type (parameter `robots`;
 each robot's topics in its own namespace), with a stand-in robot and a view per robot. With
---rate auto the rate is picked from R times the engine's frame time (on the CPU each robot's
-frame is prefilled on its own).
+--rate auto the node times ticks serving every robot and all robots run at 90% of that rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import math
 import os
 from pathlib import Path
@@ -46,19 +41,10 @@ import time
 DEFAULT_INSTRUCTIONS = ('pick up the black bowl and place it on the plate',
                         'open the top drawer of the cabinet',
                         'put the cream cheese in the bowl')
-CONFIG_DIR = Path(__file__).resolve().parents[1] / 'config'
+CONFIG_DIR = Path(__file__).resolve().parents[2] / 'config'   # the source tree's
 CAMERA_SIZE = 224                        # the demo cameras' image side (pixels)
-# --rate auto: share of 1 / p50(engine frame time). The benchmark asks for 0.9; the demo keeps
-# more spare because its own publishers and view share the machine with the node.
-RATE_SHARE = 0.8
-ENGINE_FRAMES = 10                       # measured engine frames behind --rate auto
 WARMUP_S = 10.0                          # after the first action chunk: not in the summary
 WINDOW_S = 5.0                           # tokens/s and misses are judged per window
-
-
-def pick_rate(frame_s: float, max_hz: float, share: float = RATE_SHARE) -> float:
-    """Return share / frame time, capped at max_hz and rounded down to 0.1 Hz (at least 0.1)."""
-    return max(0.1, math.floor(10 * min(max_hz, share / frame_s)) / 10)
 
 
 def decode_budget_value(decode_budget: str) -> int:
@@ -66,20 +52,19 @@ def decode_budget_value(decode_budget: str) -> int:
     return 0 if decode_budget == 'adaptive' else int(decode_budget)
 
 
-def reference_k(decode_budget: str) -> int:
-    """Return the k the engine's frame time is measured at: the fixed k, or 1 for adaptive."""
-    return decode_budget_value(decode_budget) or 1
-
-
 def _dds_environment() -> None:
-    # Discovery stays on this machine and the demo gets its own domain unless told otherwise.
+    # Discovery stays on this machine and the demo gets its own domain unless told otherwise;
+    # this process (the cameras) and the node use the Fast DDS profile for raw frames.
+    from oxygen_ros.runtime.dds_profile import profile_environment
+
     os.environ.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
     os.environ.setdefault('ROS_DOMAIN_ID', str(1 + os.getpid() % 100))
+    os.environ.update(profile_environment())
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog='python -m oxygen_ros.demo', description=__doc__.split(
-        '\n\n')[0])
+    parser = argparse.ArgumentParser(prog='python -m oxygen_ros.tools.demo',
+                                     description=__doc__.split('\n\n')[0])
     parser.add_argument('--duration', type=float, default=0.0,
                         help='seconds to run (0 = until Ctrl-C)')
     parser.add_argument('--robot', default='libero', choices=('libero', 'droid', 'aloha'))
@@ -90,12 +75,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--checkpoint', default='', help='openpi checkpoint directory instead')
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--rate', default='auto',
-                        help="control rate of the node in Hz, or 'auto' (from the engine's "
-                             'frame time, measured before the node starts)')
+                        help="control rate of the node in Hz, or 'auto' (the node's own: 90%% "
+                             'of the rate it holds, timed at configure)')
     parser.add_argument('--threads', type=int, default=0,
-                        help="torch threads of the engine measurement and the node's "
-                             'torch_threads (0 = torch default)')
+                        help="the node's torch_threads (0 = its default: every core but one)")
     parser.add_argument('--camera-rate', type=float, default=10.0, help='camera frames/s')
+    parser.add_argument('--jpeg', action='store_true',
+                        help='cameras send CompressedImage jpeg (default: raw rgb8 Image, as '
+                             'a camera driver does)')
     parser.add_argument('--decode-budget', default='adaptive', help="k or 'adaptive'")
     parser.add_argument('--tokens', type=int, default=10, help='tokens per language request')
     parser.add_argument('--instruction', action='append',
@@ -113,10 +100,15 @@ def robot_names(args: argparse.Namespace) -> list[str]:
     return [name.strip() for name in args.robots.split(',') if name.strip()]
 
 
-def node_overrides(args: argparse.Namespace, rate_hz: float) -> dict:
+def control_rate_hz(rate: str) -> float:
+    """Return the node's rate parameter for --rate ('auto' or Hz; 0 = auto)."""
+    return 0.0 if rate == 'auto' else float(rate)
+
+
+def node_overrides(args: argparse.Namespace) -> dict:
     """Parameters the demo sets on top of the robot's YAML (with --robots: every robot's)."""
     overrides = {'preset': args.preset, 'checkpoint': args.checkpoint, 'device': args.device,
-                 'control_rate_hz': float(rate_hz),
+                 'control_rate_hz': control_rate_hz(args.rate),
                  'decode_budget': decode_budget_value(args.decode_budget),
                  'tokens_per_request': args.tokens}
     if robot_names(args):
@@ -124,39 +116,21 @@ def node_overrides(args: argparse.Namespace, rate_hz: float) -> dict:
     return overrides
 
 
-def node_command(args: argparse.Namespace, rate_hz: float) -> list[str]:
+def node_command(args: argparse.Namespace) -> list[str]:
     """Command line of the node: the robot's YAML plus the demo's overrides."""
-    overrides = node_overrides(args, rate_hz)
+    overrides = node_overrides(args)
     if args.threads:
         overrides['torch_threads'] = args.threads   # an older node ignores it
+    if args.jpeg:   # the node reads <topic>/compressed (image_transport naming)
+        from oxygen_ros.runtime.params import camera_param_name, ROBOT_IO
+
+        for camera in ROBOT_IO[args.robot][0]:
+            overrides[camera_param_name(camera, 'compressed')] = 'true'
     cmd = [sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
            '--params-file', str(CONFIG_DIR / f'{args.robot}.yaml')]
     for name, value in overrides.items():
         cmd += ['-p', f'{name}:={value}' if value != '' else f'{name}:=""']
     return cmd
-
-
-def engine_reference(args: argparse.Namespace, instruction: str):
-    """Build the node's engine here (its YAML, the demo's overrides) and time its frames.
-
-    The same timing as `oxygen-ros bench --parts node` (bench.node.time_engine), on frames of
-    the demo cameras' size; the decode budget is reference_k's. Returns an EngineReference.
-    """
-    import torch
-
-    from oxygen_ros.bench.node import time_engine
-    from oxygen_ros.runtime.engine_setup import build_engine
-    from oxygen_ros.runtime.params import load_node_params, Settings
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    k = reference_k(args.decode_budget)
-    values = load_node_params(CONFIG_DIR / f'{args.robot}.yaml')
-    values.update(node_overrides(args, 1.0), decode_budget=k)
-    engine = build_engine(Settings.from_values(values))
-    return time_engine(engine.system, args.robot, k=k, warmup=-(-args.tokens // k) + 2,
-                       frames=ENGINE_FRAMES, camera_hw=(CAMERA_SIZE, CAMERA_SIZE),
-                       instruction=instruction)
 
 
 class NodeProcess:
@@ -274,11 +248,12 @@ def make_monitor(context=None, robot: str = ''):
         def on_diagnostics(self, msg):
             with self.lock:
                 for status in msg.status:
+                    record = (status.level[0] if status.level else 0, status.message,
+                              {kv.key: kv.value for kv in status.values})
                     if status.name.startswith(self.diagnostic_name + ':'):
-                        part = status.name.split(':', 1)[1].strip()
-                        self.diagnostics[part] = (status.level[0] if status.level else 0,
-                                                  status.message,
-                                                  {kv.key: kv.value for kv in status.values})
+                        self.diagnostics[status.name.split(':', 1)[1].strip()] = record
+                    if status.name == 'oxygen_node: model':   # the model and its timing
+                        self.diagnostics['node model'] = record
 
         def window(self, since: float, until: float | None = None) -> tuple[float, float]:
             """Node inference p50 (s, nan if none) and tokens received, in [since, until)."""
@@ -312,8 +287,7 @@ class HoldTracker:
     counter) and k.
     """
 
-    def __init__(self, engine_act_s: float):
-        self.engine_act_s = engine_act_s        # the engine's act() p50, measured before
+    def __init__(self):
         self.start: float | None = None         # end of warm-up (monotonic)
         self.actions_at_start = 0
         self.misses_at_start = math.nan
@@ -349,6 +323,10 @@ class HoldTracker:
                                  'inference_p50_s': p50})
             self._window_start, self._misses_at_window = now, misses
 
+    def engine_act_s(self, monitor) -> float:
+        """Return the node's act() p50 timed at configure (s; nan until its diagnostics say)."""
+        return 1e-3 * self._loop_value(monitor, 'node model', 'capacity_act_ms')
+
     def misses(self, monitor) -> float:
         """Deadline misses since warm-up (nan before it ends)."""
         return (self._loop_value(monitor, 'control loop', 'deadline_misses_total')
@@ -357,13 +335,15 @@ class HoldTracker:
     def ratio(self, monitor, now: float) -> tuple[float, float]:
         """Node inference p50 over the last window (s) and its ratio to the engine's act()."""
         p50, _ = monitor.window(now - WINDOW_S, now)
-        return p50, p50 / self.engine_act_s
+        return p50, p50 / self.engine_act_s(monitor)
 
-    def summary(self, monitor, target_hz: float, now: float) -> str:
+    def summary(self, monitor, now: float) -> str:
         """One line: what held after warm-up."""
         if self.start is None or not self.windows:
             return 'after warm-up: not enough time to judge (run longer than ' \
                 f'{WARMUP_S + WINDOW_S:g} s after the first action)'
+        target_hz = self._loop_value(monitor, 'control loop', 'target_rate_hz')
+        engine_act_s = self.engine_act_s(monitor)
         held = (monitor.actions - self.actions_at_start) / (now - self.start)
         p50, _ = monitor.window(self.start, now)
         tokens = [w['tokens_per_s'] for w in self.windows]
@@ -373,8 +353,8 @@ class HoldTracker:
                 f'{self.misses(monitor):.0f}, tokens/s per window min {min(tokens):.1f} '
                 f'(every window > 0: {"yes" if min(tokens) > 0 else "no"}), k '
                 f'{min(ks, default=math.nan):.0f}..{max(ks, default=math.nan):.0f}, node/engine '
-                f'inference p50 {p50 / self.engine_act_s:.2f}x ({1e3 * p50:.0f} / '
-                f'{1e3 * self.engine_act_s:.0f} ms)')
+                f'inference p50 {p50 / engine_act_s:.2f}x ({1e3 * p50:.0f} / '
+                f'{1e3 * engine_act_s:.0f} ms)')
 
 
 def render(monitor, args, elapsed: float, instruction: str, alerts, colour: bool,
@@ -412,6 +392,9 @@ def render(monitor, args, elapsed: float, instruction: str, alerts, colour: bool
     tag_model, message, values = level('model')
     if 'control loop' not in monitor.diagnostics:
         lines.append(f'{tag_model} node: {message}')
+    capacity = level('node model')[2].get('capacity')
+    if capacity:
+        lines.append(f'         this machine {capacity}')
     since = ('warming up' if tracker is None or tracker.start is None else
              f'{tracker.misses(monitor):.0f} since warm-up')
     lines.append(f'{tag} actions  {monitor.action_rate():.2f} Hz received, {actions} chunks, '
@@ -423,8 +406,8 @@ def render(monitor, args, elapsed: float, instruction: str, alerts, colour: bool
         shown = '-' if math.isnan(ratio) else f'{ratio:.2f}x'
         lines.append(f'         node/engine inference p50 {shown} (node '
                      f"{'-' if math.isnan(p50) else f'{1e3 * p50:.0f}'} ms over the last "
-                     f'{WINDOW_S:g} s / engine act() {1e3 * tracker.engine_act_s:.0f} ms, '
-                     'measured before the node started)')
+                     f'{WINDOW_S:g} s / engine act() '
+                     f'{1e3 * tracker.engine_act_s(monitor):.0f} ms, timed at configure)')
     if last is not None:
         first_row = ', '.join(f'{v:+.2f}' for v in list(last.actions)[:last.action_dim])
         lines.append(f'         frame {last.frame_index}: {last.horizon}x{last.action_dim} '
@@ -433,7 +416,10 @@ def render(monitor, args, elapsed: float, instruction: str, alerts, colour: bool
     _, window_tokens = monitor.window(now - WINDOW_S, now)
     lines.append(f'{tag} language {window_tokens / WINDOW_S:.1f} tok/s over the last '
                  f'{WINDOW_S:g} s, {tokens} tokens, {lang.get("active_requests", "-")} active, '
-                 f'k={lang.get("current_k", "-")}')
+                 f'k={lang.get("current_k", "-")}, requests in the node\'s last window: '
+                 f'{lang.get("requests_completed_window", "-")} completed, '
+                 f'{lang.get("requests_refused_window", "-")} refused, '
+                 f'{lang.get("requests_evicted_window", "-")} evicted')
     tag, message, kv = level('kv cache')
     lines.append(f'{tag} kv cache {message}')
     tag, message, _ = level('inputs')
@@ -462,24 +448,12 @@ def main(argv=None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix='oxygen_demo_'))
     log_dir.mkdir(parents=True, exist_ok=True)
     instructions = args.instruction or list(DEFAULT_INSTRUCTIONS)
-    # The engine first, alone on the machine: the reference of the node/engine ratio and,
-    # with --rate auto, of the control rate.
-    print(f'timing the engine ({args.preset}, N={args.tokens}, k={reference_k(args.decode_budget)}'
-          f'{" for the adaptive budget" if args.decode_budget == "adaptive" else ""}) before '
-          'the node starts...', flush=True)
-    reference = engine_reference(args, instructions[0])
-    gc.collect()   # the node builds its own copy
     robots = robot_names(args) or ['']
-    # On the CPU a fleet prefills each robot's frame on its own: R frames per tick.
-    rate = (pick_rate(len(robots) * reference.frame_p50_s, args.camera_rate)
-            if args.rate == 'auto' else float(args.rate))
-    print(f'engine: act() p50 {1e3 * reference.act_p50_s:.0f} ms, frame (act + language) p50 '
-          f'{1e3 * reference.frame_p50_s:.0f} ms -> control rate {rate:g} Hz'
-          + (f' ({RATE_SHARE:g} / frame p50, at most the camera rate'
-             + (f', for {len(robots)} robots)' if robots != [''] else ')')
-             if args.rate == 'auto' else ' (given)'), flush=True)
-    trackers = {robot: HoldTracker(reference.act_p50_s) for robot in robots}
-    node = NodeProcess(node_command(args, rate), log_dir / 'oxygen_node.log')
+    trackers = {robot: HoldTracker() for robot in robots}
+    node = NodeProcess(node_command(args), log_dir / 'oxygen_node.log')
+    print(f'control rate: {args.rate}' + (' (the node times its frames at configure and runs '
+                                          'at 90% of the rate it holds)'
+                                          if args.rate == 'auto' else ' Hz (given)'))
     print(f'oxygen_node started (pid {node.proc.pid}, ROS_DOMAIN_ID='
           f'{os.environ["ROS_DOMAIN_ID"]}); its log: {node.log_path}')
 
@@ -496,8 +470,8 @@ def main(argv=None) -> int:
     for robot in robots:
         tasks.append(InstructionPublisher(instructions, args.instruction_period,
                                           namespace=robot, context=context))
-        nodes += [CameraPublisher(robot_cameras(args.robot), args.camera_rate, CAMERA_SIZE,
-                                  namespace=robot, context=context),
+        nodes += [CameraPublisher(robot_cameras(args.robot, args.jpeg), args.camera_rate,
+                                  CAMERA_SIZE, namespace=robot, context=context),
                   JointStatePublisher(list(ROBOT_IO[args.robot][1]), namespace=robot,
                                       context=context), tasks[-1]]
     monitors = {robot: make_monitor(context, robot) for robot in robots}
@@ -573,7 +547,7 @@ def main(argv=None) -> int:
     for robot, monitor in monitors.items():
         counts = (f'{robot}: {monitor.actions} action chunks, {monitor.tokens} tokens; '
                   if robot else '')
-        print(counts + trackers[robot].summary(monitor, rate, ended))
+        print(counts + trackers[robot].summary(monitor, ended))
     return status or (0 if code in (0, -signal.SIGINT) else 1)
 
 

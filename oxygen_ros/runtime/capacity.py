@@ -1,0 +1,135 @@
+"""What control rate this machine holds, timed on a few warm-up frames at configure.
+
+    capacity = 1 / tick,   tick = act p50 + language
+
+  act p50   observation to actions (frontend, prefill, denoise): the median of the timed
+            frames' act().
+  language  the least language work a tick always does after its action: with the budget
+            giving nothing (an adaptive budget under overload), each live request takes its
+            minimum of k_min steps (1 for the adaptive budget, k for a fixed one) in batched
+            decode steps, plus the new request's first token and the engine's bookkeeping.
+            Timed per frame as (frame time - act), fitted as a + b·B over the frames' decode
+            batch B (a robust line: median slope, never negative) and taken at the steady
+            batch B* = the requests live at once, ceil(ceil(N / k_min) / n) for one request
+            every n frames (0 without language).
+
+The timed frames run on a throwaway engine with the node's model, robot, language policy and
+threads, on random observations of the model's image size (larger camera frames add their
+resizing to act()). The first frame is not timed (torch's first calls allocate). With
+`control_rate_hz: 0` (auto) the node runs at AUTO_SHARE of the capacity: the adaptive budget
+spends the rest on more tokens per tick, and an overrunning tick stays rare.
+
+A fleet (parameter `robots`) is timed the same way with every robot sending a frame each tick
+(one prefill row per robot on a CPU): its capacity is the rate at which all robots can tick
+together, and an auto robot runs at AUTO_SHARE of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Callable
+
+AUTO_SHARE = 0.9          # auto rate = this share of the capacity
+TIMED_FRAMES = 5          # timed warm-up frames (after one untimed)
+MIN_TIMED_FRAMES = 2      # a slow model stops after these once MAX_TIMING_S has passed
+MAX_TIMING_S = 5.0        # timing budget of configure (a pi05 on a CPU takes seconds a frame)
+MIN_RATE_HZ, MAX_RATE_HZ = 0.1, 1000.0   # control_rate_hz's range
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """The rate this machine holds: the timed act() and the least language work per tick."""
+
+    act_s: float            # act() p50 of the timed frames
+    language_s: float       # least language work of a tick at the steady batch (seconds)
+    steady_batch: int       # B*: requests live at once in the steady state
+    frames: int             # timed frames behind the figures
+    label: str              # what was timed, e.g. 'preset pi05-cpu'
+
+    @property
+    def tick_s(self) -> float:
+        """Seconds of a tick doing its action and its least language work."""
+        return self.act_s + self.language_s
+
+    @property
+    def rate_hz(self) -> float:
+        return 1.0 / max(self.tick_s, 1e-9)
+
+    def auto_rate_hz(self) -> float:
+        """Return the rate `control_rate_hz: 0` means: AUTO_SHARE of the capacity, in range."""
+        return min(max(AUTO_SHARE * self.rate_hz, MIN_RATE_HZ), MAX_RATE_HZ)
+
+    def describe(self, asked_hz: float) -> str:
+        """Say 'holds about X Hz at preset P, asked Y Hz', with the tick's parts."""
+        return (f'holds about {self.rate_hz:.3g} Hz at {self.label}, asked {asked_hz:.3g} Hz '
+                f'(a tick: act {1e3 * self.act_s:.0f} ms + language '
+                f'{1e3 * self.language_s:.0f} ms at {self.steady_batch} live requests, '
+                f'{self.frames} frames timed at configure)')
+
+    def values(self) -> dict:
+        """Return the figures for diagnostics (numbers)."""
+        return {'capacity_hz': self.rate_hz, 'capacity_act_ms': 1e3 * self.act_s,
+                'capacity_language_ms': 1e3 * self.language_s}
+
+
+def resolve_rate(asked_hz: float, capacity: Capacity | None) -> float:
+    """Return the rate to run at: `asked_hz`, or for 0 (auto) the capacity's auto rate.
+
+    Raises ValueError for auto without a capacity (nothing was timed).
+    """
+    if asked_hz:
+        return asked_hz
+    if capacity is None:
+        raise ValueError('control_rate_hz 0 (auto) needs the configure-time timing, which '
+                         'did not run')
+    return capacity.auto_rate_hz()
+
+
+def steady_batch(tokens_per_request: int, k_min: int, every_n_frames: int,
+                 max_live: int | None = None) -> int:
+    """B*: requests live at once, one every n frames, each ceil(N / k_min) frames long."""
+    if every_n_frames <= 0:
+        return 0
+    live = math.ceil(math.ceil(tokens_per_request / max(k_min, 1)) / every_n_frames)
+    return live if max_live is None else min(live, max_live)
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fit y = a + b·x through (x, y) points: (a, b), median pairwise slope (>= 0), median a.
+
+    Robust to one slow frame among a few (a CPU shared with other work), unlike least squares.
+    """
+    slopes = [(y1 - y0) / (x1 - x0) for i, (x0, y0) in enumerate(points)
+              for x1, y1 in points[i + 1:] if x1 != x0]
+    b = max(statistics.median(slopes), 0.0) if slopes else 0.0
+    a = statistics.median(y - b * x for x, y in points)
+    return a, b
+
+
+def time_ticks(tick: Callable[[int], tuple[float, float, int]], *,
+               frames: int = TIMED_FRAMES, max_s: float = MAX_TIMING_S,
+               clock: Callable[[], float] = time.perf_counter
+               ) -> list[tuple[float, float, int]]:
+    """Run tick(0) untimed, then tick(1), tick(2), ...; return their (act s, frame s, batch).
+
+    tick(i) runs frame i and returns (act seconds, whole frame seconds, decode batch). Stops
+    after `frames` timed frames, or after MIN_TIMED_FRAMES once `max_s` has passed.
+    """
+    start = clock()
+    tick(0)
+    timed = []
+    while len(timed) < frames:
+        timed.append(tick(len(timed) + 1))
+        if len(timed) >= MIN_TIMED_FRAMES and clock() - start > max_s:
+            break
+    return timed
+
+
+def capacity_from(timed: list[tuple[float, float, int]], batch: int, label: str) -> Capacity:
+    """Return the Capacity of timed frames (time_ticks) at the steady batch `batch`."""
+    act_s = statistics.median(act for act, _, _ in timed)
+    a, b = fit_line([(float(n), max(frame - act, 0.0)) for act, frame, n in timed])
+    return Capacity(act_s, max(a + b * batch, 0.0), batch, len(timed), label)

@@ -1,0 +1,126 @@
+"""The rate this machine holds: timed at configure, auto rate = 90% of it.
+
+The estimate is checked against ticks of the node's engine at its least language work,
+measured in the same process right after. Both sides read the thread's CPU clock (torch runs
+on this one thread), so a CPU shared with other work (a burner, other tests) slows neither
+side's figure: what is compared is the estimate's method, not the machine's load.
+"""
+
+import dataclasses
+import statistics
+import time
+
+import pytest
+import torch
+
+from oxygen_ros.engine import AdaptiveBudget, FixedBudget, make_engine, random_observation
+from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, fit_line,
+                                         resolve_rate, steady_batch, time_ticks)
+from oxygen_ros.runtime.engine_setup import (build_engine, load_model, policy_for, robot_spec,
+                                             time_capacity)
+from oxygen_ros.runtime.params import check_value, Settings
+
+
+def test_fit_line_ignores_one_slow_frame():
+    points = [(1, 0.011), (2, 0.012), (3, 0.013), (4, 0.090), (5, 0.015)]   # frame 4: a burst
+    a, b = fit_line(points)
+    assert a == pytest.approx(0.010, abs=1e-9) and b == pytest.approx(0.001, abs=1e-9)
+    assert fit_line([(2, 0.02), (2, 0.03), (2, 0.04)]) == (0.03, 0.0)        # one batch size
+    assert fit_line([(1, 0.03), (2, 0.02)])[1] == 0.0                         # never negative
+
+
+def test_steady_batch_and_capacity_figures():
+    assert steady_batch(10, 1, 1) == 10 and steady_batch(10, 5, 1) == 2
+    assert steady_batch(10, 1, 3) == 4 and steady_batch(10, 1, 0) == 0
+    assert steady_batch(10, 1, 1, max_live=3) == 3                  # a small kv_capacity
+    timed = [(0.100, 0.111, 1), (0.102, 0.114, 2), (0.098, 0.111, 3)]   # language 11-13 ms
+    capacity = capacity_from(timed, 10, 'preset p')
+    assert capacity.act_s == 0.100 and capacity.language_s == pytest.approx(0.020)
+    assert capacity.rate_hz == pytest.approx(1 / capacity.tick_s)
+    assert capacity.auto_rate_hz() == pytest.approx(AUTO_SHARE * capacity.rate_hz)
+    assert resolve_rate(0.0, capacity) == capacity.auto_rate_hz()
+    assert resolve_rate(7.5, capacity) == 7.5
+    with pytest.raises(ValueError, match='auto'):
+        resolve_rate(0.0, None)
+    text = capacity.describe(10.0)
+    assert text.startswith(f'holds about {capacity.rate_hz:.3g} Hz at preset p, asked 10 Hz')
+    assert Capacity(1e4, 0.0, 0, 2, 'x').auto_rate_hz() == 0.1     # within the parameter range
+
+
+def test_time_ticks_stops_a_slow_model_early():
+    clock = {'now': 0.0}
+
+    def tick(index):
+        clock['now'] += 4.0                                            # 4 s a frame
+        return 4.0, 4.0, index
+    timed = time_ticks(tick, frames=5, max_s=5.0, clock=lambda: clock['now'])
+    assert [n for _, _, n in timed] == [1, 2]                          # untimed frame 0 first
+
+
+def test_control_rate_zero_is_auto_and_values_between_are_refused():
+    assert check_value('control_rate_hz', 0.0) is None
+    assert 'auto' in check_value('control_rate_hz', 0.05)
+    assert check_value('control_rate_hz', -1.0) is not None
+    settings = Settings.from_values({'control_rate_hz': 0.0})
+    with pytest.raises(ValueError, match='auto'):
+        settings.period_s
+
+
+def test_build_engine_resolves_auto_to_ninety_percent_of_capacity():
+    settings = Settings.from_values({'preset': 'tiny', 'control_rate_hz': 0.0,
+                                     'tokens_per_request': 4, 'torch_threads': 1})
+    engine = build_engine(settings, warmup=False)       # auto times the machine regardless
+    capacity = engine.capacity
+    assert capacity is not None and capacity.frames >= 2 and capacity.steady_batch == 4
+    assert engine.settings.control_rate_hz == pytest.approx(capacity.auto_rate_hz())
+    assert isinstance(engine.system.budget, AdaptiveBudget)
+    assert engine.system.budget.frame_period_s == pytest.approx(engine.settings.period_s)
+    assert engine.description['control_rate'] == 'auto: 90% of capacity'
+    assert 'holds about' in engine.description['capacity']
+    assert engine.system.scheduler.now == -1                          # the node's numbering
+    given = build_engine(dataclasses.replace(settings, control_rate_hz=5.0), warmup=False)
+    assert given.capacity is None and given.settings.control_rate_hz == 5.0
+
+
+def test_the_estimate_is_within_twenty_percent_of_the_ticks_it_predicts():
+    """The node's engine (pi05-cpu, N = 10, adaptive) at its least language work."""
+    threads = torch.get_num_threads()
+    settings = Settings.from_values({'preset': 'pi05-cpu', 'torch_threads': 1,
+                                     'control_rate_hz': 10.0})
+    try:
+        model, make_frontend, _, _ = load_model(settings)     # sets 1 torch thread
+        frontend = make_frontend(robot_spec(settings))
+        capacity = time_capacity(model, frontend, settings, clock=time.thread_time)
+        # The node's language at its minimum: every live request one step a frame (k_min).
+        system = make_engine('oxygen', model, frontend, policy_for(settings, frontend.eos_id),
+                             FixedBudget(1), seed=settings.seed, clock=time.thread_time)
+        ticks = []
+        for frame in range(settings.tokens_per_request + 8):
+            result = system.step(random_observation(settings.robot, frame, settings.seed,
+                                                    image_size=model.config.vision.image_size))
+            if frame > settings.tokens_per_request:                   # the steady batch
+                ticks.append(result.timings.total_s)
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(system.budget, FixedBudget) and result.decode_batch_size >= 9
+    measured = statistics.median(ticks)
+    assert capacity.tick_s == pytest.approx(measured, rel=0.20), (capacity, measured)
+
+
+def test_a_fleet_times_every_robot_ticking_together():
+    from oxygen_ros.runtime.engine_setup import build_fleet
+    from oxygen_ros.runtime.params import FleetSettings
+
+    fleet = FleetSettings.from_values({
+        'preset': 'tiny', 'torch_threads': 1, 'tokens_per_request': 4,
+        'robots': ['arm_a', 'arm_b'], 'arm_a.control_rate_hz': 0.0,
+        'arm_b.control_rate_hz': 5.0, 'arm_b.robot': 'droid'})
+    engine = build_fleet(fleet, warmup=False)           # an auto robot: timed regardless
+    capacity = engine.capacity
+    assert 'with 2 robots ticking together' in capacity.label
+    assert capacity.steady_batch == 8                   # 4 live requests per robot
+    rates = {name: s.control_rate_hz for name, s in engine.settings.robots.items()}
+    assert rates == {'arm_a': pytest.approx(capacity.auto_rate_hz()), 'arm_b': 5.0}
+    budget = engine.system.scheduler('arm_a').budget
+    assert budget.frame_period_s == pytest.approx(1.0 / rates['arm_a'])
+    assert engine.description['robot_rates_hz'].startswith('arm_a ')
