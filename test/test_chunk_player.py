@@ -89,7 +89,7 @@ def test_chunk_player_drives_a_simulated_robot_to_the_goal(rclpy_context):
     the step period and keeps replanning from fresh chunks.
     """
     rclpy = pytest.importorskip('rclpy')
-    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.executors import SingleThreadedExecutor
     from rclpy.node import Node
     from rclpy.qos import QoSProfile, ReliabilityPolicy
     from sensor_msgs.msg import JointState
@@ -130,7 +130,9 @@ def test_chunk_player_drives_a_simulated_robot_to_the_goal(rclpy_context):
     seen = {}
     chunk_pub = policy.create_publisher(ActionChunk, 'actions', qos.ACTIONS)
     policy.create_subscription(JointState, 'joint_states',
-                               lambda m: seen.update(q=np.array(m.position)), qos.SENSOR)
+                               lambda m: seen.update(q=np.array(m.position),
+                                                     states=seen.get('states', 0) + 1),
+                               qos.SENSOR)
 
     def publish_chunk():
         if 'q' not in seen:
@@ -147,18 +149,26 @@ def test_chunk_player_drives_a_simulated_robot_to_the_goal(rclpy_context):
                           actions=rows.astype(np.float32).ravel().tolist())
         msg.header.stamp = policy.get_clock().now().to_msg()
         chunk_pub.publish(msg)
+        seen['chunks'] = seen.get('chunks', 0) + 1
     policy.create_timer(POLICY_PERIOD_S, publish_chunk)
 
     player = ChunkPlayer(**ns, parameter_overrides=[
         rclpy.parameter.Parameter('open_loop_rows', value=4)])
-    executor = MultiThreadedExecutor(num_threads=3, context=rclpy_context)
-    for node in (robot, policy, player):
+    # An executor each, as three processes would have. (One multi-threaded executor for the
+    # three starved callbacks under load: a 100 Hz timer always ready keeps the other
+    # callbacks of its group waiting; the robot stopped half way once in CI.)
+    executors = [SingleThreadedExecutor(context=rclpy_context) for _ in range(3)]
+    spinners = []
+    for executor, node in zip(executors, (robot, policy, player)):
         executor.add_node(node)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
+        spinners.append(threading.Thread(target=executor.spin, daemon=True))
+        spinners[-1].start()
     try:
         # 0.8 rad at 0.02 rad per 20 ms row: 0.8 s of rows when nothing is lost.
-        assert wait_for(lambda: np.abs(robot_q - TARGET).max() < 0.03, 20), robot_q
+        reached = wait_for(lambda: np.abs(robot_q - TARGET).max() < 0.03, 20)
+        # Which link stalled, if one did: states seen by the policy, chunks it sent, rows.
+        assert reached, (robot_q, {k: v for k, v in seen.items() if k != 'q'},
+                         player.playback.stats, player.commands_sent, len(commands))
         stats = player.playback.stats
         assert stats.chunks_started >= 5, stats            # it replanned, again and again
         with lock:
@@ -169,7 +179,8 @@ def test_chunk_player_drives_a_simulated_robot_to_the_goal(rclpy_context):
         gaps = np.diff(times)
         assert np.median(gaps) >= 0.5 * STEP_S, np.median(gaps)
     finally:
-        executor.shutdown(timeout_sec=5.0)
-        spinner.join(timeout=5.0)
+        for executor, spinner in zip(executors, spinners):
+            executor.shutdown(timeout_sec=5.0)
+            spinner.join(timeout=5.0)
         for node in (robot, policy, player):
             node.destroy_node()

@@ -19,9 +19,11 @@ as a JointTrajectory that joint_trajectory_controller plays itself.
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 import rclpy
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from std_msgs.msg import Float64MultiArray
@@ -55,8 +57,13 @@ class ChunkPlayer(Node):
         self._last_row = None
         self._period_s = 0.0
         self._timer = None
+        # A group each: in a multi-threaded executor a step timer that is always ready (a loaded
+        # machine) would otherwise starve the chunk subscription of its shared default group.
+        self._timer_group = MutuallyExclusiveCallbackGroup()
+        self._lock = threading.Lock()   # the playback, between the two groups
         self._pub = self.create_publisher(Float64MultiArray, 'commands', qos.COMMANDS)
-        self.create_subscription(ActionChunk, 'actions', self._on_chunk, qos.ACTIONS)
+        self.create_subscription(ActionChunk, 'actions', self._on_chunk, qos.ACTIONS,
+                                 callback_group=MutuallyExclusiveCallbackGroup())
 
     def _now_s(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
@@ -68,16 +75,20 @@ class ChunkPlayer(Node):
                                       f'{period:g} s, {msg.horizon} x {msg.action_dim} rows')
             return
         self._layout = (SPACE_NAMES.get(msg.action_space, ''), list(msg.names))
-        self.playback.offer(Chunk(stamp_to_seconds(msg.header.stamp), actions_from_msg(msg),
-                                  period, int(msg.frame_index), int(msg.start_row)))
+        chunk = Chunk(stamp_to_seconds(msg.header.stamp), actions_from_msg(msg), period,
+                      int(msg.frame_index), int(msg.start_row))
+        with self._lock:
+            self.playback.offer(chunk)
         if abs(period - self._period_s) > 1e-9:   # the first chunk, or a new step period
             self._period_s = period
             if self._timer is not None:
                 self.destroy_timer(self._timer)
-            self._timer = self.create_timer(period, self._step)
+            self._timer = self.create_timer(period, self._step,
+                                            callback_group=self._timer_group)
 
     def _step(self) -> None:
-        row = self.playback.step(self._now_s())
+        with self._lock:
+            row = self.playback.step(self._now_s())
         if row is None:
             space, names = self._layout or ('', [])
             row = hold_command(space, names, self._last_row)
