@@ -80,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     phases.add_argument('--device', default='cpu')
     phases.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16'],
                         help="'auto' (default): bfloat16 where a timing probe finds it fast")
-    phases.add_argument('--compile', default='auto', choices=['auto', 'on', 'off'],
-                        help='torch.compile the denoise loop and decode step (default auto, '
-                        'as the node)')
+    phases.add_argument('--compile', default='auto', choices=['auto', 'max', 'on', 'off'],
+                        help='torch.compile prefill, denoise and decode (default auto, as the '
+                        "node; 'max': autotuned kernels, minutes to compile)")
     phases.add_argument('--no-eager', action='store_true',
                         help='do not also time the compiled passes eager, side by side')
     phases.add_argument('--batches', type=int, nargs='+', default=[1, 4, 8])

@@ -16,12 +16,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from oxygen_ros.bench.systems import make_system
-from oxygen_ros.engine import LanguagePolicy, random_observation, random_setup
+from oxygen_ros.engine import (LanguagePolicy, make_engine, random_observation, random_setup,
+                               UnlimitedBudget)
 from oxygen_ros.engine import hardware, prepare
 from oxygen_ros.model import get_preset, Pi05Model
 from oxygen_ros.model.compiled import CompiledFunction
 from oxygen_ros.model.config import GemmaConfig, SiglipConfig
 from oxygen_ros.model.pi05 import INIT_BLOCK
+from oxygen_ros.runtime import engine_setup
+from oxygen_ros.runtime.params import RtcSettings, Settings
+from oxygen_ros.runtime.rtc import RtcPlanner
 
 TINY = get_preset('tiny')
 MICRO = TINY.replace(backbone=GemmaConfig(32, 1, 64, 2, 1, 16, TINY.backbone.vocab_size),
@@ -68,12 +72,78 @@ def test_compiled_denoise_and_decode_equal_eager_and_never_compile_in_a_tick():
     ref_actions, ref_tokens = run_frames(make_system('oxygen', reference, frontend, policy, k=2),
                                          range(5))
     compiled = model.compiled_functions
-    assert [fn.name for fn in compiled] == ['vision tower', 'prefill layers', 'denoise loop',
+    assert [fn.name for fn in compiled] == ['vision tower', 'prefill layers', 'denoise step',
                                             'decode step']
     assert [(fn.fallbacks, fn.failed) for fn in compiled] == [(0, False)] * 4
     assert tokens and tokens == ref_tokens
     for got, want in zip(actions, ref_actions):
         np.testing.assert_allclose(got, want, atol=COMPILED_ACTION_ATOL, rtol=0)
+
+
+def rtc_chunks(model, frontend, mode: str, frames: int = 4):
+    """Chunks of `frames` frames, each continuing the last (real-time chunking, delay 1)."""
+    engine = make_engine('oxygen', model, frontend, LanguagePolicy(max_new_tokens=3, eos_id=None),
+                         UnlimitedBudget(), seed=1)
+    planner = RtcPlanner(RtcSettings(mode, delay=1), 0.05)
+    chunks = []
+    for i in range(frames):
+        obs = observation(i)
+        obs.stamp = 0.1 * i
+        chunks.append(engine.act(obs, planner.continuation(obs)))
+        planner.record(chunks[-1], obs.stamp + 0.06)
+        engine.advance_language()
+    return chunks
+
+
+@pytest.mark.usefixtures('one_torch_thread')
+def test_rtc_chunks_of_a_compiled_model_equal_eager_and_frozen_rows_stay_exact():
+    """compile 'on': guided and prefix chunks (their denoise steps run eager, over the compiled
+    prefill's K/V) agree with an eager model's; prefix's frozen row is the committed one."""
+    micro = MICRO.replace(action_horizon=8)   # rows left to continue after two have played
+    model, frontend = random_setup(micro, 'libero', seed=1)
+    reference, _ = random_setup(micro, 'libero', seed=1)
+    plan = prepare.prepare_model(model, 'cpu', 'on')
+    if not plan.any:
+        pytest.fail(f'compile unavailable on this machine: {plan.reason}')
+    warm = make_engine('oxygen', model, frontend, LanguagePolicy(max_new_tokens=3, eos_id=None),
+                       UnlimitedBudget())
+    warm.runner.warm_up_compiled(frames=[frontend.prepare(observation(99)).tensors])
+    prepare.seal(model, plan, 0.0)
+    for mode in ('guided', 'prefix'):
+        chunks = rtc_chunks(model, frontend, mode)
+        eager = rtc_chunks(reference, frontend, mode)
+        assert [c.start_row for c in chunks] == [0] + [1] * 3   # each continued the last
+        for got, want in zip(chunks, eager):
+            np.testing.assert_allclose(got.normalized, want.normalized,
+                                       atol=COMPILED_ACTION_ATOL, rtol=0)
+        if mode == 'prefix':   # the frozen row is the committed one, exactly
+            for before, after in zip(chunks, chunks[1:]):
+                np.testing.assert_array_equal(after.actions[0], before.actions[2])
+    assert [(fn.fallbacks, fn.failed) for fn in model.compiled_functions] == [(0, False)] * 4
+
+
+@pytest.mark.usefixtures('one_torch_thread')
+def test_capacity_times_the_warmed_up_compiled_passes(monkeypatch):
+    """The configure-time timing (auto rate) compiles first and times sealed passes: no frame
+    it times compiles or runs eager; afterwards the node's own warm-up may compile again."""
+    from torch._dynamo.utils import counters
+
+    model, frontend = random_setup(MICRO, 'libero', seed=1)
+    plan = prepare.prepare_model(model, 'cpu', 'on')
+    seen = {}
+
+    def time_ticks(tick, **options):
+        seen['sealed'] = [fn.sealed for fn in model.compiled_functions]
+        graphs = counters['stats']['unique_graphs']
+        timed = real_time_ticks(tick, **options)
+        seen['compiled while timed'] = counters['stats']['unique_graphs'] - graphs
+        return timed
+    real_time_ticks = engine_setup.time_ticks
+    monkeypatch.setattr(engine_setup, 'time_ticks', time_ticks)
+    settings = Settings.from_values({'preset': 'tiny', 'control_rate_hz': 0.0})
+    capacity = engine_setup.time_capacity(model, frontend, settings, plan=plan)
+    assert capacity.frames >= 2 and seen == {'sealed': [True] * 4, 'compiled while timed': 0}
+    assert [(fn.sealed, fn.fallbacks) for fn in model.compiled_functions] == [(False, 0)] * 4
 
 
 def test_sealed_function_runs_eager_for_an_unseen_shape(caplog):
@@ -112,7 +182,13 @@ def _meta_model(preset: str) -> Pi05Model:
 
 def test_compile_auto_compiles_where_it_pays(monkeypatch):
     plan = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'auto')
-    assert (plan.denoise, plan.decode) == (True, True), plan.reason
+    assert (plan.vision, plan.prefill, plan.denoise, plan.decode) == (False, True, True, True)
+    autotuned = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'max')
+    assert (autotuned.vision, autotuned.prefill, autotuned.denoise) == (True, True, True)
+    # auto: inductor's default mode (a configure of about a minute); max: autotuned kernels
+    assert prepare.compile_settings('cpu', torch.bfloat16) == ('default', {})
+    mode, config = prepare.compile_settings('cpu', torch.bfloat16, autotune=True)
+    assert mode == 'max-autotune-no-cudagraphs' and config['freezing']
     tiny = prepare.compile_plan(_meta_model('tiny'), 'cpu', 'auto')
     assert not tiny.any and 'denoise 0.' in tiny.reason       # test-sized: not worth it
     pi05 = prepare.compile_plan(_meta_model('pi05'), 'cpu', 'auto')

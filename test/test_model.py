@@ -400,7 +400,8 @@ def test_static_decode_with_padding_rows_equals_dynamic(model):
 # Graph breaks of the compiled passes, pinned: each must trace to exactly one graph. A change
 # that adds a host read or an untraceable call inside one fails here (and would cost a host
 # sync, or a CUDA graph, per step).
-GRAPHS = {'denoise loop': (1, 0), 'decode step': (1, 0)}   # (graphs, graph breaks)
+# (graphs, graph breaks)
+GRAPHS = {'denoise loop': (1, 0), 'denoise step': (1, 0), 'decode step': (1, 0)}
 
 
 def _explain(fn, *args):
@@ -432,16 +433,24 @@ def test_decode_step_graph_breaks_pinned(model):
 
 
 @torch.no_grad()
-def test_denoise_loop_graph_breaks_pinned(model):
-    """compile_actions: the whole loop, every step, traces to one graph without a break."""
+@pytest.mark.parametrize('whole_loop', [True, False])
+def test_denoise_loop_graph_breaks_pinned(model, whole_loop):
+    """compile_actions: the whole loop, every step, traces to one graph without a break; so
+    does one step (the CPU's compiled unit)."""
     prefix = model.prefill(*make_inputs(model.config, B=2, seed=14), extra_len=2)
     noise = torch.randn(2, model.config.action_horizon, model.config.action_dim)
-    inputs = model.denoise_inputs(prefix, model.config.action_horizon, 'cpu')
-    assert _explain(model.denoise_loop, *inputs, noise, model.config.num_steps) == \
-        GRAPHS['denoise loop']
+    inputs = model.action_context(prefix, model.config.action_horizon, 'cpu')
+    if whole_loop:
+        assert _explain(model.denoise_loop, *inputs, noise, model.config.num_steps) == \
+            GRAPHS['denoise loop']
+    else:
+        mods = [mod[0].expand(2, -1) for mod in model.expert_modulations(torch.ones(1))]
+        assert _explain(model.denoise_step, *inputs, noise, mods, -0.1) == \
+            GRAPHS['denoise step']
     ref = model.sample_actions(prefix, noise)
     try:
-        model.compile_actions(mode=None, backend='eager', fullgraph=True)
+        model.compile_actions(mode=None, whole_loop=whole_loop, backend='eager',
+                              fullgraph=True)
         out = model.sample_actions(prefix, noise)
     finally:
         model.compile_actions(mode=None)

@@ -41,9 +41,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     bench.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16'],
                        help="model dtype (default auto: bfloat16 where a timing probe finds "
                        "it fast, as the node)")
-    bench.add_argument('--compile', default='auto', choices=['auto', 'on', 'off'],
-                       help='torch.compile the denoise loop and decode step (default auto, '
-                       'as the node)')
+    bench.add_argument('--compile', default='auto', choices=['auto', 'max', 'on', 'off'],
+                       help='torch.compile prefill, denoise and decode (default auto, as the '
+                       "node; 'max': autotuned kernels, minutes to compile)")
     bench.add_argument('--build-preset', default=None,
                        help='part build: model whose build / checkpoint load peak RSS is '
                        'measured (default pi05; quick: small)')

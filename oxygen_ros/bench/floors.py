@@ -54,7 +54,7 @@ def phase_work(model: Pi05Model, shown_images: int, valid_positions: int,
     shown_images: camera images through the vision tower in one prefill; valid_positions:
     prefix positions the backbone computes (image tokens of shown cameras + prompt tokens);
     attend_len: generated positions J a decode step attends (besides the P prefix ones);
-    denoise_keys: prefix keys a denoise step attends (default P; Pi05Model.denoise_inputs).
+    denoise_keys: prefix keys a denoise step attends (default P; Pi05Model.action_context).
     """
     cfg = model.config
     b, e, v = cfg.backbone, cfg.expert, cfg.vision

@@ -191,7 +191,7 @@ class PhaseProbe:
         images, image_masks, _, token_masks = self._frames[0]
         shown = int(image_masks.sum())
         valid = shown * self.model.config.tokens_per_image + int(token_masks.sum())
-        packed = self._kv.k.device.type == 'cpu'   # denoise_inputs packs on the host only
+        packed = self._kv.k.device.type == 'cpu'   # action_context packs on the host only
         return phase_work(self.model, shown, valid, self.batches, DECODE_GEN_LEN + 1,
                           self._kv.k.dtype, denoise_keys=valid if packed else None)
 

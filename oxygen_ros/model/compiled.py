@@ -76,9 +76,12 @@ class CompiledFunction:
         self.failed = False      # compiling raised: eager from then on
         self.fallbacks = 0       # calls that ran eager because no graph fitted their inputs
 
-    def seal(self) -> None:
-        """From now on never compile: inputs without a graph run eager (logged once)."""
-        self.sealed = True
+    def seal(self, sealed: bool = True) -> None:
+        """From now on never compile: inputs without a graph run eager (logged once).
+
+        sealed False: compile again (a warm-up that follows a timed stretch).
+        """
+        self.sealed = sealed
 
     def __call__(self, *args):
         if self.failed:

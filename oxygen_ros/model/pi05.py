@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -471,7 +472,15 @@ class Pi05Model(nn.Module):
         if x.shape[0] > 1:   # and one for every batch of several rows
             for tensor in keys + [cos, sin, x]:
                 torch._dynamo.mark_dynamic(tensor, 0)
-        return self._denoise_fn(*context, x, steps)
+        if self._denoise_fn.fn != self.denoise_step:
+            return self._denoise_fn(*context, x, steps)
+
+        def step(*args):   # compiled per step, looped by denoise_loop
+            if x.shape[0] > 1:   # the step's own x_t [B, H, A] and modulations [B, 3We]
+                for tensor in [args[4], *args[5]]:
+                    torch._dynamo.mark_dynamic(tensor, 0)
+            return self._denoise_fn(*args)
+        return self.denoise_loop(*context, x, steps, step)
 
     def action_context(self, prefix: PrefixCache, horizon: int, device
                        ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor,
@@ -514,12 +523,14 @@ class Pi05Model(nn.Module):
 
     def denoise_loop(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
                      prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     noise: torch.Tensor, steps: int) -> torch.Tensor:
+                     noise: torch.Tensor, steps: int,
+                     step_fn: Callable | None = None) -> torch.Tensor:
         """All Euler steps from noise [B, H, A] (float32) -> actions [B, H, A] (float32).
 
         Static shapes and no host reads, so the whole loop compiles as one graph (one CUDA
         graph on a GPU). The flow times are the same every frame, so the expert's adaRMS
         modulations of all steps are computed first, in one matmul per norm.
+        step_fn: what runs each step (default `denoise_step`; the compiled step on a CPU).
         """
         B = noise.shape[0]
         times = torch.tensor([1.0 - step / steps for step in range(steps)],
@@ -528,9 +539,15 @@ class Pi05Model(nn.Module):
         x_t = noise
         for step in range(steps):
             step_mods = [mod[step].expand(B, -1) for mod in mods]                  # [B, 3We]
-            x_t = x_t + (-1.0 / steps) * self.expert_velocity(prefix_kv, prefix_bias, cos,
-                                                              sin, x_t, step_mods)
+            x_t = (step_fn or self.denoise_step)(prefix_kv, prefix_bias, cos, sin, x_t,
+                                                 step_mods, -1.0 / steps)
         return x_t
+
+    def denoise_step(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                     prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     x_t: torch.Tensor, mods: list[torch.Tensor], dt: float) -> torch.Tensor:
+        """One Euler step of `denoise_loop`: x_t + dt v [B, H, A] under modulations `mods`."""
+        return x_t + dt * self.expert_velocity(prefix_kv, prefix_bias, cos, sin, x_t, mods)
 
     def expert_modulations(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Compute the expert's adaRMS modulations at flow times t [R] -> 2L + 1 of [R, 3We].
@@ -675,36 +692,40 @@ class Pi05Model(nn.Module):
         return self
 
     def compile_actions(self, mode: str | None = 'default', config: dict | None = None,
-                        **options) -> Pi05Model:
+                        whole_loop: bool = True, **options) -> Pi05Model:
         """Run the whole denoise loop (every step) through torch.compile as one graph.
 
         One graph per batch size B = 1 and one for every B > 1 (the batch dimension is marked
         dynamic there). On a GPU, mode 'reduce-overhead' replays the loop as one CUDA graph:
         the prefix K/V views are copied into its static inputs once per frame, which costs
-        far less than launching every kernel of every step. `config`: inductor settings while
+        far less than launching every kernel of every step. whole_loop False compiles one
+        step (`denoise_step`), called once per step: a tenth of the graph to trace and
+        compile, for a few guard checks per step. `config`: inductor settings while
         compiling (see CompiledFunction); `options` go to torch.compile. mode=None with no
         options turns compilation off again.
         """
         if mode is None and not options:
             self._denoise_fn = None
             return self
-        self._denoise_fn = CompiledFunction(self.denoise_loop, 'denoise loop', config,
-                                            mode=mode, **options)
+        fn, name = ((self.denoise_loop, 'denoise loop') if whole_loop
+                    else (self.denoise_step, 'denoise step'))
+        self._denoise_fn = CompiledFunction(fn, name, config, mode=mode, **options)
         return self
 
     def compile_prefill(self, mode: str | None = 'default', config: dict | None = None,
-                        **options) -> Pi05Model:
+                        vision: bool = True, **options) -> Pi05Model:
         """Run the vision tower and the backbone's prefill layers through torch.compile.
 
         Prefill packs the valid positions, so their number n changes with the prompt: the
         layers compile once with n dynamic (and the batch, when several rows). The K/V are
-        returned and stored by the eager caller. Arguments as compile_actions.
+        returned and stored by the eager caller. vision False: the tower stays eager.
+        Other arguments as compile_actions.
         """
         if mode is None and not options:
             self._vision_fn = self._prefill_fn = None
             return self
-        self._vision_fn = CompiledFunction(self.encode_images, 'vision tower', config,
-                                           mode=mode, **options)
+        self._vision_fn = (CompiledFunction(self.encode_images, 'vision tower', config,
+                                            mode=mode, **options) if vision else None)
         self._prefill_fn = CompiledFunction(self.prefill_layers, 'prefill layers', config,
                                             mode=mode, **options)
         return self
@@ -715,10 +736,13 @@ class Pi05Model(nn.Module):
         return [fn for fn in (self._vision_fn, self._prefill_fn, self._denoise_fn,
                               self._decode_fn) if fn is not None]
 
-    def seal_compiled(self) -> None:
-        """Compile nothing more (see CompiledFunction.seal): the warm-up is over."""
+    def seal_compiled(self, sealed: bool = True) -> None:
+        """Compile nothing more (see CompiledFunction.seal): the warm-up is over.
+
+        sealed False: compile again where a graph is missing.
+        """
         for fn in self.compiled_functions:
-            fn.seal()
+            fn.seal(sealed)
 
     @torch.no_grad()
     def generate(self, prefix: PrefixCache, max_new_tokens: int, eos_id: int | None = 1,

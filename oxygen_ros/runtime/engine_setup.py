@@ -21,7 +21,7 @@ from oxygen_ros.engine import (AdaptiveBudget, Budget, FixedBudget, FleetRobot, 
 from oxygen_ros.engine.engine import pool_slot_bytes
 from oxygen_ros.engine.hardware import choose_dtype
 from oxygen_ros.engine.prepare import (CompilePlan, prepare_model, runner_options, seal,
-                                       warm_up)
+                                       sealed, warm_up)
 from oxygen_ros.engine.workload import default_num_slots
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
@@ -274,7 +274,7 @@ def time_capacity(model, frontend: Frontend, settings: Settings,
     context) here, not in the control loop, and the node's scheduler is untouched, so frame
     and request numbering start at 0. See runtime/capacity.py for what is timed.
     plan: the model's compiled passes (prepare_model), compiled here before any frame is
-    timed, so the timed frames run what the node will run.
+    timed and sealed while the frames are timed, so they run what the node will run.
     """
     k_min = _k_min(settings)
     options = runner_options(plan, settings.device) if plan else {}
@@ -290,8 +290,9 @@ def time_capacity(model, frontend: Frontend, settings: Settings,
                                                image_size=image_size))
         result = system.advance_language()
         return action.inference_time_s, result.timings.total_s, result.decode_batch_size
-    return capacity_from(time_ticks(tick, clock=clock), _steady_batch(settings),
-                         _timing_label(settings))
+    with sealed(model):   # the timed frames run the compiled passes, never a compile
+        timed = time_ticks(tick, clock=clock)
+    return capacity_from(timed, _steady_batch(settings), _timing_label(settings))
 
 
 def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSettings,
@@ -318,7 +319,9 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
         return act.act_s, result.timings.total_s, result.decode_batch_size
     batch = sum(_steady_batch(s) for s in fleet.robots.values())
     label = f'{_timing_label(node)} with {len(robots)} robots ticking together'
-    return capacity_from(time_ticks(tick), batch, label)
+    with sealed(model):
+        timed = time_ticks(tick)
+    return capacity_from(timed, batch, label)
 
 
 def with_rate(settings: Settings, capacity: Capacity | None) -> Settings:

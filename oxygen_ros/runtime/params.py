@@ -41,7 +41,7 @@ from oxygen_ros.model.config import DEFAULT_MAX_GUIDANCE_WEIGHT
 NODE_NAME = 'oxygen_node'
 ROBOTS = BUILTIN_ROBOTS
 DTYPES = ('float32', 'bfloat16')
-COMPILE_CHOICES = ('auto', 'on', 'off')
+COMPILE_CHOICES = ('auto', 'max', 'on', 'off')
 _DEVICE_RE = re.compile(r'^(cpu|cuda(:\d+)?|mps)$')
 
 # Shipped robot -> (camera names, joint names), read from its spec (config/robots/<name>.yaml):
@@ -281,9 +281,10 @@ PARAMS: tuple[ParamSpec, ...] = (
               'bfloat16 where the device multiplies it fast (CUDA, AMX / AVX512-BF16: a '
               'timing probe at configure decides), else float32.',
               check=_check_choice(('auto',) + DTYPES)),
-    ParamSpec('compile', 'auto', "torch.compile the denoise loop and decode step at configure "
-              "(CUDA graphs on a GPU): 'auto' = where it pays (not test-sized models), 'on', "
-              "'off'.", check=_check_choice(COMPILE_CHOICES)),
+    ParamSpec('compile', 'auto', "torch.compile prefill, denoise and decode at configure "
+              "(CUDA graphs on a GPU): 'auto' = where it pays (not test-sized models); 'max' = "
+              "as auto with autotuned kernels (a first configure of minutes); 'on'; 'off'.",
+              check=_check_choice(COMPILE_CHOICES)),
     ParamSpec('torch_threads', 0, "Torch intra-op threads of the control thread's inference; "
               '0 = every core but one (the executor, DDS and camera drivers keep one).',
               int_range=(0, 256)),
@@ -564,7 +565,7 @@ class Settings:
     rtc_delay: int = AUTO_DELAY
     rtc_execution_horizon: int = 0
     rtc_max_guidance_weight: float = DEFAULT_MAX_GUIDANCE_WEIGHT
-    compile: str = 'auto'              # torch.compile: auto, on, off
+    compile: str = 'auto'              # torch.compile: auto, max, on, off
     spec: RobotSpec | None = None      # the robot's spec, resolved from `robot` at check
 
     @property
