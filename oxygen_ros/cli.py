@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'auto' (default): bfloat16 where a timing probe finds it fast")
     phases.add_argument('--compile', default='auto', choices=['auto', 'max', 'on', 'off'],
                         help='torch.compile prefill, denoise and decode (default auto, as the '
-                        "node; 'max': autotuned kernels, minutes to compile)")
+                        "node; 'max': also the vision tower and the whole denoise loop, minutes "
+                        'to compile)')
     phases.add_argument('--no-eager', action='store_true',
                         help='do not also time the compiled passes eager, side by side')
     phases.add_argument('--batches', type=int, nargs='+', default=[1, 4, 8])

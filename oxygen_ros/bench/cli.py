@@ -43,7 +43,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                        "it fast, as the node)")
     bench.add_argument('--compile', default='auto', choices=['auto', 'max', 'on', 'off'],
                        help='torch.compile prefill, denoise and decode (default auto, as the '
-                       "node; 'max': autotuned kernels, minutes to compile)")
+                       "node; 'max': also the vision tower and the whole denoise loop, minutes "
+                       'to compile)')
     bench.add_argument('--build-preset', default=None,
                        help='part build: model whose build / checkpoint load peak RSS is '
                        'measured (default pi05; quick: small)')

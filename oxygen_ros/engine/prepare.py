@@ -17,10 +17,10 @@ compile 'auto' compiles a pass where it pays:
     Below, a test-sized model, compiling (tens of seconds) costs more than it saves; above,
     the pass reads so many weights per op that per-op overhead is a few % (pi05's decode step
     reads 4 GB) while freezing the weights into the graph would copy them.
-compile 'max' compiles the same passes with autotuned kernels (CPU bfloat16: weights frozen
-into the graph, inductor's AMX GEMM templates; the whole denoise loop as one graph): minutes
-at the first configure; see compile_settings. The default keeps configure short: pi05-cpu
-configured in 90 s cold and 12 s from the cache on a shared 2-core machine (docs/bench/phases.md).
+  * auto leaves the CPU's vision tower eager and compiles one denoise step, looped: a first
+    configure of about a minute and a restart of seconds (pi05-cpu, docs/bench/phases.md).
+compile 'max' also compiles the vision tower and the whole denoise loop as one graph: ~13%
+off pi05-cpu's action path (58 vs 67 ms) for ~3 minutes at the first configure (~20 s cached).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ COMPILE_CHOICES = ('auto', 'max', 'on', 'off')
 MIN_COMPILE_PARAMS = 1_000_000
 MAX_CPU_COMPILE_PARAMS = 128_000_000
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # decode batch sizes of a CUDA-graph runner
-NO_CUDA_GRAPHS = {'reduce-overhead': 'default', 'max-autotune': 'max-autotune-no-cudagraphs'}
 
 
 @dataclasses.dataclass
@@ -88,7 +87,7 @@ def tower_params(model: Pi05Model) -> tuple[int, int, int]:
 
 
 def compile_plan(model: Pi05Model, device: str, setting: str = 'auto') -> CompilePlan:
-    """Decide which passes to compile for compile `setting` (COMPILE_CHOICES; 'max': as auto)."""
+    """Decide which passes to compile for compile `setting` (COMPILE_CHOICES)."""
     if setting not in COMPILE_CHOICES:
         raise ValueError(f'compile {setting!r}: expected one of {COMPILE_CHOICES}')
     if setting == 'off':
@@ -110,33 +109,23 @@ def compile_plan(model: Pi05Model, device: str, setting: str = 'auto') -> Compil
               f'(prefill {prefill / 1e6:.1f}M, denoise {expert / 1e6:.1f}M, decode '
               f'{backbone / 1e6:.1f}M)')
     # auto leaves the vision tower eager: a quarter of the first configure's compile for
-    # ~1.6 ms of a 65 ms action path (pi05-cpu, docs/bench/phases.md).
+    # ~2-3 ms of a 67 ms action path (pi05-cpu, docs/bench/phases.md); max compiles it.
     return CompilePlan(pays(expert), pays(backbone), reason, prefill=pays(prefill),
                        vision=pays(prefill) and setting == 'max')
 
 
-def compile_settings(device: str, dtype: torch.dtype, autotune: bool = False
-                     ) -> tuple[str, dict]:
-    """(torch.compile mode, inductor settings while compiling) for a device and dtype.
+def compile_settings(device: str) -> tuple[str, dict]:
+    """(torch.compile mode, inductor settings while compiling) for a device.
 
-    CUDA: 'reduce-overhead' (CUDA graphs); autotune: 'max-autotune' (graphs and autotuned
-    kernels). CPU: the default mode. autotune on the CPU in bfloat16 (compile 'max'): weights
-    frozen into the graph and matmuls autotuned, so inductor's AMX / AVX512-BF16
-    micro-kernels replace oneDNN calls (6 small matmuls measured 181 -> 42 us alone), but
-    the first configure of pi05-cpu took 220-340 s and a restart 66-69 s (frozen weights
-    keep AOT's cache out) against 172 s / 18 s for the default mode, for no measurable gain
-    per frame (docs/bench/phases.md).
+    CUDA: 'reduce-overhead' (CUDA graphs). CPU: inductor's default mode, in float32 and
+    bfloat16. Autotuned GEMM templates with the weights frozen into the graph
+    ('max-autotune-no-cudagraphs', freezing) measured on pi05-cpu bf16, in runs minutes
+    apart on a shared machine: no faster a frame (action path 62.5 vs 65.8 ms, denoise loop
+    18.4 vs 18.8 ms) for a first configure of 220-340 s and a restart of 66-69 s (frozen
+    weights keep AOT's cache out), so they are not used (docs/bench/phases.md).
     """
     if torch.device(device).type == 'cuda':
-        return ('max-autotune' if autotune else 'reduce-overhead'), {}
-    if autotune and dtype == torch.bfloat16:
-        # No oneDNN weight prepacking: its packed tensors do not pickle, so every graph
-        # holding one bypassed the compile cache (a restart compiled for minutes again); the
-        # autotuned GEMM templates pack their own weights, which the cache keeps. (And the
-        # autotuner's per-matmul timing tables would fill the node's log.)
-        return 'max-autotune-no-cudagraphs', {'freezing': True, 'cpp.weight_prepack': False,
-                                              'autotune_num_choices_displayed': 0,
-                                              'max_autotune_report_choices_stats': False}
+        return 'reduce-overhead', {}
     return 'default', {}
 
 
@@ -149,16 +138,17 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
     model.fuse()
     plan = compile_plan(model, device, setting)
     cuda = torch.device(device).type == 'cuda'
-    mode, config = compile_settings(device, model.compute_dtype, autotune=setting == 'max')
-    # One denoise step as the graph on the CPU: the unrolled loop was most of the compile
-    # (cold and cached) for no faster frame; a GPU replays the whole loop as one CUDA graph.
+    mode, config = compile_settings(device)
+    # One denoise step as the graph on the CPU: the unrolled loop was half the first
+    # configure's compile and most of a restart's, for ~5 ms of a 67 ms action path (compile
+    # 'max' pays that); a GPU replays the whole loop as one CUDA graph.
     plan.whole_loop = cuda or setting == 'max'
-    plan.mode = mode + (' + frozen weights' if config.get('freezing') else '')
+    plan.mode = mode
     if plan.any:
         use_persistent_cache()
     # Prefill's length changes with the prompt: CUDA graphs would record one per length, so
     # on a GPU it compiles without them (compute-bound, its launches cost little).
-    prefill_mode = NO_CUDA_GRAPHS.get(mode, mode)
+    prefill_mode = 'default' if mode == 'reduce-overhead' else mode
     if plan.prefill:
         model.compile_prefill(prefill_mode, config, vision=plan.vision)
     else:
