@@ -189,7 +189,7 @@ def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: Languag
                 clock: Callable[[], float] = time.perf_counter, **runner_options) -> Engine:
     """Build an Engine: pool sized by default_num_slots for the budget unless num_slots.
 
-    runner_options: ModelRunner's max_holes_per_row / bucket_sizes / compile_decode.
+    runner_options: ModelRunner's max_holes_per_row / bucket_sizes / kv_dtype.
     """
     max_forced_tokens = forced_token_room(policy, max_forced_tokens)
     max_gen_len = generated_entries(policy, max_forced_tokens)
