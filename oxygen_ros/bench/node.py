@@ -75,6 +75,8 @@ class NodeBenchOptions:
     tokens: int | None = None       # N, tokens per language request
     k: int | None = None            # a fixed decode budget of the node and of the engine run
     rate_hz: float | None = None    # asked control rate
+    # torch threads of node and engine; None: the YAML's (0: every core but one, as the node)
+    threads: int | None = None
     duration_s: float = 60.0        # measured window
     warmup_s: float = 5.0           # after the first action chunk, not measured
     idle_s: float = 5.0             # node active with no inputs, before the robot starts
@@ -684,11 +686,15 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
     return row
 
 
-def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threads: int,
-                  seed: int, log_dir: Path, say=_silent
-                  ) -> tuple[dict, list[dict], EngineReference]:
+def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, seed: int,
+                  log_dir: Path, say=_silent) -> tuple[dict, list[dict], EngineReference]:
     """Engine first, then the node at the asked rate; return (row, per-tick rows, engine)."""
+    from oxygen_ros.runtime.engine_setup import inference_threads   # torch: lazily
+
     yaml = node_parameters(opts.robot)
+    # The node's threads, not the benchmark process's: two torch threads on two cores next to
+    # the camera process made configure's timing 40x slow (an OpenMP team losing barriers).
+    threads = opts.threads or inference_threads(int(yaml.get('torch_threads') or 0))
     tokens = opts.tokens or int(yaml.get('tokens_per_request', 10))
     # The engine alone times act() (what the node's inference_time is); its language part
     # needs a fixed k: the node's, or with the adaptive budget its minimum per frame, 1.
