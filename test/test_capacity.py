@@ -124,3 +124,34 @@ def test_a_fleet_times_every_robot_ticking_together():
     budget = engine.system.scheduler('arm_a').budget
     assert budget.frame_period_s == pytest.approx(1.0 / rates['arm_a'])
     assert engine.description['robot_rates_hz'].startswith('arm_a ')
+
+
+@pytest.mark.parametrize('mode', ['off', 'guided', 'prefix'])
+def test_with_rtc_on_the_timed_frames_continue_the_last_chunk(monkeypatch, mode):
+    """An auto rate holds with the RTC mode the node runs: its frames are what gets timed."""
+    from oxygen_ros.engine.fleet import FleetEngine
+    from oxygen_ros.runtime.capacity import TIMED_FRAMES
+
+    seen = []
+    act = FleetEngine.act
+
+    def spy(self, observations, continuations=None):
+        seen.append(dict(continuations or {}))
+        return act(self, observations, continuations)
+    monkeypatch.setattr(FleetEngine, 'act', spy)
+    settings = Settings.from_values({'preset': 'tiny', 'control_rate_hz': 0.0,
+                                     'tokens_per_request': 4, 'torch_threads': 1,
+                                     'rtc_mode': mode})
+    model, make_frontend, _, _ = load_model(settings)
+    time_capacity(model, make_frontend(robot_spec(settings)), settings)
+    assert len(seen) >= 3 and seen[0] == {}             # the untimed first frame: no chunk yet
+    if mode == 'off':
+        assert all(c == {} for c in seen)
+        return
+    for continuations in seen[1:]:
+        (cont,) = continuations.values()
+        assert cont.mode == mode and cont.delay == 1
+        assert cont.rows.shape == (model.config.action_horizon - 1,
+                                   len(make_frontend(robot_spec(settings)).adapter.spec
+                                       .action_names))
+    assert len(seen) <= TIMED_FRAMES + 1

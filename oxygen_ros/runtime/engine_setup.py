@@ -13,6 +13,7 @@ from pathlib import Path
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from oxygen_ros.engine import (AdaptiveBudget, Budget, Engine as EngineView, FixedBudget,
@@ -22,6 +23,7 @@ from oxygen_ros.engine.fleet import ONE_ROBOT, pool_slot_bytes
 from oxygen_ros.engine.hardware import choose_dtype
 from oxygen_ros.engine.prepare import (CompilePlan, prepare_model, runner_options, seal,
                                        sealed, warm_up)
+from oxygen_ros.engine.types import Continuation
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
 from oxygen_ros.model.config import get_preset
@@ -312,10 +314,20 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
                                       for s in fleet.robots.values()],
                 action_rows(len(fleet.robots)))
 
+    chunks: dict[str, np.ndarray] = {}   # robot -> its last chunk [H, A]
+
     def tick(index: int) -> tuple[float, float, int]:
+        # With rtc_mode on, every frame continues the robot's last chunk (guided steps cost
+        # about twice a plain denoise), so an auto rate holds with the mode the node runs.
+        continuations = {name: Continuation(chunks[name][1:], 1, s.rtc.mode,
+                                            s.rtc.execution_horizon, s.rtc.schedule,
+                                            s.rtc.max_guidance_weight)
+                         for name, s in fleet.robots.items()
+                         if s.rtc.enabled and name in chunks}
         act = system.act({name: random_observation(frontends[s.robot].adapter.spec, index,
                                                    s.seed, image_size=image_size)
-                          for name, s in fleet.robots.items()})
+                          for name, s in fleet.robots.items()}, continuations)
+        chunks.update((name, out.actions) for name, out in act.actions.items())
         result = system.advance_language()
         return act.act_s, result.timings.total_s, result.decode_batch_size
     batch = sum(_steady_batch(s) for s in fleet.robots.values())
