@@ -169,6 +169,29 @@ def test_compiled_denoise_step_serves_every_batch_of_rows_with_one_graph():
     np.testing.assert_allclose(actions[0], actions[1], atol=COMPILED_ACTION_ATOL, rtol=0)
 
 
+@pytest.mark.usefixtures('one_torch_thread')
+def test_a_fleet_of_two_runs_its_ticks_compiled_after_the_warm_up():
+    """Two robots ticking together (noise and prefix state of both rows in one call) run the
+    graphs warmed up for a fleet: no input falls back to eager (broadcast inputs are dense)."""
+    from oxygen_ros.engine import FixedBudget, FleetRobot, make_fleet
+
+    model, frontend = random_setup(MICRO, 'libero', seed=1)
+    plan = prepare.prepare_model(model, 'cpu', 'on')
+    policy = LanguagePolicy(max_new_tokens=3, eos_id=None)
+    fleet = make_fleet(model, [FleetRobot(name, frontend, policy, FixedBudget(1), seed=seed)
+                               for seed, name in enumerate(('a', 'b'))],
+                       max_prefill_rows=1, row_threads=2,
+                       **prepare.runner_options(plan, 'cpu'))
+    prepare.warm_up(fleet.runner, plan, [frontend.prepare(observation(0)).tensors],
+                    engine_setup.action_rows(2))
+    prepare.seal(model, plan, 0.0)
+    for frame in range(4):
+        acted = fleet.act({'a': observation(frame), 'b': observation(frame + 1)})
+        assert set(acted.actions) == {'a', 'b'} and not acted.failed
+        fleet.advance_language()
+    assert [(fn.fallbacks, fn.failed) for fn in model.compiled_functions] == [(0, False)] * 4
+
+
 def test_sealed_function_runs_eager_for_an_unseen_shape(caplog):
     compiles = []
 
@@ -185,6 +208,20 @@ def test_sealed_function_runs_eager_for_an_unseen_shape(caplog):
     assert compiles == [[(3,)]]               # eager: nothing compiled for the new shape
     torch.testing.assert_close(fn(torch.ones(3)), torch.full((3,), 2.0))
     assert fn.fallbacks == 1 and compiles == [[(3,)]]   # the warmed-up graph still serves
+
+
+def test_a_broadcast_input_runs_the_warmed_up_graph():
+    """An expanded input (stride 0: one prefix's n_valid or noise over a batch's rows, as the
+    benchmark's phase probe passes) runs the graph warmed up on dense inputs, not eager."""
+    fn = CompiledFunction(lambda x, n: x * n[:, None], 'scale', backend='eager', dynamic=False)
+    fn(torch.ones(3, 4), torch.ones(3))
+    fn.seal()
+    one = torch.tensor(2.0)
+    torch.testing.assert_close(fn(torch.ones(1, 4).expand(3, 4), one.expand(3)),
+                               torch.full((3, 4), 2.0))
+    torch.testing.assert_close(fn(torch.ones(3, 4)[:1].expand(3, 4), one.expand(1).expand(3)),
+                               torch.full((3, 4), 2.0))
+    assert fn.fallbacks == 0
 
 
 def test_compile_failure_falls_back_to_eager_logged(caplog):

@@ -59,6 +59,11 @@ def unavailable_reason(device: torch.device | str) -> str | None:
     return f'no inductor backend for device {kind!r}'
 
 
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """Return a copy of `tensor` with row-major strides (contiguous() keeps a size-1 dim's 0)."""
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)
+
+
 class CompiledFunction:
     """torch.compile(fn) that, once sealed, runs `fn` eagerly instead of compiling again.
 
@@ -86,6 +91,10 @@ class CompiledFunction:
     def __call__(self, *args):
         if self.failed:
             return self.fn(*args)
+        # A broadcast input (stride 0, e.g. one robot's noise or n_valid expanded over a
+        # fleet's rows) would fail the graph's stride guards and run eager: hand it over dense.
+        args = tuple(_dense(a) if isinstance(a, torch.Tensor) and 0 in a.stride() else a
+                     for a in args)
         if not self.sealed:
             import torch._inductor.config as inductor_config
 
