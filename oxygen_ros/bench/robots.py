@@ -69,6 +69,7 @@ class RobotsJob:
     warmup: int                  # ticks before the measured window
     frames: int                  # measured ticks
     prefill_rows: int = 0        # fleet: rows per prefill call (0: all)
+    compile: str = 'auto'        # each worker's model compiled as the node's (BenchOptions)
 
 
 @dataclasses.dataclass
@@ -97,7 +98,9 @@ def _build(job: RobotsJob):
 
     from ..engine import (FixedBudget, FleetRobot, Frontend, identity_norm_stats,
                           LanguagePolicy, make_fleet, random_setup)
+    from ..engine.prepare import prepare_model, runner_options, seal, warm_up
     from ..model import get_preset
+    from ..runtime.engine_setup import action_rows
     from .systems import make_system
 
     torch.set_num_threads(job.threads)
@@ -117,6 +120,12 @@ def _build(job: RobotsJob):
               for i, w in zip(indices, job.workloads)]
     size = cfg.vision.image_size
     clock = time.perf_counter
+    # As the node: the passes compiled (compile auto), warmed up for this system's shapes and
+    # sealed before any tick, so the systems compare what a robot would run.
+    plan = prepare_model(model, job.device, job.compile)
+    options = runner_options(plan, job.device)
+    frames = [f.prepare(robot_observation(w, i, 0, job.seed, size)).tensors
+              for f, i, w in zip((r.frontend for r in robots), indices, job.workloads)]
 
     def observations(frame):
         return {r.name: robot_observation(w, i, frame, job.seed, size)
@@ -128,7 +137,9 @@ def _build(job: RobotsJob):
         rows = row_threads(job.device, len(robots), job.threads)
         torch.set_num_threads(max(1, job.threads // rows))
         fleet = make_fleet(model, robots, max_prefill_rows=job.prefill_rows or None,
-                           row_threads=rows)
+                           row_threads=rows, **options)
+        warm_up(fleet.runner, plan, frames, action_rows(len(robots)))
+        seal(model, plan)
 
         def serve(frame):
             result = fleet.step(observations(frame))
@@ -139,8 +150,11 @@ def _build(job: RobotsJob):
             while fleet.num_live_requests:
                 yield fleet.advance_language().robots
         return fleet, serve, drain
-    engines = {r.name: make_system('oxygen', model, r.frontend, r.policy, k=job.k, seed=r.seed)
-               for r in robots}
+    engines = {r.name: make_system('oxygen', model, r.frontend, r.policy, k=job.k, seed=r.seed,
+                                   runner_options=options) for r in robots}
+    for engine in engines.values():
+        warm_up(engine.runner, plan, frames)
+    seal(model, plan)
 
     def serve(frame):
         start = clock()
@@ -281,6 +295,7 @@ def jobs_for(system: str, count: int, opts, steps: int) -> list[RobotsJob]:
     workloads = robot_workloads(plan.workloads, count)
     base = dict(system=system, preset=opts.preset, device=opts.device, dtype=opts.dtype,
                 seed=opts.seed, steps=steps, n_tokens=plan.robot_n, k=plan.robot_k,
+                compile=opts.compile,
                 warmup=math.ceil(plan.robot_n / plan.robot_k) + WARMUP_FRAMES,
                 frames=plan.robot_frames, prefill_rows=prefill_rows(opts))
     if system == 'separate':
