@@ -190,6 +190,8 @@ def test_a_fleet_of_two_runs_its_ticks_compiled_after_the_warm_up():
         assert set(acted.actions) == {'a', 'b'} and not acted.failed
         fleet.advance_language()
     assert [(fn.fallbacks, fn.failed) for fn in model.compiled_functions] == [(0, False)] * 4
+    # The row threads' sealed calls overlapped; dynamo's process-wide stance is back.
+    assert torch._dynamo.eval_frame._stance.stance == 'default'
 
 
 def test_sealed_function_runs_eager_for_an_unseen_shape(caplog):

@@ -12,10 +12,12 @@ of the node finds its kernels already built.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
 import shutil
+import threading
 from typing import Callable
 
 import torch
@@ -57,6 +59,32 @@ def unavailable_reason(device: torch.device | str) -> str | None:
             return 'inductor on CUDA needs triton, which this torch install lacks'
         return None
     return f'no inductor backend for device {kind!r}'
+
+
+_stance_lock = threading.Lock()
+_sealed_calls = 0   # sealed calls in flight, in any thread
+
+
+@contextlib.contextmanager
+def _no_recompile():
+    """Dynamo's 'fail_on_recompile' stance while any thread is in a sealed call.
+
+    The stance is process-wide: `with set_stance(...)` in two threads at once (a fleet's row
+    threads) restored it out of order and left every later compile failing. A count under a
+    lock sets it at the first call in and back at the last call out.
+    """
+    global _sealed_calls
+    with _stance_lock:
+        if not _sealed_calls:
+            torch.compiler.set_stance('fail_on_recompile')
+        _sealed_calls += 1
+    try:
+        yield
+    finally:
+        with _stance_lock:
+            _sealed_calls -= 1
+            if not _sealed_calls:
+                torch.compiler.set_stance('default')
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -107,7 +135,7 @@ class CompiledFunction:
                                type(err).__name__, str(err).strip().splitlines()[0][:300])
                 return self.fn(*args)
         try:
-            with torch.compiler.set_stance('fail_on_recompile'):
+            with _no_recompile():
                 return self.compiled(*args)
         except RuntimeError as err:
             if "stance is 'fail_on_recompile'" not in str(err):
