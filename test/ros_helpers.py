@@ -31,21 +31,24 @@ def sent_ns(item: tuple) -> int:
 
 def assert_nothing_published_after(collectors, t_ns: int, settle_s: float = 0.5,
                                    allowed: int = 0) -> None:
-    """Assert that at most `allowed` action and token messages the collectors got were sent
-    after `t_ns` (time.time_ns()).
+    """Assert that the action and token messages the collectors got that were sent after
+    `t_ns` (time.time_ns()) come from at most `allowed` ticks.
 
     Why send times: a message published before `t_ns` may reach a busy test process later;
     only what the node published after it matters. settle_s gives one sent after it the time
-    to arrive (a longer delay weakens the check, it never fails it).
+    to arrive (a longer delay weakens the check, it never fails it). A tick is its header
+    stamp: its action chunk and its token messages carry the same one.
     """
     time.sleep(settle_s)
     late = []
     for collector in (collectors if isinstance(collectors, (list, tuple)) else [collectors]):
         with collector.lock:
-            late += [(kind, sent_ns(item)) for kind, items in (
-                ('action', collector.actions), ('tokens', collector.tokens))
-                for item in items if sent_ns(item) > t_ns]
-    assert len(late) <= allowed, late
+            late += [(kind, sent_ns(item), (item[0].header.stamp.sec,
+                                            item[0].header.stamp.nanosec))
+                     for kind, items in (('action', collector.actions),
+                                         ('tokens', collector.tokens))
+                     for item in items if sent_ns(item) > t_ns]
+    assert len({stamp for _, _, stamp in late}) <= allowed, late
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:

@@ -163,8 +163,12 @@ def test_a_robot_whose_cameras_stop_never_delays_the_other(fleet):
     feeder_start = feeder.index
     assert wait_for(lambda: robot_left.stats.ticks_total >= ticks + 20, 60)
     feeder_ticks = feeder.index - feeder_start
-    # Every one of arm_left's ticks in that time came on its grid and acted.
-    assert robot_left.skipped_ticks == skipped, 'arm_left lost ticks while arm_right was stale'
+    # Every one of arm_left's ticks in that time came on its grid and acted. A loop that
+    # waited on the stale robot (its 0.3 s timeout against a 0.2 s period) would skip about
+    # every tick; one tick may pass unserved when the whole machine stalls (a CI run beside
+    # another test suite did once), which says nothing about arm_right.
+    lost = robot_left.skipped_ticks - skipped
+    assert lost <= 1, f'arm_left lost {lost} of 20 ticks while arm_right was stale'
     assert robot_left.stats.actions_total - acted >= robot_left.stats.ticks_total - ticks - 1
     assert feeder_ticks < 20 * 20 / RATE_HZ * 1.5, (
         f'20 ticks of arm_left took {feeder_ticks} ticks of a 20 Hz timer')

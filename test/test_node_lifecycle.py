@@ -270,7 +270,7 @@ def test_use_sim_time_follows_clock(harness):
         # /clock stops: the control timer (sim time) stops with it; diagnostics go on.
         h.spinner.remove(clock_node)
         stopped_ns, diagnostics = time.time_ns(), len(h.collector.diagnostics)
-        # One tick may still run on a /clock message in flight when it stopped.
+        # One tick (its action and tokens) may still run on a /clock message in flight.
         assert_nothing_published_after(h.collector, stopped_ns + 300_000_000, settle_s=1.5,
                                        allowed=1)
         assert wait_for(lambda: len(h.collector.diagnostics) > diagnostics, 10)
