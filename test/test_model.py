@@ -393,7 +393,7 @@ def test_static_decode_with_padding_rows_equals_dynamic(model):
         for new, ref in ((kv.k, after[0]), (kv.v, after[1])):
             torch.testing.assert_close(new[:, real, :T - 1], ref[:, real, :T - 1], atol=1e-5,
                                        rtol=1e-5)
-    with pytest.raises(ValueError, match='cache length'):
+    with pytest.raises(ValueError, match='generated entries'):
         model.decode_step(kv, slots, valid, n_valid, gen, toks, attend_len=T - P + 1)
 
 

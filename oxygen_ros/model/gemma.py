@@ -208,13 +208,15 @@ def key_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
-                         bias1: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+                         bias1: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor,
+                         bias2: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the keys of two blocks with one softmax, without concatenating them.
 
     q [B, Q, N, D]; k1, v1 [B, K1, G, D] with bias1 [B, K1] (key_bias of its mask), e.g. a
-    slot's prefix read in place from the pool; k2, v2 [B, K2, G, D], all visible (the queries'
-    own block). Every query sees the same keys. Equals
-    `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, ones)[:, None])` but copies neither
+    slot's prefix read in place from the pool; k2, v2 [B, K2, G, D] with bias2 [B, K2], or
+    None when all are visible (the queries' own block); a decode step's second block is its
+    request's generation block. Every query sees the same keys. Equals
+    `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, mask2)[:, None])` but copies neither
     block when G = 1 (as in π0.5): each block gives its own scores, one float32 softmax runs
     over both. Returns [B, Q, N*D].
     """
@@ -224,7 +226,12 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
     qg = fold_heads(q, G).flatten(0, 1)                                       # [B*G, rQ, D]
     bias1 = bias1.to(q.dtype).repeat_interleave(G, dim=0)[:, None]             # [B*G, 1, K1]
     s1 = torch.baddbmm(bias1, qg, k1.permute(0, 2, 3, 1).flatten(0, 1), alpha=D ** -0.5)
-    s2 = torch.bmm(qg, k2.permute(0, 2, 3, 1).flatten(0, 1)) * D ** -0.5      # [B*G, rQ, K2]
+    k2t = k2.permute(0, 2, 3, 1).flatten(0, 1)                                # [B*G, D, K2]
+    if bias2 is None:
+        s2 = torch.bmm(qg, k2t) * D ** -0.5                                    # [B*G, rQ, K2]
+    else:
+        bias2 = bias2.to(q.dtype).repeat_interleave(G, dim=0)[:, None]         # [B*G, 1, K2]
+        s2 = torch.baddbmm(bias2, qg, k2t, alpha=D ** -0.5)
     p = torch.softmax(torch.cat([s1.float(), s2.float()], dim=-1), dim=-1).to(v1.dtype)
     p1, p2 = p[..., :K1], p[..., K1:]                                          # one softmax
     out = torch.baddbmm(torch.bmm(p2, v2.transpose(1, 2).flatten(0, 1)),

@@ -18,7 +18,7 @@ import torch
 from oxygen_ros.engine import (AdaptiveBudget, Budget, Engine as EngineView, FixedBudget,
                                FleetRobot, Frontend, identity_norm_stats, LanguagePolicy,
                                make_fleet, random_observation, random_setup)
-from oxygen_ros.engine.fleet import ONE_ROBOT, pool_slot_bytes
+from oxygen_ros.engine.fleet import ONE_ROBOT, pool_block_bytes, pool_slot_bytes
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
 from oxygen_ros.model.config import get_preset
@@ -214,7 +214,8 @@ def check_pool_fits(settings: Settings, config, policy: LanguagePolicy,
     """
     if not settings.kv_capacity:
         return
-    per_slot = pool_slot_bytes(config, policy, dtype)
+    # One task: a generation block per prefix slot.
+    per_slot = pool_slot_bytes(config, dtype) + pool_block_bytes(config, policy, dtype)
     need = settings.kv_capacity * per_slot
     free = available_memory_bytes(settings.device)
     if free is not None and need > free // 2:
