@@ -193,9 +193,10 @@ class Engine:
 
 def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: Tasks,
                 budget: Budget, *, share_prefix: bool = True, num_slots: int | None = None,
-                seed: int = 0, max_forced_tokens: int | None = None, debug: bool = False,
+                num_blocks: int | None = None, seed: int = 0, max_forced_tokens: int | None = None, debug: bool = False,
                 clock: Callable[[], float] = time.perf_counter, **runner_options) -> Engine:
-    """Build an Engine: pool sized for the tasks and the budget unless num_slots.
+    """Build an Engine: prefix slots and generation blocks sized for the tasks and the budget
+    unless num_slots / num_blocks.
 
     policy: the language tasks (a LanguagePolicy: narration alone).
     runner_options: ModelRunner's max_holes_per_row / bucket_sizes / compile_decode.
@@ -205,7 +206,7 @@ def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: Tasks,
     max_gen_len = generated_entries(tasks, max_forced_tokens)
     k = sizing_k(budget)
     num_slots = num_slots or tasks_num_slots(tasks, k)
-    num_blocks = num_blocks_for(tasks, k, num_slots)
+    num_blocks = num_blocks or num_blocks_for(tasks, k, num_slots)
     runner = ModelRunner(model, num_slots, max_gen_len, clock=clock, num_blocks=num_blocks,
                          **runner_options)
     pool = KVPool(num_slots, runner.store.bytes_per_slot)

@@ -51,8 +51,9 @@ the new k_min).
 Several language tasks (workload.LanguageTask): a frame starts at most one request per task,
 all on the frame's one prefix slot, each with a generation block of its own (a frame's slot
 then lives until its last request ends, so the room above counts distinct prefix slots). The
-task priority orders three things: admission (higher first, so when the pool is short the
-lower priority is refused), the budget's token steps (a lower priority's k is chosen with the
+task priority orders three things: admission (higher first, and a lower priority never takes
+a block a higher one's live requests will need: `_reserved_blocks`, so when the pool is short
+the lower priority is refused), the budget's token steps (a lower priority's k is chosen with the
 higher priorities' rows counted, and when the tick's time runs out the lower priority stops
 first, down to its minimum), and preemption (the lowest priority's newest request first).
 """
@@ -291,6 +292,10 @@ class Scheduler:
         if not self.blocks.num_free:
             return (f'no free generation block: {self.blocks.num_slots} blocks hold '
                     f'{len(self.active)} live requests')
+        reserved = self._reserved_blocks(req.priority)
+        if self.blocks.num_free - 1 < reserved:
+            return (f'no free generation block: {self.blocks.num_free} free, {reserved} kept '
+                    'for the requests of higher priority tasks')
         staying = {r.slot for r in self.active if r.deadline > self.now}
         if req.deadline > self.now:
             frame_slot = self._frame[1] if self.share_prefix and self._frame else -1
@@ -302,6 +307,24 @@ class Scheduler:
                 f'the pool keeps {room} of its {self.pool.num_slots} slots for them; a request '
                 f'of {req.steps_left} steps at k_min={self.budget.k_min} would hold a slot '
                 f'{req.deadline - self.now + 1} frames')
+
+    def _reserved_blocks(self, priority: int) -> int:
+        """Blocks kept free for tasks of a higher priority than `priority`.
+
+        Each such task keeps its share, the requests it has live at once at k_min steps per
+        frame (ceil(ceil(N / k_min) / n)), less those it holds: so a lower priority takes
+        only blocks a higher one will not need, and never delays its admission.
+        """
+        reserved = 0
+        for task in self.tasks:
+            if task.priority <= priority or not task.policy.requests_per_frame():
+                continue
+            policy = task.policy
+            life = math.ceil(policy.max_request_len / max(self.budget.k_min, 1))
+            every = 1 if policy.arrival_rate is not None else policy.every_n_frames
+            live = sum(r.task == task.name for r in self.active)
+            reserved += max(math.ceil(life / every) - live, 0)
+        return reserved
 
     def _refuse(self, frame_index: int, task: LanguageTask, why: str,
                 request_id: int | None = None) -> None:

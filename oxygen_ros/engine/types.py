@@ -73,6 +73,7 @@ class TokenDelta:
     tokens_so_far: int              # generated tokens of the request including these
     done: bool                      # True on the request's last delta
     finish_reason: FinishReason | str = ''   # '' while running, else a FinishReason
+    task: str = 'narration'         # language task of the request
 
 
 @dataclasses.dataclass
@@ -86,6 +87,7 @@ class FinishedRequest:
     finish_reason: FinishReason     # why it ended (.completed: eos or length)
     frames: int                     # frames it was alive (1 = finished in its first frame)
     error: str = ''                 # exception text ('error') or refusal reason ('refused')
+    task: str = 'narration'         # language task of the request
 
 
 @dataclasses.dataclass
