@@ -14,7 +14,7 @@ from oxygen_ros.engine import (AdaptiveBudget, Engine, FinishReason, FixedBudget
                                LanguagePolicy, LanguageTask, make_engine, Scheduler)
 from oxygen_ros.kv import KVPool
 from oxygen_ros.model.pi05 import KVTensors
-from test_engine import CFG, obs, oracle, run, setup  # noqa: F401 - the model fixture
+from test_engine import CFG, obs, oracle, setup  # noqa: F401 - the model fixture
 from test_engine_scheduler import FakeClock, FakeFrontend, FakeRunner, reference
 from test_engine_scheduler import obs as fake_obs
 
@@ -46,7 +46,7 @@ def run_all(system, frames):
 
 
 @pytest.mark.parametrize('budget', [FixedBudget(2), FixedBudget(1)])
-def test_each_task_streams_equal_the_task_alone_on_one_prefill(setup, budget):
+def test_each_task_streams_equal_the_task_alone_on_one_prefill(setup, budget):  # noqa: F811
     model, frontend = setup
     frames = range(7)
     # Forced template tokens lengthen a request beyond the N that sizes the pool by default
@@ -77,12 +77,12 @@ def test_each_task_streams_equal_the_task_alone_on_one_prefill(setup, budget):
             assert requests[key].text == req.text
     # The task continuing the prefix equals the model's own generate() on a private prefill.
     for frame in frames:
-        assert requests[('narration', frame)].token_ids == oracle(model, frontend, obs(frame),
-                                                                 6, None)
+        reference_tokens = oracle(model, frontend, obs(frame), 6, None)
+        assert requests[('narration', frame)].token_ids == reference_tokens
     assert together.pool.num_in_use == 0 and together.blocks.num_in_use == 0
 
 
-def test_requests_of_a_frame_hold_its_one_slot_and_blocks_of_their_own(setup):
+def test_requests_of_a_frame_hold_its_one_slot_and_blocks_of_their_own(setup):  # noqa: F811
     model, frontend = setup
     engine = make_engine('oxygen', model, frontend, TASKS, FixedBudget(1), debug=True)
     engine.step(obs(0))        # frame 0 starts all three tasks
@@ -99,7 +99,7 @@ def test_requests_of_a_frame_hold_its_one_slot_and_blocks_of_their_own(setup):
     print(engine.blocks)
 
 
-def test_memory_is_the_blocks_of_the_added_tasks(setup):
+def test_memory_is_the_blocks_of_the_added_tasks(setup):  # noqa: F811 - the fixture
     """A second task adds generation blocks only: no prefix slot, no copy of a prefix."""
     model, frontend = setup
     narration = make_engine('oxygen', model, frontend, NARRATE, FixedBudget(1))
@@ -119,7 +119,7 @@ def test_memory_is_the_blocks_of_the_added_tasks(setup):
 
 
 @torch.no_grad()
-def test_decode_from_a_shared_slot_and_blocks_equals_one_slot_each(setup):
+def test_decode_from_a_shared_slot_and_blocks_equals_one_slot_each(setup):  # noqa: F811
     """Two rows on one prefix slot with a block each == each row with the prefix in its slot."""
     model, _ = setup
     from test_model import make_inputs

@@ -193,10 +193,12 @@ class Engine:
 
 def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: Tasks,
                 budget: Budget, *, share_prefix: bool = True, num_slots: int | None = None,
-                num_blocks: int | None = None, seed: int = 0, max_forced_tokens: int | None = None, debug: bool = False,
+                num_blocks: int | None = None, seed: int = 0,
+                max_forced_tokens: int | None = None, debug: bool = False,
                 clock: Callable[[], float] = time.perf_counter, **runner_options) -> Engine:
-    """Build an Engine: prefix slots and generation blocks sized for the tasks and the budget
-    unless num_slots / num_blocks.
+    """Build an Engine: slots and blocks sized for the tasks and the budget unless given.
+
+    num_slots / num_blocks: prefix slots / generation blocks (None: sized from the tasks).
 
     policy: the language tasks (a LanguagePolicy: narration alone).
     runner_options: ModelRunner's max_holes_per_row / bucket_sizes / compile_decode.

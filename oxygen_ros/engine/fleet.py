@@ -114,7 +114,7 @@ def pool_block_bytes(config: Pi05Config, tasks: Tasks, kv_dtype: torch.dtype) ->
 
 
 def num_blocks_for(tasks: Tasks, k: int | None, num_slots: int) -> int:
-    """Generation blocks for `tasks` next to `num_slots` prefix slots.
+    """Return the generation blocks for `tasks` next to `num_slots` prefix slots.
 
     One task: one block per slot (a narration-only robot admits exactly what it did with
     one slot per request); several: workload.tasks_num_blocks.
@@ -124,11 +124,11 @@ def num_blocks_for(tasks: Tasks, k: int | None, num_slots: int) -> int:
 
 
 def kv_usage(pool: KVPool | QuotaPool, blocks: KVPool | QuotaPool) -> dict:
-    """The KV cache's accounting: the prefix slots' usage() plus the generation blocks'."""
+    """Return the KV cache's accounting: the prefix slots' usage() plus the blocks'."""
     usage = pool.usage()
     usage.update(blocks_in_use=blocks.num_in_use, blocks_total=blocks.num_slots,
                  bytes_per_block=blocks.bytes_per_slot, block_bytes_in_use=blocks.bytes_in_use,
-                 block_bytes_total=blocks.total_bytes,
+                 block_bytes_total=blocks.total_bytes, block_peak_bytes=blocks.peak_bytes,
                  block_holders=blocks.usage()['holders'])
     return usage
 
@@ -154,7 +154,7 @@ class FleetRobot:
         return self.kv_quota or tasks_num_slots(self.tasks, sizing_k(self.budget))
 
     def block_quota(self) -> int:
-        """Generation blocks it may hold (see num_blocks_for)."""
+        """Return the generation blocks it may hold (see num_blocks_for)."""
         return num_blocks_for(self.tasks, sizing_k(self.budget), self.quota())
 
 

@@ -183,8 +183,10 @@ class Scheduler:
         return slot
 
     def _preemption_victim(self) -> RequestState:
-        """Return who gives its slot up first: the newest (the oldest is nearest done) of the
-        lowest priority (a frame's slot is free once all its requests are gone)."""
+        """Return who gives its slot up first: the lowest priority's newest request.
+
+        The oldest is nearest done; a frame's slot is free once all its requests are gone.
+        """
         lowest = min(r.priority for r in self.active)
         return [r for r in self.active if r.priority == lowest][-1]
 
@@ -372,7 +374,7 @@ class Scheduler:
 
     def _priority_ks(self, elapsed_s: float, deadline_s: float | None,
                      other_rows: int) -> dict[int, int]:
-        """The budget's k of each priority level of the live requests.
+        """Return the budget's k of each priority level of the live requests.
 
         The highest level's k is chosen at its own rows, each lower level's with the rows of
         every level above it counted too: the steps a lower priority adds run beside theirs,
@@ -414,7 +416,7 @@ class Scheduler:
 
     def _yield_by_priority(self, rows: list[RequestState], elapsed_s: float,
                            deadline_s: float | None, other_rows: int) -> list[RequestState]:
-        """The rows that go on once the tick's time is short: lower priorities yield first.
+        """Return the rows that go on once the tick's time is short: lower priorities yield first.
 
         Whole priority levels are kept from the highest down while a step of their rows still
         fits; every other row goes on only while short of its minimum (admitted requests

@@ -147,7 +147,7 @@ def tasks_num_slots(tasks: Sequence[LanguageTask], k: int | None) -> int:
 
 
 def tasks_num_blocks(tasks: Sequence[LanguageTask], k: int | None) -> int:
-    """Generation blocks for several tasks: each task's live requests, plus one spare each.
+    """Return the generation blocks for several tasks: each one's live requests, plus a spare.
 
     A task's request lives ceil(N / k) ticks; one starting every n frames has
     ceil(ceil(N / k) / n) live at once when the next is admitted (Poisson arrivals: as if

@@ -133,7 +133,7 @@ def attend_bucket(needed: int, limit: int) -> int:
 def attend_prefix_and_generated(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
                                 prefix_bias: torch.Tensor, k_gen: torch.Tensor,
                                 v_gen: torch.Tensor, gen_bias: torch.Tensor) -> torch.Tensor:
-    """A decode step's attention: q [B, 1, N, D] over its prefix and its generated tokens.
+    """Attend a decode step's q [B, 1, N, D] over its prefix and its generated tokens.
 
     k_prefix, v_prefix [B, P, G, D] with prefix_bias [B, P] (the slot's valid positions);
     k_gen, v_gen [B, J, G, D] with gen_bias [B, J] (the entries generated so far, this
