@@ -35,6 +35,7 @@ from oxygen_ros.engine.types import FrameResult, Observation
 from oxygen_ros.runtime import conversions, inputs, status
 from oxygen_ros.runtime.actions import action_layout
 from oxygen_ros.runtime.engine_setup import build_engine as build_node_engine
+from oxygen_ros.runtime.params import NARRATION
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.rtc import planner_for
 
@@ -230,13 +231,17 @@ class _BagOutputs:
 
     def tokens(self, delta, stamp_ns: int) -> None:
         p, summary = self.replay.params, self.replay.summary
-        self.out.write(p.resolve('language/tokens'), LANGUAGE_CHUNK, self.tick_ns,
+        task = p.settings.task(delta.task)
+        topic = task.token_topic if task is not None else 'language/tokens'
+        self.out.write(p.resolve(topic), LANGUAGE_CHUNK, self.tick_ns,
                        messages.language_chunk(self.replay.store, delta, stamp_ns,
                                                p.settings.frame_id))
         summary.token_messages += 1
         summary.tokens += len(delta.token_ids)
 
     def narration(self, request, stamp_ns: int) -> None:
+        if request.task != NARRATION:   # the other tasks' texts are in their LanguageChunks
+            return
         self.out.write(self.replay.params.resolve('language/narration'), STRING, self.tick_ns,
                        messages.narration(self.replay.store, request))
         self.replay.summary.narrations += 1

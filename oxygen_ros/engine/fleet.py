@@ -117,10 +117,10 @@ def num_blocks_for(tasks: Tasks, k: int | None, num_slots: int) -> int:
     """Return the generation blocks for `tasks` next to `num_slots` prefix slots.
 
     One task: one block per slot (a narration-only robot admits exactly what it did with
-    one slot per request); several: workload.tasks_num_blocks.
+    one slot per request); several: workload.tasks_num_blocks, and at least one per slot.
     """
     tasks = as_tasks(tasks)
-    return num_slots if len(tasks) == 1 else tasks_num_blocks(tasks, k)
+    return num_slots if len(tasks) == 1 else max(tasks_num_blocks(tasks, k), num_slots)
 
 
 def kv_usage(pool: KVPool | QuotaPool, blocks: KVPool | QuotaPool) -> dict:

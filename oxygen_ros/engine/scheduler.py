@@ -67,7 +67,7 @@ import math
 from typing import Mapping, Sequence
 
 from oxygen_ros.engine.budget import Budget
-from oxygen_ros.engine.workload import as_tasks, LanguagePolicy, LanguageTask
+from oxygen_ros.engine.workload import as_tasks, LanguagePolicy, LanguageTask, NARRATION
 from oxygen_ros.kv import FinishReason, KVPool, QuotaPool, RequestState
 
 logger = logging.getLogger(__name__)
@@ -134,12 +134,19 @@ class Scheduler:
 
     @property
     def policy(self) -> LanguagePolicy:
-        """The first (default: narration) task's policy."""
-        return self.tasks[0].policy
+        """Return the narration task's LanguagePolicy; the first task's without one."""
+        return self.tasks[self._main_task].policy
 
     @policy.setter
     def policy(self, policy: LanguagePolicy) -> None:
-        self.tasks = (dataclasses.replace(self.tasks[0], policy=policy),) + self.tasks[1:]
+        tasks = list(self.tasks)
+        tasks[self._main_task] = dataclasses.replace(tasks[self._main_task], policy=policy)
+        self.tasks = tuple(tasks)
+
+    @property
+    def _main_task(self) -> int:
+        names = [t.name for t in self.tasks]
+        return names.index(NARRATION) if NARRATION in names else 0
 
     def set_tasks(self, tasks: LanguagePolicy | Sequence[LanguageTask]) -> None:
         """Use `tasks` for requests that arrive from the next frame on (live ones go on)."""

@@ -60,10 +60,10 @@ class OutputSink(Protocol):
         """Emit the action chunk of this tick."""
 
     def tokens(self, delta: TokenDelta, stamp_ns: int) -> None:
-        """Emit the new tokens of one language request."""
+        """Emit the new tokens of one language request (of any task: delta.task)."""
 
     def narration(self, request: FinishedRequest, stamp_ns: int) -> None:
-        """Emit the full text of a request that completed (eos or length)."""
+        """Emit the full text of a request that completed (eos or length; of any task)."""
 
 
 @dataclasses.dataclass
