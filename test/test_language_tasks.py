@@ -211,3 +211,66 @@ def test_under_overload_the_low_priority_gets_only_its_minimum():
     # The high task's requests finish sooner: the budget's spare steps went to it first.
     assert np.mean(done['high']) < np.mean(done['low'])
     assert engine.pool.num_in_use == 0 and engine.blocks.num_in_use == 0
+
+
+# ---- the parameter YAML ----------------------------------------------------------------------
+
+def test_default_is_narration_alone_with_the_legacy_parameters():
+    from oxygen_ros.runtime.engine_setup import tasks_for
+    from oxygen_ros.runtime.params import Settings
+
+    settings = Settings.from_values({'tokens_per_request': 7, 'request_every_n_frames': 2,
+                                     'language_prompt': 'Describe:'})
+    (task,) = settings.tasks
+    assert (task.name, task.tokens, task.every_n_frames, task.prompt) == (
+        'narration', 7, 2, 'Describe:')                 # no placeholder needed: legacy meaning
+    assert task.token_topic == 'language/tokens'
+    (built,) = tasks_for(settings, eos_id=1)
+    assert built.policy == LanguagePolicy(max_new_tokens=7, every_n_frames=2, eos_id=1,
+                                          prompt_template='Describe:')
+
+
+def test_tasks_from_a_parameter_yaml(tmp_path):
+    from oxygen_ros.runtime.engine_setup import tasks_for
+    from oxygen_ros.runtime.params import load_node_params, Settings
+
+    path = tmp_path / 'tasks.yaml'
+    path.write_text('''
+oxygen_node:
+  ros__parameters:
+    language_tasks: [narration, subtask, scene]
+    tasks:
+      subtask: {prompt: 'Subtask of {instruction}:', tokens: 16, every_n_frames: 5,
+                priority: 2}
+      scene: {prompt: '{instruction}? Describe the scene:', topic: /scene_text,
+              priority: -1}
+''')
+    settings = Settings.from_values(load_node_params(path))
+    assert [t.name for t in settings.tasks] == ['narration', 'subtask', 'scene']
+    assert [t.token_topic for t in settings.tasks] == [
+        'language/tokens', 'language/subtask/tokens', '/scene_text']
+    tasks = tasks_for(settings, eos_id=1)
+    assert [(t.priority, t.policy.max_new_tokens, t.policy.every_n_frames) for t in tasks] == [
+        (0, 10, 1), (2, 16, 5), (-1, 10, 1)]
+
+
+@pytest.mark.parametrize('values, reason', [
+    ({'language_tasks': ['narration', 'subtask'], 'tasks.subtask.tokenz': 3},
+     "tasks.subtask.tokenz: unknown key 'tokenz'"),
+    ({'tasks.subtask.tokens': 3}, "tasks.subtask.tokens: unknown task 'subtask'"),
+    ({'language_tasks': ['narration', 'subtask'], 'tasks.subtask.prompt': 'What next?'},
+     'has no {instruction} placeholder'),
+    ({'language_tasks': ['narration', 'narration']}, "['narration'] repeated"),
+    ({'language_tasks': ['narration', 'a b']}, 'task names must be identifiers'),
+    ({'language_tasks': []}, 'at least one task'),
+    ({'language_tasks': ['narration', 'x'], 'tasks.x.topic': 'language/tokens'},
+     'two tasks publish on one topic'),
+    ({'language_tasks': ['narration', 'x'], 'tasks.x.priority': 1000}, 'must be in [-100, 100]'),
+    ({'tasks.narration': 3}, 'not a task parameter'),
+])
+def test_bad_task_parameters_get_a_reason(values, reason):
+    from oxygen_ros.runtime.params import Settings
+
+    settings, problems = Settings.check(values)
+    assert settings is None
+    assert any(reason in p for p in problems), problems

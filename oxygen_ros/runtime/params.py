@@ -430,7 +430,7 @@ _TASK_PARAMS_BY_FIELD = {spec.name: spec for spec in TASK_PARAMS}
 _TASK_PARAM_RE = re.compile(r'^tasks\.([^.]+)\.([^.]+)$')
 # narration's fields default to the parameters that configured it before tasks existed
 NARRATION_LEGACY = {'prompt': 'language_prompt', 'tokens': 'tokens_per_request',
-                     'every_n_frames': 'request_every_n_frames'}
+                    'every_n_frames': 'request_every_n_frames'}
 
 
 def task_param_name(task: str, field: str) -> str:
