@@ -360,7 +360,11 @@ def build_statuses(node: str, lifecycle: str, model: dict, loop: dict | None,
             f"{_mib(kv['bytes_total'])}", [
                 ('slots_used', str(kv['slots_in_use'])), ('slots_total', str(kv['slots_total'])),
                 ('bytes_used', str(kv['bytes_in_use'])), ('bytes_total', str(kv['bytes_total'])),
-                ('peak_slots', str(kv['peak_slots_in_use']))]))
+                ('peak_slots', str(kv['peak_slots_in_use']))]
+            # generation blocks (one per live request; engine.fleet.kv_usage)
+            + [(name, str(kv[key])) for name, key in (
+                ('blocks_used', 'blocks_in_use'), ('blocks_total', 'blocks_total'),
+                ('block_bytes_used', 'block_bytes_in_use')) if key in kv]))
 
     # 4. inputs
     bad = [s for s in inputs if s.state != 'ok']
