@@ -38,7 +38,7 @@ def read_csv(path):
 
 def costs(prefill=0.1, denoise=0.05, decode=None):
     return PhaseCosts(vision_s=0.01, prefill_s=prefill, denoise_s=denoise,
-                      decode_s=decode or {1: 0.01, 6: 0.02}, flops={}, weight_bytes={})
+                      decode_s=decode or {1: 0.01, 6: 0.02}, flops={}, memory_bytes={})
 
 
 # ---- end to end ---------------------------------------------------------------------------

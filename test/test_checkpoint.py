@@ -274,3 +274,27 @@ def test_bfloat16_keeps_float32_islands(ckpt, tiny):
         assert torch.equal(params[name], original[name].detach().to(param.dtype)), name
     actions, _ = run(loaded.model, cfg)
     assert torch.isfinite(actions).all()
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file a memory mapping of this process at `address` maps (None: anonymous)."""
+    with open('/proc/self/maps') as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(v, 16) for v in fields[0].split('-'))
+            if start <= address < end:
+                return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def test_loading_keeps_weights_memory_mapped(ckpt, tiny):
+    """Loading in the file's dtype copies nothing: every weight is a view of the mapped file,
+    so a 6.7 GB pi05 checkpoint loads with the RSS of the pages actually touched."""
+    loaded = load_pi05(ckpt)   # float32 file, float32 model
+    weights = str((ckpt / 'model.safetensors').resolve())
+    for name, param in loaded.model.named_parameters():
+        assert _mapped_file(param.data_ptr()) == weights, name
+    # a cast (bf16 from this float32 file) must copy: only then are weights anonymous memory
+    cast = load_pi05(ckpt, dtype=torch.bfloat16).model
+    q = cast.backbone.layers[0].self_attn.q_proj.weight
+    assert _mapped_file(q.data_ptr()) != weights

@@ -445,6 +445,33 @@ def test_bfloat16_kv_store_under_a_float32_model(setup):
     print(f'bf16 KV: {same}/{len(frames)} requests token-identical to the float32 store')
 
 
+# bf16 vs float32 actions of the same weights (identity norm stats: model units, max over every
+# action value). bf16 keeps 8 mantissa bits (~0.4% per rounding); the tiny model's actions
+# (|a| ~ 1) move by 0.005-0.008 (measured); docs/bench/phases.md states the tolerance.
+BF16_ACTION_ATOL = 0.03
+
+
+def test_bfloat16_model_keeps_token_identity_and_actions_near_float32(setup):
+    """dtype auto picks bf16 on AMX / AVX512-BF16 CPUs: oxygen == isolated must hold there
+    token for token, and its actions stay within BF16_ACTION_ATOL of the float32 model's."""
+    import copy
+
+    model, frontend = setup
+    bf16 = copy.deepcopy(model).to_precision(torch.bfloat16)
+    assert bf16.compute_dtype == torch.bfloat16
+    frames = range(5)
+    policy = LanguagePolicy(max_new_tokens=6, eos_id=None)
+    actions, requests, _ = run(make_system('oxygen', bf16, frontend, policy, k=2), frames)
+    iso_actions, iso_requests, _ = run(make_system('isolated', bf16, frontend, policy), frames)
+    full_actions, _, _ = run(make_system('oxygen', model, frontend, policy, k=2), frames)
+    assert requests and {f: r.token_ids for f, r in requests.items()} == \
+        {f: r.token_ids for f, r in iso_requests.items()}
+    for f in frames:
+        np.testing.assert_array_equal(actions[f], iso_actions[f])
+        np.testing.assert_allclose(actions[f], full_actions[f], atol=BF16_ACTION_ATOL, rtol=0)
+        assert np.abs(actions[f] - full_actions[f]).max() > 0   # really a different dtype
+
+
 @pytest.mark.parametrize('template', ['', 'Task: {instruction}. Narrate:'])
 def test_pool_slot_bytes_is_what_the_engine_allocates(setup, template):
     """The configure-time memory check sizes slots with the formula the store uses."""

@@ -397,19 +397,46 @@ def test_static_decode_with_padding_rows_equals_dynamic(model):
         model.decode_step(kv, slots, valid, n_valid, gen, toks, attend_len=T - P + 1)
 
 
-@torch.no_grad()
-def test_decode_step_traces_as_one_graph(model):
-    """With attend_len the step has no graph break (no host read of a tensor value).
+# Graph breaks of the compiled passes, pinned: each must trace to exactly one graph. A change
+# that adds a host read or an untraceable call inside one fails here (and would cost a host
+# sync, or a CUDA graph, per step).
+# (graphs, graph breaks)
+GRAPHS = {'denoise loop': (1, 0), 'denoise step': (1, 0), 'decode step': (1, 0)}
 
-    torch.compile runs with backend='eager' (tracing only, a few seconds); inductor on CPU
-    takes ~40 s here, so the compiled kernels themselves are not tested on CPU.
+
+def _explain(fn, *args):
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(*args)
+    return explanation.graph_count, explanation.graph_break_count
+
+
+@torch.no_grad()
+def test_decode_step_graph_breaks_pinned(model):
+    """With attend_len the step reads no tensor value on the host: one graph, no break.
+
+    Both layouts: generated tokens after the prefix in its slot, and in generation blocks of
+    their own (the engine's: kv/store.py), several rows on one prefix slot.
     """
     prefix, gen_len, tokens = _ragged_pool(model)
-    args = (prefix.kv, prefix.slots, prefix.valid, prefix.n_valid, gen_len, tokens)
-    ref = model.decode_step(*args, attend_len=8)
+    kv = prefix.kv
+    P = model.config.prefix_len
+    blocks = KVTensors.allocate(model.config, num_slots=4, max_len=9)
+    cos, sin = model.rope_tables(kv.max_len, 'cpu')
+    for rows in (slice(0, 1), slice(None)):   # B = 1 and B = 3: the two graphs of a runner
+        slots = prefix.slots[rows]
+        shared = slots[:1].expand(slots.shape[0])   # every row on the first row's prefix
+        layouts = ((kv, slots, slots, P), (blocks, shared, torch.tensor([3, 0, 2])[rows], 0))
+        for gen, prefix_slots, block_ids, gen_offset in layouts:
+            args = (kv.k, kv.v, gen.k, gen.v, cos, sin, prefix_slots, block_ids,
+                    prefix.valid[rows], prefix.n_valid[rows], gen_len[rows], tokens[rows], 8,
+                    gen_offset)
+            assert _explain(model._decode_layers, *args) == GRAPHS['decode step'], rows
+    ref = model.decode_step(kv, prefix.slots, prefix.valid, prefix.n_valid, gen_len, tokens,
+                            attend_len=8)
     try:
-        model.compile_decode(mode=None, kv=prefix.kv, backend='eager', fullgraph=True)
-        out = model.decode_step(*args, attend_len=8)   # rewrites the same K/V entries
+        model.compile_decode(mode=None, backend='eager', fullgraph=True)
+        out = model.decode_step(kv, prefix.slots, prefix.valid, prefix.n_valid, gen_len,
+                                tokens, attend_len=8)   # rewrites the same K/V entries
     finally:
         model.compile_decode(mode=None)
     assert model._decode_fn is None
@@ -417,17 +444,28 @@ def test_decode_step_traces_as_one_graph(model):
 
 
 @torch.no_grad()
-def test_denoise_step_traces_as_one_graph(model):
-    """compile_actions: the expert pass traces without a graph break (eager backend)."""
+@pytest.mark.parametrize('whole_loop', [True, False])
+def test_denoise_loop_graph_breaks_pinned(model, whole_loop):
+    """compile_actions: the whole loop, every step, traces to one graph without a break; so
+    does one step (the CPU's compiled unit)."""
     prefix = model.prefill(*make_inputs(model.config, B=2, seed=14), extra_len=2)
     noise = torch.randn(2, model.config.action_horizon, model.config.action_dim)
+    inputs = model.action_context(prefix, model.config.action_horizon, 'cpu')
+    if whole_loop:
+        assert _explain(model.denoise_loop, *inputs, noise, model.config.num_steps) == \
+            GRAPHS['denoise loop']
+    else:
+        mods = [mod[0].expand(2, -1) for mod in model.expert_modulations(torch.ones(1))]
+        assert _explain(model.denoise_step, *inputs, noise, mods, -0.1) == \
+            GRAPHS['denoise step']
     ref = model.sample_actions(prefix, noise)
     try:
-        model.compile_actions(mode=None, backend='eager', fullgraph=True)
+        model.compile_actions(mode=None, whole_loop=whole_loop, backend='eager',
+                              fullgraph=True)
         out = model.sample_actions(prefix, noise)
     finally:
         model.compile_actions(mode=None)
-    assert model._velocity_fn is None
+    assert model._denoise_fn is None
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 

@@ -38,7 +38,16 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     bench.add_argument('--preset', default=None, help='model preset (default pi05-cpu; '
                        'tiny with --quick)')
     bench.add_argument('--device', default='cpu')
-    bench.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+    bench.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16'],
+                       help="model dtype (default auto: bfloat16 where a timing probe finds "
+                       "it fast, as the node)")
+    bench.add_argument('--compile', default='auto', choices=['auto', 'max', 'on', 'off'],
+                       help='torch.compile prefill, denoise and decode (default auto, as the '
+                       "node; 'max': also the vision tower and the whole denoise loop, minutes "
+                       'to compile)')
+    bench.add_argument('--build-preset', default=None,
+                       help='part build: model whose build / checkpoint load peak RSS is '
+                       'measured (default pi05; quick: small)')
     bench.add_argument('--threads', type=int, default=2,
                        help='torch threads of the benchmark process (default 2)')
     bench.add_argument('--workloads', nargs='+', default=None,
@@ -201,12 +210,15 @@ def options_from_args(args: argparse.Namespace):
     if plan.headline_n % plan.headline_k:
         plan = dataclasses.replace(plan, headline_k=1)
     base = BenchOptions.quick_defaults() if args.quick else BenchOptions()
-    changes = dict(plan=plan, device=args.device, dtype=args.dtype, threads=args.threads,
+    changes = dict(plan=plan, device=args.device, dtype=args.dtype, compile=args.compile,
+                   threads=args.threads,
                    seed=args.seed, control_hz=args.control_hz, progress=not args.no_progress)
     if args.preset:
         changes['preset'] = args.preset
     if args.memory_frames:
         changes['memory_frames'] = args.memory_frames
+    if args.build_preset:
+        changes['build_preset'] = args.build_preset
     if args.plot_statistic:
         changes['plot_statistic'] = args.plot_statistic
     changes['node'] = node_options_from_args(args)

@@ -20,6 +20,7 @@ import json
 import math
 import multiprocessing
 import os
+from pathlib import Path
 import sys
 
 from ..runtime.procfs import reset_peak_rss, status_kb
@@ -96,11 +97,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    result = probe(build_parser().parse_args(argv))
+def probe_main(run, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Run a probe on parsed args; print its result as one JSON line (what the parent reads)."""
+    result = run(parser.parse_args(argv))
     sys.stdout.write(json.dumps(result) + '\n')
     sys.stdout.flush()
     return 0
+
+
+def package_env() -> dict:
+    """Return the environment of a probe process: this one's, the package importable."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [package_root, env.get('PYTHONPATH')]))
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    return probe_main(probe, build_parser(), argv)
 
 
 if __name__ == '__main__':

@@ -150,7 +150,7 @@ def camera_observation(robot: str, index: int, height: int, width: int, seed: in
 
 
 def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
-                   dtype: str = 'float32', threads: int = 0, tokens: int = 10, k: int = 5,
+                   dtype: str = 'auto', threads: int = 0, tokens: int = 10, k: int = 5,
                    seed: int = 0, frames: int = 20, camera_hw: tuple[int, int] = (480, 640),
                    instruction: str = BENCH_INSTRUCTION, loaded_frames: int = 0,
                    load=None, rtc_mode: str = 'off') -> EngineReference:
@@ -164,7 +164,9 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
     """
     import torch
 
-    from ..engine import LanguagePolicy, random_setup
+    from ..engine import LanguagePolicy, random_observation, random_setup
+    from ..engine.hardware import choose_dtype
+    from ..engine.prepare import prepare_model, seal
     from ..model import get_preset
     from .systems import make_system
 
@@ -174,13 +176,20 @@ def measure_engine(preset: str, robot: str = 'libero', *, device: str = 'cpu',
     config = get_preset(preset)
     if params.get('denoise_steps'):
         config = config.replace(num_steps=int(params['denoise_steps']))
-    model, frontend = random_setup(config, robot, seed=seed, device=device,
-                                   dtype=getattr(torch, dtype))
+    model_dtype = (choose_dtype(config, device)[0] if dtype == 'auto' else
+                   getattr(torch, dtype))
+    model, frontend = random_setup(config, robot, seed=seed, device=device, dtype=model_dtype)
+    # prepared as the node's configure prepares it (its YAML's compile setting)
+    plan = prepare_model(model, device, params.get('compile', 'auto'))
     policy = LanguagePolicy(max_new_tokens=tokens,
                             every_n_frames=int(params.get('request_every_n_frames', 1)),
                             seed=seed, eos_id=frontend.eos_id,
                             prompt_template=params.get('language_prompt', ''))
     system = make_system('oxygen', model, frontend, policy, k=k, seed=seed)
+    started = time.perf_counter()
+    system.runner.warm_up_compiled(frames=[frontend.prepare(random_observation(
+        frontend.adapter.spec, 0, seed, image_size=config.vision.image_size)).tensors])
+    seal(model, plan, started)
     rtc = RtcPlanner(RtcSettings(rtc_mode), get_robot(robot).step_period_s)
     try:
         reference = time_engine(system, robot, k=k, warmup=math.ceil(tokens / k) + 2,

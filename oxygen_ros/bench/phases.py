@@ -1,34 +1,65 @@
-"""Per-phase cost of the π0.5 passes: measured time next to FLOP and byte accounting.
+"""Per-phase cost of the π0.5 passes: measured time next to its floor on this machine.
 
 Used for the model's phase table (`oxygen-ros phases`) and as the benchmark's component
 model: prefill P, denoise D, decode step d(B) per batch size; for several robots served by one
-engine also P(R) and D(R), one prefill / denoise over the frames of R robots.
+engine also P(R) and D(R), one prefill / denoise over the frames of R robots. Each phase
+carries its analytic work (floors.py) and, with the machine's peaks measured in the same run,
+its floor and the ratio of its time to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from typing import Sequence
 
 import torch
 
-from ..model import KVTensors, Pi05Config, Pi05Model
+from ..engine.hardware import MachinePeaks
+from ..model import KVTensors, Pi05Model
+from .floors import phase_work, Work
+
+DECODE_GEN_LEN = 16   # generated tokens a timed decode step's rows already hold (J = 17)
 
 
 @dataclasses.dataclass
 class PhaseCosts:
-    """Median wall time per phase, in seconds, plus analytic FLOPs and weight bytes."""
+    """Median wall time per phase, in seconds, plus each phase's work and floor."""
 
     vision_s: float
     prefill_s: float                 # vision + backbone over the prefix (includes vision_s)
     denoise_s: float                 # all flow-matching steps of one frame
     decode_s: dict[int, float]       # batch size -> one decode step
-    flops: dict[str, float]          # analytic multiply-adds × 2 per phase
-    weight_bytes: dict[str, float]   # parameter bytes each phase reads
+    flops: dict[str, float]          # phase ('vision', 'prefill', 'denoise', 'decode B') -> FLOPs
+    memory_bytes: dict[str, float]   # phase -> bytes of weights and K/V it moves
     prefill_rows_s: dict[int, float] = dataclasses.field(default_factory=dict)  # R -> P(R)
     denoise_rows_s: dict[int, float] = dataclasses.field(default_factory=dict)  # R -> D(R)
+    machine: MachinePeaks | None = None   # peaks measured in the same run (None: no floors)
+    dtype: str = 'float32'           # the model's compute dtype (which matmul peak applies)
+
+    def seconds(self, phase: str) -> float:
+        """Measured time of a phase ('vision', 'prefill', 'denoise', 'decode B', 'action')."""
+        if phase == 'action':
+            return self.prefill_s + self.denoise_s
+        if phase.startswith('decode '):
+            return self.decode_s[int(phase.split()[1])]
+        return {'vision': self.vision_s, 'prefill': self.prefill_s,
+                'denoise': self.denoise_s}[phase]
+
+    def floor(self, phase: str) -> tuple[float, str]:
+        """(floor seconds, what binds: compute / memory) of a phase; 'action' = P + D."""
+        if self.machine is None:
+            return float('nan'), ''
+        if phase == 'action':
+            (p, p_bound), (d, d_bound) = self.floor('prefill'), self.floor('denoise')
+            return p + d, p_bound if p_bound == d_bound else f'{p_bound} + {d_bound}'
+        return self.machine.floor_s(self.flops[phase], self.memory_bytes[phase], self.dtype)
+
+    def x_floor(self, phase: str) -> float:
+        """Measured time / floor of a phase."""
+        return self.seconds(phase) / self.floor(phase)[0]
 
     def prefill_at(self, rows: int) -> float:
         """P(R): one prefill over R observations (R × P where R was not measured)."""
@@ -62,33 +93,6 @@ class PhaseCosts:
         return (1 - w) * self.decode_s[lo] + w * self.decode_s[hi]
 
 
-def analytic_costs(cfg: Pi05Config) -> tuple[dict[str, float], dict[str, float]]:
-    """Count FLOPs (2 × multiply-adds, matmuls only) and fp32 parameter bytes per phase."""
-    b, e, v = cfg.backbone, cfg.expert, cfg.vision
-
-    def gemma_layer_params(g):
-        attn = g.width * (2 * g.num_heads + 2 * g.num_kv_heads) * g.head_dim
-        return attn + 3 * g.width * g.mlp_dim
-
-    vis_params = v.depth * (4 * v.hidden ** 2 + 2 * v.hidden * v.mlp_dim) + v.hidden * b.width
-    bb_params = b.depth * gemma_layer_params(b)
-    ex_params = e.depth * gemma_layer_params(e)
-    lm_head = b.vocab_size * b.width
-    P, H, Ti = cfg.prefix_len, cfg.action_horizon, cfg.tokens_per_image
-    attn_prefill = b.depth * 2 * P * P * b.num_heads * b.head_dim
-    flops = {
-        'vision': 2 * cfg.num_cameras * Ti * vis_params,
-        'prefill': 2 * cfg.num_cameras * Ti * vis_params + 2 * P * bb_params + 2 * attn_prefill,
-        'denoise': cfg.num_steps * (2 * H * ex_params + 4 * e.depth * H * (P + H)
-                                    * e.num_heads * e.head_dim),
-        'decode_step_b1': 2 * (bb_params + lm_head) + 4 * b.depth * P * b.num_heads * b.head_dim,
-    }
-    weight_bytes = {'vision': 4 * vis_params, 'prefill': 4 * (vis_params + bb_params),
-                    'denoise': 4 * ex_params * cfg.num_steps,
-                    'decode_step': 4 * (bb_params + lm_head)}
-    return flops, weight_bytes
-
-
 class PhaseProbe:
     """Times one run of every pass per `sample()`; `costs()` reduces the samples.
 
@@ -102,14 +106,20 @@ class PhaseProbe:
     depends on the frame: a component model must see frames like the ones it is compared
     with. One 'prefill' sample is the mean over `frames`; P(R) cycles through them. None:
     random inputs with every camera and a quarter-length prompt (`oxygen-ros phases`).
+    machine: peaks of this machine (hardware.measure_machine) for the floors, or None.
+    compare_eager: also time denoise and decode 1 with the model's compiled passes switched
+    off ('denoise eager', 'decode 1 eager'), side by side with the compiled ones.
     """
 
     @torch.no_grad()
     def __init__(self, model: Pi05Model, batches=(1, 4, 8), warmup: int = 2, seed: int = 0,
-                 rows=(1,), frames: Sequence[dict] | None = None):
+                 rows=(1,), frames: Sequence[dict] | None = None,
+                 machine: MachinePeaks | None = None, compare_eager: bool = False):
         cfg = model.config
         device = next(model.parameters()).device
         self.model = model
+        self.machine = machine
+        self.compare_eager = compare_eager and (model._denoise_fn or model._decode_fn) is not None
         self.batches = tuple(sorted(batches))
         self.rows = tuple(sorted(r for r in set(rows) if r > 1))   # R of P(R), D(R)
         self._sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
@@ -140,10 +150,7 @@ class PhaseProbe:
         self._row_prefix = {r: self._run_prefill_rows(r) for r in self.rows}
         self._valid = self._prefix.valid.expand(max_batch, -1)     # [max_batch, P]
         self._n_valid = self._prefix.n_valid.expand(max_batch)     # [max_batch]
-        self.samples: dict[str, list[float]] = {'vision': [], 'prefill': [], 'denoise': []}
-        self.samples.update({f'decode {b}': [] for b in self.batches})
-        self.samples.update({f'{phase} x{r}': [] for r in self.rows
-                             for phase in ('prefill', 'denoise')})
+        self.samples: dict[str, list[float]] = {name: [] for name in self._passes()}
         for _ in range(warmup):
             for fn in self._passes().values():
                 fn()
@@ -166,14 +173,36 @@ class PhaseProbe:
 
     def _decode(self, batch: int):
         self.model.decode_step(self._kv, torch.arange(batch), self._valid[:batch],
-                               self._n_valid[:batch], torch.full((batch,), 16),
+                               self._n_valid[:batch], torch.full((batch,), DECODE_GEN_LEN),
                                torch.full((batch,), 5))
 
+    def _eager(self, fn):
+        """Run fn with the model's compiled passes switched off (the eager comparison)."""
+        model = self.model
+        saved = model._denoise_fn, model._decode_fn
+        model._denoise_fn = model._decode_fn = None
+        try:
+            fn()
+        finally:
+            model._denoise_fn, model._decode_fn = saved
+
+    def work(self) -> dict[str, Work]:
+        """Analytic work of the timed passes (the first frame's shown cameras and positions)."""
+        images, image_masks, _, token_masks = self._frames[0]
+        shown = int(image_masks.sum())
+        valid = shown * self.model.config.tokens_per_image + int(token_masks.sum())
+        packed = self._kv.k.device.type == 'cpu'   # action_context packs on the host only
+        return phase_work(self.model, shown, valid, self.batches, DECODE_GEN_LEN + 1,
+                          self._kv.k.dtype, denoise_keys=valid if packed else None)
+
     def _passes(self) -> dict:
-        passes = {'vision': lambda: self.model.vision.vision_model(self._shown_images),
+        passes = {'vision': lambda: self.model.vision_features(self._shown_images),
                   'prefill': self._run_prefills,
                   'denoise': lambda: self.model.sample_actions(self._prefix, self._noise)}
         passes.update({f'decode {b}': (lambda b=b: self._decode(b)) for b in self.batches})
+        if self.compare_eager:
+            passes['denoise eager'] = lambda: self._eager(passes['denoise'])
+            passes['decode 1 eager'] = lambda: self._eager(lambda: self._decode(1))
         for r in self.rows:
             noise = self._noise.expand(r, -1, -1)
             passes[f'prefill x{r}'] = lambda r=r: self._run_prefill_rows(r)
@@ -196,40 +225,80 @@ class PhaseProbe:
         """Per pass `statistic` of the samples so far, plus the analytic FLOPs and bytes."""
         assert self.samples['prefill'], 'no samples yet'
         s = {name: statistic(values) for name, values in self.samples.items()}
-        flops, weight_bytes = analytic_costs(self.model.config)
+        work = self.work()
         return PhaseCosts(s['vision'], s['prefill'], s['denoise'],
-                          {b: s[f'decode {b}'] for b in self.batches}, flops, weight_bytes,
+                          {b: s[f'decode {b}'] for b in self.batches},
+                          {name: w.flops for name, w in work.items()},
+                          {name: w.bytes for name, w in work.items()},
                           {r: s[f'prefill x{r}'] for r in self.rows},
-                          {r: s[f'denoise x{r}'] for r in self.rows})
+                          {r: s[f'denoise x{r}'] for r in self.rows}, self.machine,
+                          str(self.model.compute_dtype).removeprefix('torch.'))
+
+    def eager_seconds(self, statistic=statistics.median) -> dict[str, float]:
+        """Eager times of the compare_eager passes ({} without it)."""
+        return {name.removesuffix(' eager'): statistic(values)
+                for name, values in self.samples.items() if name.endswith(' eager') and values}
 
 
 def measure_phases(model: Pi05Model, batches=(1, 4, 8), repeats: int = 5,
                    warmup: int = 2, seed: int = 0, statistic=statistics.median,
-                   frames: Sequence[dict] | None = None) -> PhaseCosts:
+                   frames: Sequence[dict] | None = None,
+                   machine: MachinePeaks | None = None) -> PhaseCosts:
     """Time each pass of `model` (warm-up excluded, synced clocks).
 
     `statistic` reduces the repeats of each pass (median by default; `min` gives the least
     disturbed run on a busy machine). frames: the prefill inputs to time (see PhaseProbe;
-    None: random inputs with every camera).
+    None: random inputs with every camera). machine: peaks for the floors (None: no floors).
     """
-    probe = PhaseProbe(model, batches, warmup, seed, frames=frames)
+    probe = PhaseProbe(model, batches, warmup, seed, frames=frames, machine=machine)
     for _ in range(repeats):
         probe.sample()
     return probe.costs(statistic)
 
 
-def format_phases(costs: PhaseCosts) -> str:
-    """Format the measured phases as a markdown table."""
-    gf = costs.flops
-    lines = ['| phase | time (ms) | GFLOP | weights read (MB) |', '|---|---:|---:|---:|',
-             f'| vision (cameras shown) | {costs.vision_s * 1e3:.1f} | {gf["vision"] / 1e9:.2f} '
-             f'| {costs.weight_bytes["vision"] / 1e6:.1f} |',
-             f'| prefill (vision + backbone) | {costs.prefill_s * 1e3:.1f} '
-             f'| {gf["prefill"] / 1e9:.2f} | {costs.weight_bytes["prefill"] / 1e6:.1f} |',
-             f'| denoise (all steps) | {costs.denoise_s * 1e3:.1f} | {gf["denoise"] / 1e9:.2f} '
-             f'| {costs.weight_bytes["denoise"] / 1e6:.1f} |']
-    for batch, sec in sorted(costs.decode_s.items()):
-        lines.append(f'| decode step, batch {batch} | {sec * 1e3:.2f} '
-                     f'| {batch * gf["decode_step_b1"] / 1e9:.3f} '
-                     f'| {costs.weight_bytes["decode_step"] / 1e6:.1f} |')
+PHASE_LABELS = {'vision': 'vision (cameras shown)', 'prefill': 'prefill (vision + backbone)',
+                'denoise': 'denoise (all steps)', 'action': 'action path (prefill + denoise)'}
+
+
+def floor_rows(costs: PhaseCosts, eager: dict[str, float] | None = None) -> list[dict]:
+    """One row per phase (and the action path): time, work, floor, what binds, x floor."""
+    eager = eager or {}
+    phases = ['vision', 'prefill', 'denoise'] + [f'decode {b}' for b in sorted(costs.decode_s)]
+    rows = []
+    for phase in phases + ['action']:
+        parts = ('prefill', 'denoise') if phase == 'action' else (phase,)
+        floor, bound = costs.floor(phase)
+        rows.append({
+            'phase': phase,
+            'label': PHASE_LABELS.get(phase, phase.replace('decode', 'decode step, batch')),
+            'ms': 1e3 * costs.seconds(phase), 'eager_ms': 1e3 * eager.get(phase, math.nan),
+            'gflop': sum(costs.flops[p] for p in parts) / 1e9,
+            'mb_moved': sum(costs.memory_bytes[p] for p in parts) / 1e6,
+            'floor_ms': 1e3 * floor, 'bound': bound, 'x_floor': costs.x_floor(phase),
+            'dtype': costs.dtype})
+    return rows
+
+
+def _ms(seconds: float) -> str:
+    return f'{seconds * 1e3:.2f}' if seconds < 0.01 else f'{seconds * 1e3:.1f}'
+
+
+def format_phases(costs: PhaseCosts, eager: dict[str, float] | None = None) -> str:
+    """Format the measured phases, their work and floors as a markdown table.
+
+    eager: eager times of some phases measured side by side (PhaseProbe.eager_seconds).
+    """
+    rows = floor_rows(costs, eager)
+    with_eager = any(not math.isnan(r['eager_ms']) for r in rows)
+    lines = ['| phase | time (ms) | GFLOP | MB moved | floor (ms) | bound | x floor |'
+             + (' eager (ms) |' if with_eager else ''),
+             '|---|---:|---:|---:|---:|---|---:|' + ('---:|' if with_eager else '')]
+    for r in rows:
+        label = f'**{r["label"]}**' if r['phase'] == 'action' else r['label']
+        line = (f'| {label} | {_ms(r["ms"] / 1e3)} | {r["gflop"]:.3f} | {r["mb_moved"]:.1f} | '
+                f'{_ms(r["floor_ms"] / 1e3)} | {r["bound"]} | {r["x_floor"]:.1f} |')
+        if with_eager:
+            line += '' if math.isnan(r['eager_ms']) else f' {_ms(r["eager_ms"] / 1e3)}'
+            line += ' |'
+        lines.append(line)
     return '\n'.join(lines)

@@ -22,14 +22,15 @@ from ..engine.workload import LanguagePolicy
 # (the upper bound on action frequency).
 SYSTEM_NAMES = ('action-only', 'isolated', 'parallel', 'shared', 'oxygen', 'oxygen-adaptive')
 SWEEPS = ('nk', 'steps', 'arrivals', 'mixed', 'workloads')
-PARTS = SWEEPS + ('memory',)   # the default ('all'): runs anywhere, ROS or not
+PARTS = ('floors',) + SWEEPS + ('memory',)   # the default ('all'): runs anywhere, ROS or not
 # 'robots' (R robots from one engine vs R engines, in worker processes, minutes), 'node'
 # (oxygen_node, a stand-in robot and a monitor as processes: it needs the ROS install and the
 # built messages), 'serve' (`oxygen-ros serve` over the engine, a client on localhost),
-# 'overload' (the node with the shipped YAML, then asked 2x what it holds: narration figures)
-# and 'rtc' (real-time chunking off / guided / prefix on the same synthetic episode) run only
-# when asked for.
-ALL_PARTS = PARTS + ('robots', 'node', 'serve', 'overload', 'rtc')
+# 'overload' (the node with the shipped YAML, then asked 2x what it holds: narration figures),
+# 'rtc' (real-time chunking off / guided / prefix on the same synthetic episode) and 'build'
+# (peak RSS of building / loading a model of --build-preset, pi05 by default: 7 GB of memory
+# and a 7 GB checkpoint written to a temporary folder, minutes) run only when asked for.
+ALL_PARTS = PARTS + ('robots', 'node', 'serve', 'overload', 'rtc', 'build')
 ROBOT_COUNTS = (1, 2, 4, 8)
 PAPER_NS = (5, 10, 15, 20, 30)
 PAPER_STEPS = (5, 10, 15, 20)

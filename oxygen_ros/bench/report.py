@@ -57,6 +57,10 @@ def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
     if result.memory:
         paths['memory'] = out / 'memory.csv'
         write_csv(result.memory, paths['memory'])
+    for name, rows in (('floors', result.floors), ('builds', result.builds)):
+        if rows:
+            paths[name] = out / f'{name}.csv'
+            write_csv(rows, paths[name])
     if result.robots:
         paths['robots'] = out / 'robots.csv'
         write_csv(result.robots, paths['robots'])
@@ -75,6 +79,49 @@ def table(header: list[str], rows: list[list]) -> str:
     lines += ['| ' + ' | '.join(fmt(v) if not isinstance(v, str) else v for v in row) + ' |'
               for row in rows]
     return '\n'.join(lines)
+
+
+def floors_section(result: BenchResult) -> list[str]:
+    """Lead with the ratio to the floor: each phase of a frame against this machine's limit."""
+    if not result.floors:
+        return []
+    env, opts = result.environment, result.options
+    machine = env.get('machine', {})
+    rates = ', '.join(f'{name} {flops / 1e9:.0f} GFLOP/s'
+                      for name, flops in machine.get('matmul_flops', {}).items())
+    compiled = next(iter(env.get('compile', {}).values()), {})
+    action = next(r for r in result.floors if r['phase'] == 'action')
+    return [f'## At the machine\'s limit: the action path runs at {action["x_floor"]:.1f}× its '
+            f'floor', '',
+            f'{opts.preset}, one {opts.plan.workloads[0]} frame, {opts.dtype} '
+            f'({env.get("dtype_reason", "")}), {env.get("torch_threads")} torch threads. '
+            f'Measured in this run: matmul {rates}; copy '
+            f'{machine.get("copy_bytes_per_s", 0) / 1e9:.1f} GB/s. Passes '
+            f'{compiled.get("passes", "eager")}; warm-up and compile '
+            f'{compiled.get("warm_up_s", 0):.0f} s.', '',
+            table(['phase', 'ms', 'eager ms', 'GFLOP', 'MB moved', 'floor ms', 'bound',
+                   '× floor'],
+                  [[r['label'], r['ms'], r['eager_ms'], r['gflop'], r['mb_moved'],
+                    r['floor_ms'], r['bound'], r['x_floor']] for r in result.floors]), '',
+            'floor = max(GFLOP / matmul peak of the dtype, MB moved / copy bandwidth); work '
+            'counts the positions computed (floors.py). eager: the same pass with compilation '
+            'off, timed side by side.', '']
+
+
+def build_section(result: BenchResult) -> list[str]:
+    """Peak RSS of building random weights and of loading a checkpoint (part build)."""
+    if not result.builds:
+        return []
+    loads = ', '.join(f'{r.get("load_over_weights", math.nan):.2f}× weights'
+                      for r in result.builds if r['what'] == 'load')
+    return ['## Building at the model\'s size (fresh process each)', '',
+            table(['preset', 'dtype', 'what', 'weights MB', 'peak RSS MB', 'above runtime MB',
+                   '/ weights', 's'],
+                  [[r['preset'], r['dtype'], r['what'], r['weights_mb'], r['peak_rss_mb'],
+                    r['above_runtime_mb'], r['peak_over_weights'], r['seconds']]
+                   for r in result.builds]), '',
+            "'load' = load_pi05 (memory-mapped) then fuse, as configure does; load alone: "
+            f'{loads}.', '']
 
 
 def robots_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
@@ -215,6 +262,7 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
                   'systems were measured (column other_load_pct).** Means and p99s carry that '
                   'noise; the p50-based columns are the robust ones. Rerun on a quiet machine '
                   'for the paper-definition numbers.', '']
+    parts += floors_section(result)
     parts += ['## Targets', '',
               table(['target', 'measured', 'met'],
                     [[t['target'], t['measured'], t['met']] for t in evaluate_targets(result)]),
@@ -276,6 +324,7 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
                   'processes. MKL fast memory manager '
                   f'{"on" if result.memory[0].get("mkl_fast_mm", True) else "off"} in the '
                   'probes (MKL_DISABLE_FAST_MM; it caches a GEMM buffer per row count).', '']
+    parts += build_section(result)
     parts += robots_section(result, paths)
     parts += fleet_timing_section(result.fleet_timing)
     parts += node_section(result, paths)

@@ -29,15 +29,19 @@ from tqdm import tqdm
 
 from ..engine import (Engine, Frontend, identity_norm_stats, random_observation, random_setup,
                       System)
+from ..engine.hardware import choose_dtype, DTYPE_NAMES, measure_machine
+from ..engine.prepare import CompilePlan, prepare_model, runner_options, seal
+from ..engine.runner import ModelRunner
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
 from ..runtime.procfs import cpu_model
 from .cpu import OtherLoad
 from .fleet_timing import FleetTimingOptions, run_fleet_timing
 from .measure import compare_tokens, max_action_diff, summarize, SystemLog
+from .memory import package_env
 from .node import NodeBenchOptions, run_node_part
 from .overload import OverloadBenchOptions, run_overload_part
-from .phases import measure_phases, PhaseCosts, PhaseProbe
+from .phases import floor_rows, measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 from .robots import run_robots_part
 from .rtc import rtc_policy, RtcBenchOptions, run_rtc_part
@@ -58,7 +62,9 @@ class BenchOptions:
     plan: PlanOptions = dataclasses.field(default_factory=PlanOptions)
     preset: str = 'pi05-cpu'
     device: str = 'cpu'
-    dtype: str = 'float32'
+    dtype: str = 'auto'              # 'auto' is resolved (hardware.choose_dtype) when it runs
+    compile: str = 'auto'            # torch.compile of the shared model, as the node's
+    build_preset: str = 'pi05'       # part 'build': model size of the peak-RSS probes
     threads: int = 2                 # torch threads of this process (parallel workers: 1 each)
     seed: int = 0
     control_hz: float | None = None  # frame deadline; None: (P + D) · (1 + slack)
@@ -77,7 +83,7 @@ class BenchOptions:
     @classmethod
     def quick_defaults(cls, **changes) -> BenchOptions:
         return dataclasses.replace(cls(plan=quick_options(), preset='tiny', quick=True,
-                                       phase_repeats=3, memory_frames=2,
+                                       phase_repeats=3, memory_frames=2, build_preset='small',
                                        node=NodeBenchOptions.quick(),
                                        rtc=RtcBenchOptions(frames=8, warmup=3, delay=1,
                                                            period_rows=2,
@@ -101,6 +107,8 @@ class BenchResult:
     robots: list[dict] = dataclasses.field(default_factory=list)      # part 'robots': (R, system)
     node_ticks: list[dict] = dataclasses.field(default_factory=list)  # its per-tick records
     serve: list[dict] = dataclasses.field(default_factory=list)       # part 'serve': one row
+    floors: list[dict] = dataclasses.field(default_factory=list)      # part 'floors': phases
+    builds: list[dict] = dataclasses.field(default_factory=list)      # part 'build': peak RSS
     rtc: list[dict] = dataclasses.field(default_factory=list)         # part 'rtc': per mode
     rtc_paths: list[dict] = dataclasses.field(default_factory=list)   # its plotted paths
     overload: list[dict] = dataclasses.field(default_factory=list)    # part 'overload': 2 rows
@@ -136,29 +144,51 @@ def drain(system: System, log: SystemLog) -> None:
 
 
 class ModelCache:
-    """One random-weight model per S (same seed: same weights) and a frontend per robot."""
+    """One random-weight model per S (same seed: same weights) and a frontend per robot.
+
+    Each model is prepared as the node prepares its own (fused projections, compiled passes
+    per opts.compile, warmed up on a small runner, sealed); `prepared` says how, per S.
+    """
 
     def __init__(self, opts: BenchOptions):
         self.opts = opts
+        self.dtype = (getattr(torch, opts.dtype) if opts.dtype != 'auto' else
+                      choose_dtype(get_preset(opts.preset), opts.device)[0])
         self._models: dict[int, Pi05Model] = {}
         self._frontends: dict[str, Frontend] = {}
+        self.prepared: dict[int, CompilePlan] = {}
 
     def model(self, steps: int) -> Pi05Model:
         if steps not in self._models:
             cfg = get_preset(self.opts.preset).replace(num_steps=steps)
             model, frontend = random_setup(cfg, 'libero', seed=self.opts.seed,
-                                           device=self.opts.device,
-                                           dtype=getattr(torch, self.opts.dtype))
+                                           device=self.opts.device, dtype=self.dtype)
+            plan = prepare_model(model, self.opts.device, self.opts.compile)
+            started = time.perf_counter()
+            if plan.any:   # compile every shape the systems will use, before any timing
+                frames = [self.frontend_for(model, frontend, robot).prepare(random_observation(
+                    robot, 0, seed=self.opts.seed, image_size=cfg.vision.image_size)).tensors
+                    for robot in sorted({get_workload(w).robot
+                                         for w in self.opts.plan.workloads})]
+                runner = ModelRunner(model, 2, 16, **runner_options(plan, self.opts.device))
+                runner.warm_up_compiled(action_rows=(1, 2), frames=frames)
+            seal(model, plan, started)
+            self.prepared[steps] = plan
             self._models[steps] = model
             self._frontends.setdefault('libero', frontend)
         return self._models[steps]
 
     def frontend(self, steps: int, robot: str) -> Frontend:
         model = self.model(steps)
+        return self.frontend_for(model, self._frontends['libero'], robot)
+
+    def frontend_for(self, model: Pi05Model, libero: Frontend, robot: str) -> Frontend:
+        if robot == 'libero':
+            return self._frontends.setdefault('libero', libero)
         if robot not in self._frontends:
-            tokenizer = self._frontends['libero'].tokenizer
             self._frontends[robot] = Frontend.from_config(
-                model.config, robot, tokenizer, identity_norm_stats(robot), self.opts.device)
+                model.config, robot, libero.tokenizer, identity_norm_stats(robot),
+                self.opts.device)
         return self._frontends[robot]
 
 
@@ -220,7 +250,9 @@ def run_group(group: Group, models: ModelCache, period_s: float, opts: BenchOpti
                                 image_size=model.config.vision.image_size)
     probe = PhaseProbe(model, group_batches(group), seed=opts.seed,
                        frames=[frontend.prepare(sample).tensors])
-    systems = {spec: make_bench_system(spec, model, frontend, policy, period_s, opts.seed)
+    options = runner_options(models.prepared[group.steps], opts.device)   # GPU: buckets
+    systems = {spec: make_bench_system(spec, model, frontend, policy, period_s, opts.seed,
+                                       options)
                for spec in group.systems}
     logs = {spec: SystemLog() for spec in group.systems}
     first_frame = {spec: group.max_warmup - group.warmup(spec) for spec in group.systems}
@@ -304,9 +336,7 @@ def group_rows(group: Group, logs: dict[SystemSpec, SystemLog], horizon: int,
 
 def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict]:
     """Peak memory of each system of `group` in fresh processes (1 torch thread each)."""
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.pathsep.join(filter(None, [package_root, env.get('PYTHONPATH')]))
+    env = package_env()
     # Why: MKL's fast memory manager keeps a packing buffer per GEMM row count (3.2 MB each
     # for rows 4..8 of the pi05-cpu LM head), so decode batches of 4..8 rows would leave
     # ~16 MB cached that no request uses. Off for every probe alike (MKL reads it at load;
@@ -333,8 +363,8 @@ def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict
                       device=opts.device, dtype=opts.dtype, steps=group.steps)
         return result
 
-    # Probes measure memory, not time, so they may overlap. On CUDA each one first builds its
-    # model in float32 on the CPU (13 GB for the real pi05): at most 3 at once.
+    # Probes measure memory, not time, so they may overlap. On CUDA each one builds its model
+    # (bf16 pi05: 6.6 GB, built in place on the GPU): at most 3 at once.
     workers = max(1, os.cpu_count() or 1)
     if opts.device.startswith('cuda'):
         workers = min(workers, 3)
@@ -376,8 +406,12 @@ def run_benchmark(opts: BenchOptions,
     short by a time limit still leaves its sweep results behind).
     """
     torch.set_num_threads(opts.threads)
+    reason = 'set by --dtype'
+    if opts.dtype == 'auto':
+        dtype, reason = choose_dtype(get_preset(opts.preset), opts.device)
+        opts = dataclasses.replace(opts, dtype=DTYPE_NAMES[dtype])
     with quiet_loggers(QUIET_LOGGERS):
-        return _run_benchmark(opts, checkpoint)
+        return _run_benchmark(opts, checkpoint, reason)
 
 
 # The synthetic prompt (task + 256-bin state) is longer than small presets' prompt slots, so
@@ -400,12 +434,18 @@ def quiet_loggers(names, level=logging.ERROR):
             logger.setLevel(old)
 
 
-def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
+def _run_benchmark(opts: BenchOptions, checkpoint, dtype_reason: str) -> BenchResult:
     env = environment(opts)
+    env['dtype_reason'] = dtype_reason
     groups = build_groups(opts.plan)
     part_seconds: dict[str, float] = {}
     models = ModelCache(opts)
     periods: dict[int, float] = {}
+    floors: list[dict] = []
+    if 'floors' in opts.plan.parts:
+        start = time.perf_counter()
+        floors = run_floors_part(opts, models, env)
+        part_seconds['floors'] = time.perf_counter() - start
     step_values = sorted({g.steps for g in groups} | {opts.plan.default_steps})
     if not groups and 'memory' not in opts.plan.parts:
         step_values = []   # the node part alone needs no frame deadline
@@ -436,9 +476,16 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
     memory: list[dict] = []
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.progress else (
         lambda line: None)   # the process parts' progress lines
-    result = BenchResult(rows, memory, components, periods, part_seconds, env, opts)
+    result = BenchResult(rows, memory, components, periods, part_seconds, env, opts,
+                         floors=floors)
     if checkpoint is not None and groups and {'memory', 'robots', 'node'} & set(opts.plan.parts):
         checkpoint(result)
+    if 'build' in opts.plan.parts:
+        from .build import run_build_part
+
+        start = time.perf_counter()
+        result.builds.extend(run_build_part(opts.build_preset, opts.dtype, opts.progress))
+        part_seconds['build'] = time.perf_counter() - start
     if 'memory' in opts.plan.parts:
         start = time.perf_counter()
         group = memory_group(opts)
@@ -488,7 +535,30 @@ def _run_benchmark(opts: BenchOptions, checkpoint) -> BenchResult:
                                                  Path(opts.out_dir) / 'overload_logs', say))
         part_seconds['overload'] = time.perf_counter() - start
     env['loadavg_end'] = os.getloadavg()[0] if hasattr(os, 'getloadavg') else math.nan
+    env['compile'] = {steps: {'passes': plan.describe(), 'warm_up_s': round(plan.seconds, 1)}
+                      for steps, plan in models.prepared.items()}
     return result
+
+
+def run_floors_part(opts: BenchOptions, models: ModelCache, env: dict) -> list[dict]:
+    """Each phase of the first workload's frame against its floor on this machine.
+
+    The machine's peaks (matmul per dtype at the benchmark's threads, copy bandwidth) are
+    measured here, in the same run; compiled passes are also timed eager, side by side.
+    """
+    machine = measure_machine(opts.device)
+    env['machine'] = dataclasses.asdict(machine)
+    steps = opts.plan.default_steps
+    model = models.model(steps)
+    workload = opts.plan.workloads[0]
+    frontend = models.frontend(steps, get_workload(workload).robot)
+    frame = frontend.prepare(random_observation(workload, 0, seed=opts.seed,
+                                                image_size=model.config.vision.image_size))
+    probe = PhaseProbe(model, batches=(1, 4), seed=opts.seed, frames=[frame.tensors],
+                       machine=machine, compare_eager=True)
+    for _ in range(opts.phase_repeats):
+        probe.sample()
+    return floor_rows(probe.costs(), probe.eager_seconds())
 
 
 def save_result(result: BenchResult, path: str | Path) -> None:

@@ -234,7 +234,7 @@ def make_system(name: str, model: Pi05Model, frontend: Frontend, policy: Languag
 
     k: tokens per request per frame for 'oxygen' (and k_max for 'oxygen-adaptive' unless
     given in adaptive_kw); frame_period_s: the deadline of 'oxygen-adaptive' (required).
-    runner_options: ModelRunner options (bucket_sizes, compile_decode, max_holes_per_row).
+    runner_options: ModelRunner options (bucket_sizes, kv_dtype, max_holes_per_row).
     clock: the engine's clock (not the parallel baseline's).
     """
     if name == 'parallel':

@@ -38,6 +38,11 @@ TARGET_FLEET_OVER_BOUND_CPU = 0.95     # aggregate Hz / (R x the component model
 TARGET_CPU_SEPARATE_R = 2              # R at which fleet aggregate >= separate aggregate
 TARGET_FLEET_MEMORY_OVER_ONE = 1.3    # fleet memory / one single-robot engine
 GPU_TARGET_ROBOTS, GPU_TARGET_ROBOT_HZ = 8, 10.0   # pi05 bf16: each of 8 robots >= 10 Hz
+# Floors (issue 21): time / floor of a LIBERO frame's phases, per preset.
+TARGET_X_FLOOR = {'pi05-cpu': {'action': 3.0, 'denoise': 3.0, 'decode 1': 3.0},
+                  'pi05': {'action': 1.5}}
+TARGET_DECODE_BANDWIDTH = 0.8         # pi05 decode step: bytes / time >= 80% of copy bandwidth
+TARGET_BUILD_OVER_WEIGHTS = 1.3       # peak RSS of building / loading / weights' size
 
 
 def fmt(value, digits: int = 2) -> str:
@@ -112,6 +117,7 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
                             f'; {r["kv_dtype"]} KV store: {r[key] / mem["action-only"][key]:.3f}×'
                             f' (pool {r["kv_pool_mb"]:.1f} MB)' for r in narrow),
             'met': ratio <= TARGET_MEMORY_OVER_ACTION_ONLY})
+    targets += floor_targets(result)
     targets += node_targets(result)
     targets += serve_targets(result.serve)
     targets += rtc_targets(result.rtc)
@@ -139,6 +145,37 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
                         f'best {best["speedup"]:.2f}× (N={best["n_tokens"]} k={best["k"]})',
             'met': head[0]['speedup'] >= GPU_TARGET_HEADLINE
             and best['speedup'] >= GPU_TARGET_BEST})
+    return targets
+
+
+def floor_targets(result: BenchResult) -> list[dict]:
+    """Time / floor of the phases (part floors) and peak RSS of building (part build)."""
+    targets = []
+    rows = {r['phase']: r for r in result.floors}
+    preset = result.options.preset
+    for phase, limit in TARGET_X_FLOOR.get(preset, {}).items():
+        if phase in rows:
+            r = rows[phase]
+            targets.append({'target': f'{preset}: {r["label"]} ≤ {limit:g} × floor',
+                            'measured': f'{r["x_floor"]:.2f}× ({r["ms"]:.1f} ms vs floor '
+                                        f'{r["floor_ms"]:.1f} ms, {r["bound"]})',
+                            'met': r['x_floor'] <= limit})
+    if preset == 'pi05' and 'decode 1' in rows and 'machine' in result.environment:
+        r = rows['decode 1']
+        share = r['mb_moved'] * 1e6 / (r['ms'] / 1e3) / \
+            result.environment['machine']['copy_bytes_per_s']
+        targets.append({'target': f'pi05: decode step ≥ {TARGET_DECODE_BANDWIDTH:.0%} of the '
+                                  'copy bandwidth',
+                        'measured': f'{share:.0%}', 'met': share >= TARGET_DECODE_BANDWIDTH})
+    for r in result.builds:
+        what = 'random weights built' if r['what'] == 'random' else 'checkpoint loaded + fused'
+        targets.append({'target': f'{r["preset"]} {what}: peak RSS ≤ '
+                                  f'{TARGET_BUILD_OVER_WEIGHTS:g} × weights',
+                        'measured': f'{r["peak_over_weights"]:.2f}× ({r["above_runtime_mb"]:.0f}'
+                                    f' MB above runtime for {r["weights_mb"]:.0f} MB of weights)',
+                        # at pi05's size; a small model's figure is the runtime's noise
+                        'met': r['peak_over_weights'] <= TARGET_BUILD_OVER_WEIGHTS
+                        if r['preset'] == 'pi05' else None})
     return targets
 
 

@@ -201,7 +201,7 @@ def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: Tasks,
     num_slots / num_blocks: prefix slots / generation blocks (None: sized from the tasks).
 
     policy: the language tasks (a LanguagePolicy: narration alone).
-    runner_options: ModelRunner's max_holes_per_row / bucket_sizes / compile_decode.
+    runner_options: ModelRunner's max_holes_per_row / bucket_sizes / kv_dtype.
     """
     tasks = as_tasks(policy)
     max_forced_tokens = forced_token_room(tasks, max_forced_tokens)

@@ -642,7 +642,7 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
     row_threads: threads running the action path's rows side by side (1: none; a CPU option,
     with the process's torch threads divided among them, see the module doc).
 
-    runner_options: ModelRunner's max_holes_per_row / bucket_sizes / compile_decode / kv_dtype.
+    runner_options: ModelRunner's max_holes_per_row / bucket_sizes / kv_dtype.
     Raises ValueError for an empty fleet, repeated names or a frontend made for another model.
     """
     if not robots:

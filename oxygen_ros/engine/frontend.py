@@ -141,8 +141,9 @@ def random_setup(config: Pi05Config, robot: str | RobotSpec = 'libero', seed: in
     out_dir = Path(tokenizer_dir or Path.home() / '.cache' / 'oxygen_ros' / 'tokenizers')
     tok_path = train_tiny_tokenizer(out_dir, vocab)
     tokenizer = PaligemmaTokenizer(tok_path, max_len=config.max_token_len)
-    model = Pi05Model(config).init_random(seed, text_ids=tokenizer.text_piece_ids())
-    model = model.to(device).to_precision(dtype).eval()
+    # Built in its final dtype and device, parameter by parameter: no float32 copy first.
+    model = Pi05Model.build(config, dtype, device)
+    model = model.init_random(seed, text_ids=tokenizer.text_piece_ids()).eval()
     frontend = Frontend.from_config(config, robot, tokenizer, identity_norm_stats(robot), device)
     return model, frontend
 

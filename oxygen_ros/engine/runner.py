@@ -100,8 +100,9 @@ class ModelRunner:
 
     max_holes_per_row: holes filled per real row of a decode batch (see padded_rows); 0 turns
     hole filling off. bucket_sizes: pad decode batches to these sizes (GPU capture); () = off.
-    compile_decode: run decode steps through torch.compile (a GPU option; off on CPU).
     num_blocks: generation blocks (None: one per prefix slot).
+    Compiled passes (engine/prepare.py) are the model's; `warm_up_compiled` runs every shape
+    this runner will use before the first tick.
     kv_dtype: dtype of the KV store (None: the model's compute dtype). bfloat16 on a float32
     model halves the pool; K/V are rounded when written and widened when read (the action
     path widens a frame's prefix once per frame, a decode step the rows it reads).
@@ -110,8 +111,7 @@ class ModelRunner:
     def __init__(self, model: Pi05Model, num_slots: int, max_gen_len: int, *,
                  clock: Callable[[], float] = time.perf_counter,
                  max_holes_per_row: float = 0.25, bucket_sizes: Sequence[int] = (),
-                 compile_decode: bool = False, kv_dtype: torch.dtype | None = None,
-                 num_blocks: int | None = None):
+                 kv_dtype: torch.dtype | None = None, num_blocks: int | None = None):
         cfg = model.config
         backbone = cfg.backbone
         device = next(model.parameters()).device
@@ -130,10 +130,6 @@ class ModelRunner:
         self.device = device
         self.max_holes_per_row = max_holes_per_row
         self.bucket_sizes = tuple(sorted(bucket_sizes))
-        if compile_decode:
-            # The model compiles its decode layers, with this pool's storage and the RoPE
-            # tables marked static: one graph per (B, J) bucket (CUDA graphs on a GPU).
-            model.compile_decode(kv=self.kv, gen=self.gen)
         # Persistent device inputs (slots, gen_len, tokens) of a decode step: fixed addresses
         # for graph capture; on the CPU the host tensor is used as it is.
         max_rows = max((self.store.num_blocks,) + self.bucket_sizes)
@@ -270,23 +266,75 @@ class ModelRunner:
         # their logits are dropped.
         pad = [fill.get(i, (b if b < s.num_slots else slots[0], s.scratch_gen_len, 0))
                for i, b in enumerate(rows)]
-        host = torch.tensor([[p[0] for p in pad], rows, [p[1] for p in pad],
-                             [p[2] for p in pad]], dtype=torch.long)          # [4, B]
-        if self.device.type == 'cpu':
-            inputs = host
-        else:
-            inputs = self._step_inputs[:, :len(rows)]
-            inputs.copy_(host, non_blocking=True)
-        slot_index, block_index, gen_len, fed = inputs
-        prefix_valid = s.prefix_valid.index_select(0, slot_index)           # [B, P]
-        n_valid = s.n_valid.index_select(0, slot_index)                     # [B]
-        decode_step = self.model.decode_step   # looked up per call: tests may wrap it
         # A static attend length from the host's ints (a few buckets: few graphs, no sync);
         # at most max_gen_len, so no real row ever reads the scratch entry padding writes.
         attend_len = attend_bucket(max(gen_lens) + 1, s.max_gen_len)
-        logits = decode_step(self.kv, slot_index, prefix_valid, n_valid, gen_len, fed,
-                             attend_len=attend_len, gen=self.gen,
-                             blocks=block_index)                             # [B, vocab]
+        logits = self._step([p[0] for p in pad], rows, [p[1] for p in pad],
+                            [p[2] for p in pad], attend_len)
         every = logits.argmax(-1).tolist()                                   # syncs
         self._add('decode', start)
         return [every[i] for i in real]
+
+    def _step(self, slots: list[int], blocks: list[int], gen_lens: list[int],
+              tokens: list[int], attend_len: int) -> torch.Tensor:
+        """Run the model's decode step on padded rows -> logits [B, V] (no sync).
+
+        Row b: prefix slot slots[b], generation block blocks[b].
+        """
+        s = self.store
+        if self.device.type == 'cpu':
+            # Four tensors, not rows of one: a compiled step would guard on the rows'
+            # storage offsets (2B coinciding with a pool size once made every B recompile).
+            slot_index, block_index, gen_len, fed = (
+                torch.tensor(values, dtype=torch.long)
+                for values in (slots, blocks, gen_lens, tokens))
+        else:
+            host = torch.tensor([slots, blocks, gen_lens, tokens], dtype=torch.long)  # [4, B]
+            inputs = self._step_inputs[:, :len(blocks)]
+            inputs.copy_(host, non_blocking=True)
+            slot_index, block_index, gen_len, fed = inputs
+        prefix_valid = s.prefix_valid.index_select(0, slot_index)           # [B, P]
+        n_valid = s.n_valid.index_select(0, slot_index)                     # [B]
+        decode_step = self.model.decode_step   # looked up per call: tests may wrap it
+        return decode_step(self.kv, slot_index, prefix_valid, n_valid, gen_len, fed,
+                           attend_len=attend_len, gen=self.gen,
+                           blocks=block_index)                               # [B, vocab]
+
+    @torch.no_grad()
+    def warm_up_compiled(self, action_rows: Sequence[int] = (1,),
+                         frames: Sequence[dict] = ()) -> None:
+        """Run each compiled pass once per shape this runner will use (at configure).
+
+        Prefill: each of `frames` (prepared tensors of the robots' frames: their camera count
+        and prompt; the number of valid positions is dynamic) into slot 0, a slot no request
+        holds yet. Decode: batches of 1 and 2 rows (2: the one graph every B > 1 shares) at
+        the smallest and largest attend length, every row on its generation block's scratch
+        entry (nothing real is written). Actions: `action_rows` prefixes (1 for one robot; a
+        fleet adds 2). A GPU pool is marked static first, so its CUDA graphs read it in place.
+        """
+        model, s = self.model, self.store
+        if self.device.type == 'cuda':
+            for tensor in (s.k, s.v, s.gen_k, s.gen_v):
+                torch._dynamo.mark_static_address(tensor)
+        if model._prefill_fn is not None:
+            for tensors in frames:
+                self.prefill(tensors, 0)
+        if model._decode_fn is not None:
+            lengths = sorted({attend_bucket(1, s.max_gen_len),
+                              attend_bucket(s.max_gen_len, s.max_gen_len)})
+            sizes = sorted({min(size, s.num_blocks) for size in (1, 2)} | set(self.bucket_sizes))
+            for B in sizes:   # a bucket larger than the pool repeats blocks, as decode pads
+                blocks = [row % s.num_blocks for row in range(B)]
+                slots = [row % s.num_slots for row in range(B)]
+                for attend_len in lengths:
+                    self._step(slots, blocks, [s.scratch_gen_len] * B, [0] * B, attend_len)
+        if model._denoise_fn is not None:
+            H, A = self.action_shape
+            for rows in sorted({min(r, s.num_slots) for r in action_rows}):
+                noise = np.zeros((rows, H, A), np.float32)
+                if rows == 1:   # the one-robot engine's own path
+                    self.sample_actions(0, noise[0])
+                else:
+                    self.sample_actions_rows(list(range(rows)), noise)
+        self._sync()
+        self.reset_times()

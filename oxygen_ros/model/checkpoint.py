@@ -35,7 +35,7 @@ import torch
 from . import lerobot
 from .config import GEMMA_VARIANTS, Pi05Config, SIGLIP_SO400M
 from .normalize import find_norm_stats, NormStats, save_norm_stats
-from .pi05 import FLOAT32_PARAMS, Pi05Model
+from .pi05 import FLOAT32_PARAMS, param_dtype, Pi05Model
 
 logger = logging.getLogger(__name__)
 
@@ -182,13 +182,6 @@ def check_layout(found: Mapping[str, tuple], dtypes: Mapping[str, str],
                               f'({len(problems)} problems):\n  ' + '\n  '.join(problems))
 
 
-def _target_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    # Same rule as Pi05Model.to_precision: openpi's float32 islands stay float32.
-    if dtype != torch.float32 and any(key in name for key in FLOAT32_PARAMS):
-        return torch.float32
-    return dtype
-
-
 def read_config_json(path: Path) -> dict:
     """Return the contents of <path>/config.json (raises with the file's name)."""
     config_file = path / CONFIG_FILE
@@ -301,7 +294,7 @@ def _load_weights(weights: Path, config: Pi05Config, device, dtype, prefix: str 
         for key in expected:
             name = to_model_key(key[len(prefix):])
             tensor = f.get_tensor(stored[key])
-            state[name] = tensor.to(device=device, dtype=_target_dtype(name, dtype))
+            state[name] = tensor.to(device=device, dtype=param_dtype(name, dtype))
     model.load_state_dict(state, strict=True, assign=True)
     model.eval()
     kept = tuple(n for n, p in model.named_parameters() if p.dtype != dtype)

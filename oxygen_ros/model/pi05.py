@@ -22,9 +22,12 @@ and `attend` (where this layer's K/V go and which keys, under which mask, the qu
                  from different frames (and padding rows on a null slot) batch by slot id.
 
 Static shapes: with `attend_len` and ids on the model's device a decode step reads no tensor
-value on the host, and its shapes depend only on (B, attend_len), so `compile_decode` can
-capture it (CUDA graphs via torch.compile mode='reduce-overhead'); `compile_actions` compiles
-the expert pass. Both are off by default (CPU); RoPE tables are built once per device.
+value on the host, and its shapes depend only on (B, attend_len), so `compile_decode` compiles
+it (CUDA graphs via mode='reduce-overhead' on a GPU); `compile_actions` compiles the whole
+denoise loop, every step, as one graph. Both are off until called (runtime/engine_setup.py
+decides, at configure); RoPE tables are built once per device. `fuse` runs q/k/v and
+gate/up as one matmul each. Real-time chunking (`sample_actions(inpaint=...)`) runs its
+steps eager on the same inputs (see there).
 Parameter names follow openpi's `model.safetensors` (see checkpoint.py for the one rename).
 """
 
@@ -32,13 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .config import Pi05Config
 from . import rtc
+from .compiled import CompiledFunction
+from .config import Pi05Config
 from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, rope_table
 from .siglip import MultiModalProjector, SiglipVisionTower
 
@@ -48,6 +53,17 @@ FLOAT32_PARAMS = (
     'input_layernorm', 'post_attention_layernorm', 'model.norm',
     'action_in_proj', 'action_out_proj', 'time_mlp_in', 'time_mlp_out',
 )
+
+
+# Random initialisation draws float32 noise in blocks of at most this many values.
+INIT_BLOCK = 1 << 24
+
+
+def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """Return the dtype of parameter `name` in a model run in `dtype` (islands: float32)."""
+    if dtype != torch.float32 and any(key in name for key in FLOAT32_PARAMS):
+        return torch.float32
+    return dtype
 
 
 @dataclasses.dataclass
@@ -138,9 +154,8 @@ def attend_prefix_and_generated(q: torch.Tensor, k_prefix: torch.Tensor, v_prefi
     k_prefix, v_prefix [B, P, G, D] with prefix_bias [B, P] (the slot's valid positions);
     k_gen, v_gen [B, J, G, D] with gen_bias [B, J] (the entries generated so far, this
     step's included). The two parts are read where they live (a prefix slot and a
-    generation block) and attended with one softmax, never concatenated (measured on
-    pi05-cpu, 8 rows: 8.0 ms a step vs 8.5 ms concatenating; 8.6 vs 10.0 ms with two rows per
-    prefix slot, where the prefix is gathered). -> [B, 1, N*D].
+    generation block) and attended with one softmax (attention_two_blocks: one fused SDPA
+    over both, as the denoise step). -> [B, 1, N*D].
     """
     return attention_two_blocks(q, k_prefix, v_prefix, prefix_bias, k_gen, v_gen, gen_bias)
 
@@ -183,8 +198,10 @@ class Pi05Model(nn.Module):
         # RoPE tables (not parameters: no checkpoint key), built once per device and grown
         # only when a longer cache shows up; see rope_tables().
         self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._decode_fn = None   # torch.compile'd _decode_layers, set by compile_decode()
-        self._velocity_fn = None  # torch.compile'd denoise_velocity, set by compile_actions()
+        self._decode_fn: CompiledFunction | None = None    # _decode_layers, compile_decode()
+        self._denoise_fn: CompiledFunction | None = None   # denoise_loop, compile_actions()
+        self._vision_fn: CompiledFunction | None = None    # encode_images, compile_prefill()
+        self._prefill_fn: CompiledFunction | None = None   # prefill_layers, compile_prefill()
 
     # Short names for the towers (properties, so no parameter is registered twice).
     @property
@@ -207,16 +224,63 @@ class Pi05Model(nn.Module):
     def compute_dtype(self) -> torch.dtype:
         return self.backbone.layers[0].self_attn.q_proj.weight.dtype
 
-    def to_precision(self, dtype: torch.dtype) -> Pi05Model:
-        """Cast to `dtype`, keeping openpi's float32 islands (norms, embeddings, projections)."""
-        for name, param in self.named_parameters():
-            # Cast each parameter once to its final dtype, so islands are never rounded.
-            keep = dtype != torch.float32 and any(key in name for key in FLOAT32_PARAMS)
-            param.data = param.data.to(torch.float32 if keep else dtype)
+    @classmethod
+    def build(cls, cfg: Pi05Config, dtype: torch.dtype = torch.float32,
+              device: torch.device | str | None = None) -> Pi05Model:
+        """Allocate a model with uninitialised weights, each parameter in its final dtype.
+
+        Parameters are created one by one from the meta device, so a bfloat16 model is never
+        held in float32 first (for pi05 that copy alone was 13 GB). Fill with init_random or
+        load_state_dict.
+        """
+        with torch.device('meta'):
+            model = cls(cfg)
+        for module_name, module in model.named_modules():
+            for name, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                full_name = f'{module_name}.{name}' if module_name else name
+                module._parameters[name] = nn.Parameter(
+                    torch.empty(param.shape, dtype=param_dtype(full_name, dtype), device=device),
+                    requires_grad=param.requires_grad)
+        return model
+
+    @property
+    def fused(self) -> bool:
+        """True once `fuse` ran (q/k/v and gate/up as one matmul each)."""
+        return self.backbone.layers[0].self_attn.qkv_weight is not None
+
+    def fuse(self) -> Pi05Model:
+        """Run q/k/v and gate/up (SigLIP: q/k/v) as one matmul each (gemma.fuse_linears).
+
+        The separate weights become views of the fused ones: no extra memory, the same
+        parameter names. Call it once the weights, dtype and device are final (prepare).
+        """
+        for layer in [*self.backbone.layers, *self.expert.layers]:
+            layer.fuse()
+        for layer in self.vision.vision_model.encoder.layers:
+            layer.self_attn.fuse()
         return self
 
+    def unfuse(self) -> Pi05Model:
+        """Drop the fused weights: every projection runs on its own weight again."""
+        for module in self.modules():
+            for name in ('qkv_weight', 'qkv_bias', 'gate_up_weight'):
+                if getattr(module, name, None) is not None:
+                    setattr(module, name, None)
+        return self
+
+    def to_precision(self, dtype: torch.dtype) -> Pi05Model:
+        """Cast to `dtype`, keeping openpi's float32 islands (norms, embeddings, projections)."""
+        fused = self.fused
+        self.unfuse()   # the casts replace the weights the fused ones are views of
+        for name, param in self.named_parameters():
+            # Cast each parameter once to its final dtype, so islands are never rounded.
+            param.data = param.data.to(param_dtype(name, dtype))
+        return self.fuse() if fused else self
+
     def init_random(self, seed: int = 0, text_ids: list[int] | None = None) -> Pi05Model:
-        """Random weights for demos and tests (deterministic for a seed).
+        """Random weights for demos and tests (deterministic for a seed), in place.
 
         text_ids: ids that decode to text with the tokenizer in use; every other embedding row
         is zeroed so the tied LM head (logit exactly 0 there) never emits an id that would
@@ -225,11 +289,13 @@ class Pi05Model(nn.Module):
         Matrices get std 1/sqrt(fan_in) so every residual branch matters; the embedding gets
         std 1/sqrt(width) so the tied LM head does not simply echo the input token; norm and
         adaRMS parameters are non-zero so the (1 + w) and modulation paths are exercised.
+        Noise is drawn in float32 a block of rows at a time (INIT_BLOCK values), so a large
+        parameter never needs a float32 copy of itself; the weights do not depend on the
+        parameters' dtype or device beyond rounding.
         """
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, param in self.named_parameters():
-                noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
                 if name.endswith('embed_tokens.weight'):
                     scale = 0.2 * param.shape[1] ** -0.5
                 elif name.endswith('bias') or 'norm' in name or param.dim() == 1:
@@ -238,12 +304,15 @@ class Pi05Model(nn.Module):
                     scale = math.prod(param.shape[1:]) ** -0.5
                     if 'dense' in name:
                         scale *= 0.3  # keep adaRMS scale/shift/gate modest
-                param.copy_(noise * scale)
+                rows = max(1, INIT_BLOCK // max(1, math.prod(param.shape[1:])))
+                for start in range(0, param.shape[0], rows):
+                    block = param[start:start + rows]
+                    block.copy_(torch.randn(block.shape, generator=gen) * scale)
             if text_ids is not None:
                 embed = self.backbone.embed_tokens.weight
                 keep = torch.zeros(embed.shape[0], dtype=torch.bool)
                 keep[torch.tensor(text_ids, dtype=torch.long)] = True
-                embed[~keep] = 0.0
+                embed[~keep.to(embed.device)] = 0.0
         return self
 
     def rope_tables(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,12 +341,46 @@ class Pi05Model(nn.Module):
         img = torch.zeros(B * C, Ti, width, dtype=dtype, device=images.device)
         if bool(cams.any()):
             shown = images.flatten(0, 1)[cams]                                  # [n, 3, R, R]
-            img[cams] = self.projector(self.vision.vision_model(shown)).to(dtype)
+            img[cams] = self.vision_features(shown).to(dtype)
         img = img.view(B, C * Ti, width)                                        # [B, C*Ti, W]
         img_valid = image_masks[:, :, None].expand(B, C, Ti).reshape(B, C * Ti)
         # Text embeddings are scaled by sqrt(width); image features are not.
         txt = self.backbone.embed_tokens(tokens).to(dtype) * math.sqrt(width)  # [B, Lt, W]
         return torch.cat([img, txt], dim=1), torch.cat([img_valid, token_masks.bool()], dim=1)
+
+    def vision_features(self, images: torch.Tensor) -> torch.Tensor:
+        """Encode shown camera images [n, 3, R, R] -> projected features [n, Ti, W].
+
+        Compiled once compile_prefill was called: one graph for n = 1, one for every n > 1.
+        """
+        if self._vision_fn is None:
+            return self.encode_images(images)
+        if images.shape[0] > 1:
+            torch._dynamo.mark_dynamic(images, 0)
+        return self._vision_fn(images)
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Run the vision tower and the projector: images [n, 3, R, R] -> [n, Ti, W]."""
+        return self.projector(self.vision.vision_model(images))
+
+    def prefill_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       key_mask: torch.Tensor | None = None, rows: list | None = None):
+        """Run the backbone over packed prefix tokens x [B, n, W] -> (x, keys, values).
+
+        keys, values: per layer [B, n, G, D] (K after RoPE), for the caller to store; cos, sin
+        [B, n, D]; key_mask [B, 1, n] (ragged rows) or None; rows: attend row by row (slices of
+        B) instead of in one call. Pure (writes nothing), so it compiles with n dynamic.
+        """
+        keys, values = [], []
+        for layer in self.backbone.layers:
+            def attend(q, k, v):   # keep the prefix K/V, attend among the prefix
+                keys.append(k)
+                values.append(v)
+                if rows is None:
+                    return attention(q, k, v, key_mask)
+                return torch.cat([attention(q[r], k[r], v[r], key_mask[r]) for r in rows])
+            x = layer(x, cos, sin, attend)
+        return x, keys, values
 
     @torch.no_grad()
     def prefill(self, images: torch.Tensor, image_masks: torch.Tensor, tokens: torch.Tensor,
@@ -334,14 +437,18 @@ class Pi05Model(nn.Module):
             full = packed.new_zeros(B, P, *packed.shape[2:])
             return full.scatter_(1, scatter.expand_as(packed), packed)
 
-        for i, layer in enumerate(self.backbone.layers):
-            def attend(q, k, v, i=i):   # write the prefix K/V, attend among the prefix
-                write_rows(kv.k[i], slot_list, place(k))
-                write_rows(kv.v[i], slot_list, place(v))
-                if len(rows) == 1:
-                    return attention(q, k, v, key_mask)
-                return torch.cat([attention(q[r], k[r], v[r], key_mask[r]) for r in rows])
-            x = layer(x, cos, sin, attend)
+        if len(rows) == 1 and self._prefill_fn is not None:
+            for tensor in (x, cos, sin):   # one graph for every number of valid positions
+                torch._dynamo.mark_dynamic(tensor, 1)
+                if B > 1:
+                    torch._dynamo.mark_dynamic(tensor, 0)
+            x, keys, values = self._prefill_fn(x, cos, sin, key_mask)
+        else:
+            x, keys, values = self.prefill_layers(x, cos, sin, key_mask,
+                                                  None if len(rows) == 1 else rows)
+        for i in range(len(keys)):   # the prefix K/V into the slots' rows of the pool
+            write_rows(kv.k[i], slot_list, place(keys[i]))
+            write_rows(kv.v[i], slot_list, place(values[i]))
         # The first generated token reads the hidden state at the last valid position.
         last = (counts - 1).clamp(min=0)                                        # [B]
         last_hidden, _ = self.backbone.norm(x[torch.arange(B, device=x.device), last][:, None])
@@ -356,63 +463,147 @@ class Pi05Model(nn.Module):
 
         The prefix K/V are read where prefill wrote them: views for host slot ids that form a
         run (one frame: B = 1), else one gather per layer per call. The pool is never written.
-        inpaint: real-time chunking (model/rtc.py): the same steps over the same prefix K/V,
-        continuing a committed chunk (guided, or its frozen rows held clean).
+        Runs `denoise_loop`, compiled when compile_actions was called.
+        inpaint: real-time chunking (model/rtc.py): the same steps over the same prefix K/V
+        (the same `action_context`), continuing a committed chunk (guided, or its frozen rows
+        held clean). Those steps run eager, one `denoise_velocity` each: guided takes a
+        vector-Jacobian product through every step and prefix a flow time per token, and the
+        compiled loop has neither (its modulations are the fixed times' [S]).
         """
         steps = num_steps or self.config.num_steps
-        B, H, _ = noise.shape
-        context = self.action_context(prefix, H, noise.device)
-        velocity = self._velocity_fn or self.denoise_velocity
+        context = self.action_context(prefix, noise.shape[1], noise.device)
         if inpaint is not None:
-            return rtc.sample(lambda x, t: velocity(*context, x, t), noise, steps, inpaint)
-        x_t = noise.float()
-        dt = -1.0 / steps
-        for step in range(steps):
-            t = torch.full((B,), 1.0 - step / steps, device=noise.device)
-            x_t = x_t + dt * velocity(*context, x_t, t)
-        return x_t
+            return rtc.sample(lambda x, t: self.denoise_velocity(*context, x, t), noise, steps,
+                              inpaint)
+        x = noise.float()
+        if self._denoise_fn is None:
+            return self.denoise_loop(*context, x, steps)
+        prefix_kv, prefix_bias, cos, sin = context
+        keys = [t for pair in prefix_kv for t in pair] + [prefix_bias]
+        if prefix_bias.shape[1] > 1:   # one graph for every number of packed positions
+            for tensor in keys:
+                torch._dynamo.mark_dynamic(tensor, 1)
+        if x.shape[0] > 1:   # and one for every batch of several rows
+            for tensor in keys + [cos, sin, x]:
+                torch._dynamo.mark_dynamic(tensor, 0)
+        if self._denoise_fn.fn != self.denoise_step:
+            return self._denoise_fn(*context, x, steps)
+
+        def step(*args):   # compiled per step, looped by denoise_loop
+            if x.shape[0] > 1:   # the step's own x_t [B, H, A] and modulations [B, 3We]
+                for tensor in [args[4], *args[5]]:
+                    torch._dynamo.mark_dynamic(tensor, 0)
+            return self._denoise_fn(*args)
+        return self.denoise_loop(*context, x, steps, step)
 
     def action_context(self, prefix: PrefixCache, horizon: int, device
                        ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor,
                                   torch.Tensor, torch.Tensor]:
-        """Return what every denoise step of `prefix`'s rows reads: denoise_velocity's first four.
+        """Return what every denoise step of `prefix`'s rows reads: (prefix_kv, bias, cos, sin).
 
-        (prefix_kv: per layer (K, V) [B, P, G, D], prefix_bias [B, P], cos, sin [B, H, D] at
-        the action tokens' positions). The K/V are views of the store for host slot ids that
-        form a run, else one gather per layer.
+        The first four arguments of denoise_velocity and denoise_loop: the plain loop, RTC and
+        the smooth-policy trainer all read these. prefix_kv: per layer (K, V) [B, n, G, D] of
+        the prefix in the compute dtype; prefix_bias [B, n] (key_bias of their valid mask);
+        cos, sin [B, H, D] at the action tokens' positions n_valid .. n_valid + H - 1.
+        On the CPU, where n_valid is on the host, the valid positions are packed once per frame
+        (n = the most valid positions of a row; a LIBERO frame: 555 of 968), as prefill
+        packs them: every step then attends 43% fewer keys, and a single row needs no mask
+        value other than 0. On an accelerator (no host read) n = P: views of the pool where
+        it has the compute dtype (a narrower store, bf16 K/V under a float32 model, is
+        widened here, once per frame).
         """
         P, kv = prefix.prefix_len, prefix.kv
         run = host_run(prefix.slots)
-        # In place when the store has the compute dtype; a narrower store (bf16 K/V under a
-        # float32 model) is widened here, once per frame.
         dtype = self.compute_dtype
-        prefix_kv = [(slot_rows(kv.k[i], prefix.slots, run, 0, P).to(dtype),
-                      slot_rows(kv.v[i], prefix.slots, run, 0, P).to(dtype))  # 2 x [B, P, G, D]
+        valid = prefix.valid.to(device)                                          # [B, P]
+        if prefix.n_valid.device.type == 'cpu':
+            n = max(int(prefix.n_valid.max()), 1)
+            # valid positions first, in order (a stable sort of ~valid), as prefill packs
+            order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices[:, :n]
+            index = order[..., None, None].expand(-1, -1, *kv.k.shape[-2:])   # [B, n, G, D]
+            valid = valid.gather(1, order)                                     # [B, n]
+
+            def rows(storage):
+                return slot_rows(storage, prefix.slots, run, 0, P).gather(1, index).to(dtype)
+        else:
+            def rows(storage):
+                return slot_rows(storage, prefix.slots, run, 0, P).to(dtype)
+        prefix_kv = [(rows(kv.k[i]), rows(kv.v[i]))                        # 2 x [B, n, G, D]
                      for i in range(self.config.backbone.depth)]
-        prefix_bias = key_bias(prefix.valid.to(device), dtype)                # [B, P]
+        prefix_bias = key_bias(valid, dtype)                                    # [B, n]
         positions = prefix.n_valid.to(device)[:, None] + torch.arange(horizon, device=device)
         cos, sin = self.rope_tables(P + horizon, device)
-        return prefix_kv, prefix_bias, cos[positions], sin[positions]        # cos, sin [B, H, D]
+        return prefix_kv, prefix_bias, cos[positions], sin[positions]        # [B, H, D]
+
+    def denoise_loop(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                     prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     noise: torch.Tensor, steps: int,
+                     step_fn: Callable | None = None) -> torch.Tensor:
+        """All Euler steps from noise [B, H, A] (float32) -> actions [B, H, A] (float32).
+
+        Static shapes and no host reads, so the whole loop compiles as one graph (one CUDA
+        graph on a GPU). The flow times are the same every frame, so the expert's adaRMS
+        modulations of all steps are computed first, in one matmul per norm.
+        step_fn: what runs each step (default `denoise_step`; the compiled step on a CPU).
+        """
+        B = noise.shape[0]
+        times = torch.tensor([1.0 - step / steps for step in range(steps)],
+                             device=noise.device)                                  # [S]
+        mods = self.expert_modulations(times)                  # 2L + 1 norms, each [S, 3We]
+        x_t = noise
+        for step in range(steps):
+            step_mods = [mod[step].expand(B, -1) for mod in mods]                  # [B, 3We]
+            x_t = (step_fn or self.denoise_step)(prefix_kv, prefix_bias, cos, sin, x_t,
+                                                 step_mods, -1.0 / steps)
+        return x_t
+
+    def denoise_step(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                     prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     x_t: torch.Tensor, mods: list[torch.Tensor], dt: float) -> torch.Tensor:
+        """One Euler step of `denoise_loop`: x_t + dt v [B, H, A] under modulations `mods`."""
+        return x_t + dt * self.expert_velocity(prefix_kv, prefix_bias, cos, sin, x_t, mods)
+
+    def expert_modulations(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Compute the expert's adaRMS modulations at flow times t [R] -> 2L + 1 of [R, 3We].
+
+        t may be per token ([B, H] -> [B, H, 3We] each, RTC's clean rows). In layer order
+        (input norm, post-attention norm), then the final norm.
+        cond = silu(time_mlp_out(silu(time_mlp_in(sincos(t))))).
+        """
+        width = self.config.expert.width
+        cond = F.silu(self.time_mlp_in(time_embedding(t, width).to(self.time_mlp_in.weight.dtype)))
+        cond = F.silu(self.time_mlp_out(cond))                          # [R, We] or [B, H, We]
+        norms = [norm for layer in self.expert.layers
+                 for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        return [norm.modulation(cond) for norm in norms + [self.expert.norm]]
 
     def denoise_velocity(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
                          prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """One expert pass: velocity v(x_t, t) [B, H, A].
+        """One denoise step: velocity v(x_t, t) [B, H, A] of the expert at flow time t [B].
 
-        prefix_kv: per layer (K, V) [B, P, G, D] of the prefix (read only); prefix_bias [B, P]
-        (key_bias of the valid mask); cos, sin [B, H, D] at the action tokens' positions;
-        x_t [B, H, A]; t [B], or [B, H] for a flow time per action token (RTC's clean rows).
+        prefix_kv, prefix_bias, cos, sin: from `action_context`; x_t [B, H, A]; t [B], or
+        [B, H] for a flow time per action token (RTC's clean rows).
         The H action tokens attend to the valid prefix and to each other (bidirectionally).
+        Called step by step by RTC (model/rtc.py) and the smooth-policy trainer, with
+        gradients; `denoise_loop` computes the same per step, with its modulations precomputed.
         """
-        width = self.config.expert.width
-        cond = F.silu(self.time_mlp_in(time_embedding(t, width).to(self.time_mlp_in.weight.dtype)))
-        cond = F.silu(self.time_mlp_out(cond))                          # [B, We] or [B, H, We]
+        return self.expert_velocity(prefix_kv, prefix_bias, cos, sin, x_t,
+                                    self.expert_modulations(t))
+
+    def expert_velocity(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                        prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        x_t: torch.Tensor, mods: list[torch.Tensor]) -> torch.Tensor:
+        """Run one step's expert pass under precomputed modulations (of expert_modulations).
+
+        mods: 2L + 1 of [B, 3We], or per token [B, H, 3We].
+        """
         x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
-        for layer, (k_prefix, v_prefix) in zip(self.expert.layers, prefix_kv):
+        for i, (layer, (k_prefix, v_prefix)) in enumerate(zip(self.expert.layers, prefix_kv)):
             def attend(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix):
                 return attention_two_blocks(q, k_prefix, v_prefix, prefix_bias, k, v)
-            x = layer(x, cos, sin, attend, cond)
-        x, _ = self.expert.norm(x, cond)
+            x = layer(x, cos, sin, attend, (mods[2 * i], mods[2 * i + 1]))
+        x, _ = self.expert.norm.modulate(x, mods[-1])
         return self.action_out_proj(x.to(self.action_out_proj.weight.dtype)).float()
 
     # -------------------------------------------------------------------- text
@@ -494,8 +685,12 @@ class Pi05Model(nn.Module):
         gen_end = gen_offset + J
         for i, layer in enumerate(self.backbone.layers):
             def attend(q, k, v, i=i):   # append the token's K/V, attend prefix + generated
-                k_gen[i, block_index, write_index] = k[:, 0].to(k_gen.dtype)
-                v_gen[i, block_index, write_index] = v[:, 0].to(v_gen.dtype)
+                # Indexed on the whole storage, not on the layer's view k_gen[i]: a compiled
+                # step then writes the B entries in place; through the view, functionalization
+                # copied the whole layer of the pool every step.
+                where = (torch.full_like(block_index, i), block_index, write_index)
+                k_gen.index_put_(where, k[:, 0].to(k_gen.dtype))
+                v_gen.index_put_(where, v[:, 0].to(v_gen.dtype))
                 return attend_prefix_and_generated(
                     q, slot_rows(k_store[i], slots, run, 0, P).to(q.dtype),         # [B, P, G, D]
                     slot_rows(v_store[i], slots, run, 0, P).to(q.dtype), prefix_bias,
@@ -506,46 +701,87 @@ class Pi05Model(nn.Module):
         h, _ = self.backbone.norm(x)
         return self.lm_logits(h[:, 0])
 
-    def compile_decode(self, mode: str | None = 'reduce-overhead', kv: KVTensors | None = None,
-                       gen: KVTensors | None = None, **options) -> Pi05Model:
-        """Run decode steps through torch.compile (off by default; call once, then warm up).
+    def compile_decode(self, mode: str | None = 'default', kv: KVTensors | None = None,
+                       config: dict | None = None, gen: KVTensors | None = None,
+                       **options) -> Pi05Model:
+        """Run decode steps through torch.compile (call once, then warm up, then seal).
 
-        Meant for an accelerator: call decode_step with `attend_len` from `attend_bucket` and
-        ids on the device, so each (B, J) bucket is one static graph ('reduce-overhead'
-        captures it as a CUDA graph); torch._dynamo.config.recompile_limit (8 by default)
-        must cover the number of (B, J) pairs used. Pass the pool's `kv` (and its generation
-        blocks `gen`) so its storage and the RoPE tables are marked static (the storage is
-        written in place every step).
+        Call decode_step with `attend_len` (from `attend_bucket`) and ids on the device: then a
+        step reads no tensor value on the host and compiles to one graph. Shapes are dynamic
+        by default: one graph for B = 1 and one for every other (B, J), so a warm-up with two
+        batch sizes covers them all. mode 'reduce-overhead' (a GPU) replays CUDA graphs, one
+        recorded per (B, J); pass the pool's `kv` (and its generation blocks `gen`) there so
+        their storage and the RoPE tables are marked static (the storage is written in place
+        every step). `config`: inductor settings while compiling (see CompiledFunction);
         `options` go to torch.compile (e.g. backend, fullgraph). mode=None with no options
-        turns compilation off again.
+        turns it off.
         """
         if mode is None and not options:
             self._decode_fn = None
             return self
-        if kv is not None:
+        if kv is not None and kv.k.device.type == 'cuda':
             static = (kv.k, kv.v) + self.rope_tables(kv.max_len + (gen.max_len if gen else 0),
                                                      kv.k.device)
             static += (gen.k, gen.v) if gen is not None else ()
             for tensor in static:
                 torch._dynamo.mark_static_address(tensor)
-        options.setdefault('dynamic', False)
-        self._decode_fn = torch.compile(self._decode_layers, mode=mode, **options)
+        options.setdefault('dynamic', True)
+        self._decode_fn = CompiledFunction(self._decode_layers, 'decode step', config,
+                                           mode=mode, **options)
         return self
 
-    def compile_actions(self, mode: str | None = 'default', **options) -> Pi05Model:
-        """Run the expert's denoise steps through torch.compile (off by default).
+    def compile_actions(self, mode: str | None = 'default', config: dict | None = None,
+                        whole_loop: bool = True, **options) -> Pi05Model:
+        """Run the whole denoise loop (every step) through torch.compile as one graph.
 
-        The prefix K/V enter as views of the pool, whose addresses change with the slot; so
-        'default' (fused kernels, no CUDA graph) fits, while 'reduce-overhead' would copy those
-        views into the graph's static inputs on every replay. `options` go to torch.compile.
-        mode=None with no options turns compilation off again.
+        One graph per batch size B = 1 and one for every B > 1 (the batch dimension is marked
+        dynamic there). On a GPU, mode 'reduce-overhead' replays the loop as one CUDA graph:
+        the prefix K/V views are copied into its static inputs once per frame, which costs
+        far less than launching every kernel of every step. whole_loop False compiles one
+        step (`denoise_step`), called once per step: a tenth of the graph to trace and
+        compile, for a few guard checks per step. `config`: inductor settings while
+        compiling (see CompiledFunction); `options` go to torch.compile. mode=None with no
+        options turns compilation off again.
         """
         if mode is None and not options:
-            self._velocity_fn = None
+            self._denoise_fn = None
             return self
-        options.setdefault('dynamic', False)
-        self._velocity_fn = torch.compile(self.denoise_velocity, mode=mode, **options)
+        fn, name = ((self.denoise_loop, 'denoise loop') if whole_loop
+                    else (self.denoise_step, 'denoise step'))
+        self._denoise_fn = CompiledFunction(fn, name, config, mode=mode, **options)
         return self
+
+    def compile_prefill(self, mode: str | None = 'default', config: dict | None = None,
+                        vision: bool = True, **options) -> Pi05Model:
+        """Run the vision tower and the backbone's prefill layers through torch.compile.
+
+        Prefill packs the valid positions, so their number n changes with the prompt: the
+        layers compile once with n dynamic (and the batch, when several rows). The K/V are
+        returned and stored by the eager caller. vision False: the tower stays eager.
+        Other arguments as compile_actions.
+        """
+        if mode is None and not options:
+            self._vision_fn = self._prefill_fn = None
+            return self
+        self._vision_fn = (CompiledFunction(self.encode_images, 'vision tower', config,
+                                            mode=mode, **options) if vision else None)
+        self._prefill_fn = CompiledFunction(self.prefill_layers, 'prefill layers', config,
+                                            mode=mode, **options)
+        return self
+
+    @property
+    def compiled_functions(self) -> list[CompiledFunction]:
+        """The compiled passes in use (empty when every pass runs eager)."""
+        return [fn for fn in (self._vision_fn, self._prefill_fn, self._denoise_fn,
+                              self._decode_fn) if fn is not None]
+
+    def seal_compiled(self, sealed: bool = True) -> None:
+        """Compile nothing more (see CompiledFunction.seal): the warm-up is over.
+
+        sealed False: compile again where a graph is missing.
+        """
+        for fn in self.compiled_functions:
+            fn.seal(sealed)
 
     @torch.no_grad()
     def generate(self, prefix: PrefixCache, max_new_tokens: int, eos_id: int | None = 1,

@@ -11,6 +11,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import SiglipConfig
+from .gemma import fuse_linears
 
 LN_EPS = 1e-6
 
@@ -36,6 +37,12 @@ class SiglipAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.v_proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.out_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.register_buffer('qkv_weight', None, persistent=False)   # [3Wv, Wv], fuse()
+        self.register_buffer('qkv_bias', None, persistent=False)     # [3Wv]
+
+    def fuse(self) -> None:
+        """Run q/k/v as one matmul (their weights and biases become views of one each)."""
+        self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, Ti, Wv = x.shape
@@ -44,8 +51,11 @@ class SiglipAttention(nn.Module):
         def heads(t):  # [B, Ti, Wv] -> [B, N, Ti, Wv/N]
             return t.view(B, Ti, N, Wv // N).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)),
-                                             heads(self.v_proj(x)))
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
         return self.out_proj(out.transpose(1, 2).reshape(B, Ti, Wv))
 
 

@@ -20,6 +20,9 @@ from oxygen_ros.engine import (AdaptiveBudget, Budget, Engine as EngineView, Fix
                                LanguageTask, make_fleet, random_observation, random_setup)
 from oxygen_ros.engine.fleet import (num_blocks_for, ONE_ROBOT, pool_block_bytes,
                                      pool_slot_bytes)
+from oxygen_ros.engine.hardware import choose_dtype
+from oxygen_ros.engine.prepare import (CompilePlan, prepare_model, runner_options, seal,
+                                       sealed, warm_up)
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
 from oxygen_ros.model.config import get_preset
@@ -32,6 +35,15 @@ from oxygen_ros.runtime.params import FleetSettings, Settings
 from oxygen_ros.runtime.procfs import meminfo_kb
 
 logger = logging.getLogger(__name__)
+
+# Robots due in the same tick denoise together: a fleet's denoise runs batches of 1 and of
+# several rows (one compiled graph each).
+FLEET_ACTION_ROWS = (1, 2)
+
+
+def action_rows(robots: int) -> tuple[int, ...]:
+    """Return the denoise batch sizes to warm up for a fleet of `robots` (one robot: 1 row)."""
+    return FLEET_ACTION_ROWS if robots > 1 else (1,)
 
 
 class EngineSetupError(RuntimeError):
@@ -77,6 +89,33 @@ def _dtype(name: str) -> torch.dtype:
     return {'float32': torch.float32, 'bfloat16': torch.bfloat16}[name]
 
 
+def resolve_dtype(settings: Settings, config) -> tuple[torch.dtype, str]:
+    """Return the compute dtype to build `config` in, and why: the parameter, or probed."""
+    if settings.dtype != 'auto':
+        return _dtype(settings.dtype), 'set by parameter dtype'
+    return choose_dtype(config, settings.device)
+
+
+def _model_config(settings: Settings):
+    """Return the Pi05Config the settings load (checkpoint's config.json or the preset)."""
+    if settings.checkpoint:
+        path = Path(settings.checkpoint).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f'checkpoint folder {path} does not exist')
+        try:
+            config = checkpoint_config(path)
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            raise EngineSetupError(
+                f'checkpoint {path}: cannot read {CONFIG_FILE}: {err}') from None
+    else:
+        config = get_preset(settings.preset)
+    if settings.denoise_steps:
+        config = config.replace(num_steps=settings.denoise_steps)
+    return config
+
+
 def _check_device(device: str) -> None:
     if device.startswith('cuda') and not torch.cuda.is_available():
         raise EngineSetupError(f"device {device!r}: CUDA is not available to this torch "
@@ -108,15 +147,16 @@ def _frontend(config, spec: RobotSpec, tokenizer, norm_stats, device) -> Fronten
     return Frontend.from_config(config, spec, tokenizer, norm_stats, device)
 
 
-def _random_weights(settings: Settings, device: str, dtype: torch.dtype):
-    config = get_preset(settings.preset)
-    if settings.denoise_steps:
-        config = config.replace(num_steps=settings.denoise_steps)
-    spec = robot_spec(settings)
+def _check_fits(settings: Settings, config) -> None:
+    """Refuse a robot that does not fit the model before any weight is built or read."""
     try:
-        check_fits_model(spec, config.action_dim, config.num_cameras)
+        check_fits_model(robot_spec(settings), config.action_dim, config.num_cameras)
     except RobotSpecError as err:
         raise EngineSetupError(str(err)) from None
+
+
+def _random_weights(settings: Settings, device: str, dtype: torch.dtype, config):
+    spec = robot_spec(settings)
     model, frontend = random_setup(config, spec, seed=settings.seed, device=device,
                                    dtype=dtype)
     warnings = []
@@ -132,26 +172,9 @@ def _random_weights(settings: Settings, device: str, dtype: torch.dtype):
                                             f'seed {settings.seed})'}, warnings
 
 
-def _checkpoint(settings: Settings, device: str, dtype: torch.dtype):
+def _checkpoint(settings: Settings, device: str, dtype: torch.dtype, config):
     path = Path(settings.checkpoint).expanduser()
-    config = None
-    try:
-        config = checkpoint_config(path)
-    except OSError as err:
-        if settings.denoise_steps:
-            raise EngineSetupError(
-                f'checkpoint {path}: cannot read {CONFIG_FILE}: {err}') from None
-    except ValueError:
-        if settings.denoise_steps:
-            raise
-    if config is not None and settings.spec is not None:
-        # Before the weights load: a robot that does not fit fails in a second, not after it.
-        try:
-            check_fits_model(settings.spec, config.action_dim, config.num_cameras)
-        except RobotSpecError as err:
-            raise EngineSetupError(str(err)) from None
-    if settings.denoise_steps:
-        config = config.replace(num_steps=settings.denoise_steps)
+    # config.json's own config unless something in it was overridden (denoise steps)
     loaded = load_pi05(path, config=config if settings.denoise_steps else None, device=device,
                        dtype=dtype)
     stats = loaded.norm_stats
@@ -248,15 +271,18 @@ def _steady_batch(settings: Settings) -> int:
 
 
 def time_capacity(model, frontend: Frontend, settings: Settings,
-                  clock: Callable[[], float] = time.perf_counter) -> Capacity:
+                  clock: Callable[[], float] = time.perf_counter,
+                  plan: CompilePlan | None = None) -> Capacity:
     """Time one robot's frames on a throwaway engine: what rate this machine holds.
 
     Also the warm-up: the first torch calls allocate and pick kernels (CUDA: initialise the
     context) here, not in the control loop, and the node's scheduler is untouched, so frame
     and request numbering start at 0. See runtime/capacity.py for what is timed.
+    plan: the model's compiled passes (prepare_model), compiled here before any frame is
+    timed and sealed while the frames are timed, so they run what the node will run.
     """
     return time_fleet_capacity(model, {settings.robot: frontend}, FleetSettings.one(settings),
-                               clock=clock)
+                               clock=clock, plan=plan)
 
 
 def row_threads(device: str, robots: int, threads: int) -> int:
@@ -271,18 +297,26 @@ def row_threads(device: str, robots: int, threads: int) -> int:
 
 def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSettings,
                         max_prefill_rows: int | None = 1, *, rows: int = 1,
-                        clock: Callable[[], float] = time.perf_counter) -> Capacity:
+                        clock: Callable[[], float] = time.perf_counter,
+                        plan: CompilePlan | None = None) -> Capacity:
     """Time ticks of a throwaway fleet in which every robot sends a frame (time_capacity).
 
-    frontends: robot type -> its frontend; rows: its row threads (as the node's fleet).
+    frontends: robot type -> its frontend; rows: its row threads (as the node's fleet); plan:
+    the model's compiled passes, compiled before and sealed while the frames are timed.
     """
     node = fleet.node
     robots = [FleetRobot(name, frontends[s.robot], tasks_for(s, frontends[s.robot].eos_id),
                          FixedBudget(_k_min(s)), kv_quota=TIMED_FRAMES + 3, seed=s.seed)
               for name, s in fleet.robots.items()]
-    system = make_fleet(model, robots, kv_dtype=_kv_dtype(node),
-                        max_prefill_rows=max_prefill_rows, row_threads=rows, clock=clock)
+    options = runner_options(plan, node.device) if plan else {}
+    system = make_fleet(model, robots, kv_dtype=_kv_dtype(node, model),
+                        max_prefill_rows=max_prefill_rows, row_threads=rows, clock=clock,
+                        **options)
     image_size = model.config.vision.image_size
+    if plan:
+        warm_up(system.runner, plan, [warm_up_frame(frontends[s.robot], s, image_size)
+                                      for s in fleet.robots.values()],
+                action_rows(len(fleet.robots)))
 
     def tick(index: int) -> tuple[float, float, int]:
         act = system.act({name: random_observation(frontends[s.robot].adapter.spec, index,
@@ -295,7 +329,9 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
     if len(robots) > 1:
         label += f' with {len(robots)} robots ticking together'
     try:
-        return capacity_from(time_ticks(tick, clock=clock), batch, label)
+        with sealed(model):   # the timed frames run the compiled passes, never a compile
+            timed = time_ticks(tick, clock=clock)
+        return capacity_from(timed, batch, label)
     finally:
         system.close()
 
@@ -317,6 +353,12 @@ def _rate_description(settings: Settings, asked_hz: float, capacity: Capacity | 
     return about
 
 
+def warm_up_frame(frontend: Frontend, settings: Settings, image_size: int) -> dict:
+    """Prepare a synthetic frame of the robot (its cameras, a prompt): tensors."""
+    obs = random_observation(frontend.adapter.spec, 0, settings.seed, image_size=image_size)
+    return frontend.prepare(obs).tensors
+
+
 def load_model(settings: Settings):
     """Load weights (checkpoint or random preset) once.
 
@@ -328,11 +370,17 @@ def load_model(settings: Settings):
     _check_device(settings.device)
     # Process-wide: threads that start torch work later (the control thread) use it too.
     torch.set_num_threads(inference_threads(settings.torch_threads))
-    dtype = _dtype(settings.dtype)
     try:
+        config = _model_config(settings)
+        _check_fits(settings, config)
+        dtype, why = resolve_dtype(settings, config)
+        logger.info('dtype %s: %s', str(dtype).removeprefix('torch.'), why)
         if settings.checkpoint:
-            return _checkpoint(settings, settings.device, dtype)
-        return _random_weights(settings, settings.device, dtype)
+            loaded = _checkpoint(settings, settings.device, dtype, config)
+        else:
+            loaded = _random_weights(settings, settings.device, dtype, config)
+        loaded[2]['dtype_reason'] = why
+        return loaded
     except (CheckpointError, FileNotFoundError, EngineSetupError):
         raise
     except (ValueError, OSError, RuntimeError) as err:
@@ -341,21 +389,25 @@ def load_model(settings: Settings):
         raise EngineSetupError(f'loading the model failed: {err}') from err
 
 
-def _kv_dtype(settings: Settings) -> torch.dtype:
-    return _dtype(settings.dtype if settings.kv_dtype == 'auto' else settings.kv_dtype)
+def _kv_dtype(settings: Settings, model) -> torch.dtype:
+    return model.compute_dtype if settings.kv_dtype == 'auto' else _dtype(settings.kv_dtype)
 
 
 def _describe(description: dict, settings: Settings, model, kv_slots: int,
-              first: dict, last: dict) -> dict:
+              first: dict, last: dict, plan: CompilePlan, started: float) -> dict:
     config = model.config
     description.update(first)
     description.update({
-        'device': settings.device, 'dtype': settings.dtype,
-        'kv_dtype': str(_kv_dtype(settings)).removeprefix('torch.'),
-        'torch_threads': torch.get_num_threads(),
+        'device': settings.device, 'dtype': str(model.compute_dtype).removeprefix('torch.'),
+        'kv_dtype': str(_kv_dtype(settings, model)).removeprefix('torch.'),
+        'torch_threads': torch.get_num_threads(), 'compile': plan.describe(),
+        'compile_s': round(plan.seconds, 2),
+        'configure_s': round(time.perf_counter() - started, 2),
         'prefix_len': config.prefix_len, 'horizon': config.action_horizon,
         'denoise_steps': config.num_steps, **last, 'kv_slots': kv_slots,
     })
+    logger.info('engine ready in %.1f s (%s, %s; %s)', description['configure_s'],
+                description['dtype'], settings.device, description['compile'])
     return description
 
 
@@ -391,9 +443,10 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     """
     node = fleet.node
     one = fleet.is_one
+    started = time.perf_counter()
     model, make_frontend, description, warnings = load_model(node)
     frontends, policies = {}, {}
-    kv_dtype = _kv_dtype(node)
+    kv_dtype = _kv_dtype(node, model)
     for name, settings in fleet.robots.items():
         who = '' if one else f'robot {name}: '
         try:
@@ -415,8 +468,12 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     max_prefill_rows = 1 if node.device == 'cpu' else None
     rows = row_threads(node.device, len(fleet.robots), torch.get_num_threads())
     torch.set_num_threads(max(1, torch.get_num_threads() // rows))   # divided among the rows
+    plan = prepare_model(model, node.device, node.compile)
+    frames = [warm_up_frame(frontends[s.robot], s, model.config.vision.image_size)
+              for s in fleet.robots.values()]
     auto = [name for name, s in fleet.robots.items() if not s.control_rate_hz]
-    capacity = (time_fleet_capacity(model, frontends, fleet, max_prefill_rows, rows=rows)
+    capacity = (time_fleet_capacity(model, frontends, fleet, max_prefill_rows, rows=rows,
+                                    plan=plan)
                 if warmup or auto else None)
     asked = {name: s.control_rate_hz for name, s in fleet.robots.items()}
     fleet = dataclasses.replace(
@@ -426,7 +483,10 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
                          kv_quota=s.kv_capacity or None, seed=s.seed)
               for name, s in fleet.robots.items()]
     system = make_fleet(model, robots, kv_dtype=kv_dtype, max_prefill_rows=max_prefill_rows,
-                        row_threads=rows)
+                        row_threads=rows, **runner_options(plan, node.device))
+    if warmup:
+        warm_up(system.runner, plan, frames, action_rows(len(fleet.robots)))
+        seal(model, plan)
     if one:
         settings = fleet.robots[ONE_ROBOT]
         about = {'tokens_per_request': settings.tokens_per_request,
@@ -441,6 +501,7 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
                 max(s.control_rate_hz for s in fleet.robots.values())))
         first = {'robots': ', '.join(f'{name} ({s.robot})' for name, s in fleet.robots.items()),
                  'row_threads': rows}
-    _describe(description, fleet.node, model, system.pool.num_slots, first, about)
+    _describe(description, fleet.node, model, system.pool.num_slots, first, about, plan,
+              started)
     frontend = frontends[fleet.robots[ONE_ROBOT].robot] if one else None
     return Engine(system, frontend, description, warnings, fleet, capacity)

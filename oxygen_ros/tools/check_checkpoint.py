@@ -8,6 +8,7 @@ timings. Exit code 0 when the frame ran; 2 with one line naming what is wrong ot
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 import sys
 import time
@@ -47,7 +48,8 @@ def main(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f'{path}: no {WEIGHTS_FILE} (expected a checkpoint folder '
                                     'with model.safetensors and config.json)')
         checkpoint_config(path)                  # config.json first: the cheap check
-        settings = settings_from_args(args)
+        # compile off: the check loads and runs one frame; compiling would take minutes
+        settings = dataclasses.replace(settings_from_args(args), compile='off')
         start = time.perf_counter()
         engine = build_engine(settings, warmup=False)
         load_s = time.perf_counter() - start

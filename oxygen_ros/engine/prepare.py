@@ -1,0 +1,212 @@
+"""Make a loaded model fast before the first tick: fuse projections, compile the hot loops.
+
+`prepare_model` runs at configure, after the weights, dtype and device are final:
+  1. fuse q/k/v and gate/up into one matmul each (no extra memory; Pi05Model.fuse);
+  2. decide, per pass, whether to compile (`compile_plan`) and set it up: the prefill (vision
+     tower, backbone layers over a dynamic number of valid positions), the denoise step (on
+     a GPU the whole loop, one CUDA graph) and the decode step (torch.compile: inductor on
+     the CPU, CUDA graphs on a GPU);
+  3. nothing compiles yet: the warm-up frames that follow do it (ModelRunner.warm_up_compiled
+     covers every shape the engine will use), then `seal` makes sure no tick ever compiles.
+Where compiling is unavailable (no C++ compiler, no triton) or fails, the model runs eager
+and the log says why.
+
+compile 'auto' compiles a pass where it pays:
+  * CUDA: always (one CUDA graph per denoise loop / decode shape removes every launch).
+  * CPU: a pass whose weights hold MIN_COMPILE_PARAMS .. MAX_CPU_COMPILE_PARAMS parameters.
+    Below, a test-sized model, compiling (tens of seconds) costs more than it saves; above,
+    the pass reads so many weights per op that per-op overhead is a few % (pi05's decode step
+    reads 4 GB) while freezing the weights into the graph would copy them.
+  * auto leaves the CPU's vision tower eager and compiles one denoise step, looped: a first
+    configure of about a minute and a restart of seconds (pi05-cpu, docs/bench/phases.md).
+compile 'max' also compiles the vision tower and the whole denoise loop as one graph: ~13%
+off pi05-cpu's action path (58 vs 67 ms) for ~3 minutes at the first configure (~20 s cached).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from oxygen_ros.model.compiled import unavailable_reason, use_persistent_cache
+from oxygen_ros.model.pi05 import Pi05Model
+
+logger = logging.getLogger(__name__)
+
+COMPILE_CHOICES = ('auto', 'max', 'on', 'off')
+MIN_COMPILE_PARAMS = 1_000_000
+MAX_CPU_COMPILE_PARAMS = 128_000_000
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # decode batch sizes of a CUDA-graph runner
+
+
+@dataclasses.dataclass
+class CompilePlan:
+    """Which passes run compiled, and why (what the log and the diagnostics say)."""
+
+    denoise: bool
+    decode: bool
+    reason: str
+    prefill: bool | None = None         # the backbone's prefill layers; None: as decode
+    vision: bool | None = None          # the vision tower; None: as prefill
+    mode: str = ''                      # torch.compile mode of the compiled passes
+    whole_loop: bool = True             # the denoise loop as one graph (else one step's)
+    seconds: float = 0.0                # warm-up (compile) time, set by the caller
+
+    def __post_init__(self):
+        if self.prefill is None:
+            self.prefill = self.decode
+        if self.vision is None:
+            self.vision = self.prefill
+
+    @property
+    def any(self) -> bool:
+        return self.vision or self.prefill or self.denoise or self.decode
+
+    def describe(self) -> str:
+        denoise = 'denoise loop' if self.whole_loop else 'denoise step'
+        passes = [name for name, on in (('vision', self.vision), ('prefill', self.prefill),
+                                        (denoise, self.denoise), ('decode step', self.decode))
+                  if on]
+        what = f'compiled: {", ".join(passes)} ({self.mode})' if passes else 'eager'
+        return f'{what}: {self.reason}'
+
+
+def tower_params(model: Pi05Model) -> tuple[int, int, int]:
+    """Parameters (the denoise loop, a decode step, a prefill) reads."""
+    expert = sum(p.numel() for p in model.expert.parameters())
+    backbone = sum(p.numel() for p in model.backbone.parameters())
+    prefill = sum(p.numel() for p in model.backbone.layers.parameters()) + sum(
+        p.numel() for p in model.vision.parameters()) + sum(
+        p.numel() for p in model.projector.parameters())
+    return expert, backbone, prefill
+
+
+def compile_plan(model: Pi05Model, device: str, setting: str = 'auto') -> CompilePlan:
+    """Decide which passes to compile for compile `setting` (COMPILE_CHOICES)."""
+    if setting not in COMPILE_CHOICES:
+        raise ValueError(f'compile {setting!r}: expected one of {COMPILE_CHOICES}')
+    if setting == 'off':
+        return CompilePlan(False, False, "compile is 'off'")
+    why_not = unavailable_reason(device)
+    if why_not:
+        return CompilePlan(False, False, f'torch.compile unavailable ({why_not}); eager')
+    if setting == 'on':
+        return CompilePlan(True, True, "compile is 'on'")
+    if torch.device(device).type == 'cuda':
+        return CompilePlan(True, True, 'CUDA: graphs remove the per-kernel launch cost')
+    expert, backbone, prefill = tower_params(model)
+
+    def pays(params: int) -> bool:
+        return MIN_COMPILE_PARAMS <= params <= MAX_CPU_COMPILE_PARAMS
+
+    reason = (f'{setting} on the CPU: a pass is compiled when its weights hold '
+              f'{MIN_COMPILE_PARAMS / 1e6:.0f}M..{MAX_CPU_COMPILE_PARAMS / 1e6:.0f}M parameters '
+              f'(prefill {prefill / 1e6:.1f}M, denoise {expert / 1e6:.1f}M, decode '
+              f'{backbone / 1e6:.1f}M)')
+    # auto leaves the vision tower eager: a quarter of the first configure's compile for
+    # ~2-3 ms of a 67 ms action path (pi05-cpu, docs/bench/phases.md); max compiles it.
+    return CompilePlan(pays(expert), pays(backbone), reason, prefill=pays(prefill),
+                       vision=pays(prefill) and setting == 'max')
+
+
+def compile_settings(device: str) -> tuple[str, dict]:
+    """(torch.compile mode, inductor settings while compiling) for a device.
+
+    CUDA: 'reduce-overhead' (CUDA graphs). CPU: inductor's default mode, in float32 and
+    bfloat16. Autotuned GEMM templates with the weights frozen into the graph
+    ('max-autotune-no-cudagraphs', freezing) measured on pi05-cpu bf16, in runs minutes
+    apart on a shared machine: no faster a frame (action path 62.5 vs 65.8 ms, denoise loop
+    18.4 vs 18.8 ms) for a first configure of 220-340 s and a restart of 66-69 s (frozen
+    weights keep AOT's cache out), so they are not used (docs/bench/phases.md).
+    """
+    if torch.device(device).type == 'cuda':
+        return 'reduce-overhead', {}
+    return 'default', {}
+
+
+def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
+                  kv=None) -> CompilePlan:
+    """Fuse the model's projections and set up compilation (compiled by the warm-up).
+
+    kv: the engine's KVTensors, marked static for CUDA graphs (None on the CPU).
+    """
+    model.fuse()
+    plan = compile_plan(model, device, setting)
+    cuda = torch.device(device).type == 'cuda'
+    mode, config = compile_settings(device)
+    # One denoise step as the graph on the CPU: the unrolled loop was half the first
+    # configure's compile and most of a restart's, for ~5 ms of a 67 ms action path (compile
+    # 'max' pays that); a GPU replays the whole loop as one CUDA graph.
+    plan.whole_loop = cuda or setting == 'max'
+    plan.mode = mode
+    if plan.any:
+        use_persistent_cache()
+    # Prefill's length changes with the prompt: CUDA graphs would record one per length, so
+    # on a GPU it compiles without them (compute-bound, its launches cost little).
+    prefill_mode = 'default' if mode == 'reduce-overhead' else mode
+    if plan.prefill:
+        model.compile_prefill(prefill_mode, config, vision=plan.vision)
+    else:
+        model.compile_prefill(None)
+    if plan.denoise:
+        model.compile_actions(mode, config, whole_loop=plan.whole_loop)
+    else:
+        model.compile_actions(None)
+    model.compile_decode(mode, kv, config) if plan.decode else model.compile_decode(None)
+    logger.info('model passes %s', plan.describe())
+    if plan.denoise:
+        logger.info('real-time chunking (rtc_mode guided or prefix) runs its denoise steps '
+                    'eager, one expert pass each: the compiled loop has neither its per-token '
+                    'flow time nor its gradient; nothing compiles in a tick')
+    return plan
+
+
+def runner_options(plan: CompilePlan, device: str) -> dict:
+    """Return the ModelRunner options of a plan: decode batch buckets for CUDA graphs."""
+    if plan.decode and torch.device(device).type == 'cuda':
+        return {'bucket_sizes': DECODE_BUCKETS}   # a few graphs, not one per batch size
+    return {}
+
+
+def warm_up(runner, plan: CompilePlan, frames: Sequence[dict],
+            action_rows: Sequence[int] = (1,)) -> None:
+    """Compile `plan`'s passes for every shape `runner` uses (ModelRunner.warm_up_compiled).
+
+    Adds the time it took to plan.seconds; nothing to do when nothing is compiled.
+    """
+    if not plan.any:
+        return
+    start = time.perf_counter()
+    runner.warm_up_compiled(action_rows=action_rows, frames=frames)
+    plan.seconds += time.perf_counter() - start
+
+
+def seal(model: Pi05Model, plan: CompilePlan, started: float | None = None) -> None:
+    """End the warm-up: nothing compiles any more; log what the warm-up cost.
+
+    started: when the warm-up began (plan.seconds = the time since); None: plan.seconds as
+    `warm_up` added it up.
+    """
+    model.seal_compiled()
+    if started is not None:
+        plan.seconds = time.perf_counter() - started
+    if plan.any:
+        logger.info('compiled in %.1f s (cache: restarts reuse the kernels)', plan.seconds)
+
+
+@contextlib.contextmanager
+def sealed(model: Pi05Model):
+    """Compile nothing inside the block (timed frames run only warmed-up graphs), then again.
+
+    A frame that would compile runs eager and is logged, instead of timing a compile.
+    """
+    model.seal_compiled()
+    try:
+        yield
+    finally:
+        model.seal_compiled(False)

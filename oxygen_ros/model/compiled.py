@@ -1,0 +1,111 @@
+"""torch.compile for the denoise loop and the decode step: compiled once, then never again.
+
+A `CompiledFunction` compiles on its first calls (the warm-up at configure). Once `seal()`ed,
+an input that would need a new graph (a shape never warmed up) runs the eager function instead
+of compiling inside a control tick: a recompile costs seconds, a missed tick is worse. Each
+such fallback is logged once per function and counted.
+
+The compile cache (inductor's FX graph and AOT caches) lives under
+~/.cache/oxygen_ros/torch_compile unless TORCHINDUCTOR_CACHE_DIR says otherwise, so a restart
+of the node finds its kernels already built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+import shutil
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR = Path.home() / '.cache' / 'oxygen_ros' / 'torch_compile'
+
+
+def use_persistent_cache(path: str | os.PathLike | None = None) -> Path:
+    """Keep torch.compile's caches in `path` (default CACHE_DIR) unless the env names one.
+
+    Must run before the first compile of the process (inductor reads the variable then).
+    torch itself writes its default (a folder in /tmp, gone after a reboot) into the variable
+    the first time it looks; only a value that differs from that default is the user's.
+    """
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
+    if current and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
+        return Path(current)
+    cache = Path(path) if path else CACHE_DIR
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ['TORCHINDUCTOR_CACHE_DIR'] = str(cache)
+    return cache
+
+
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """Why torch.compile (inductor) cannot run on `device` here, or None when it can."""
+    kind = torch.device(device).type
+    if kind == 'cpu':
+        if not any(shutil.which(cc) for cc in ('g++', 'c++', 'clang++')):
+            return 'inductor on the CPU needs a C++ compiler (g++ or clang++); none on PATH'
+        return None
+    if kind == 'cuda':
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return 'inductor on CUDA needs triton, which this torch install lacks'
+        return None
+    return f'no inductor backend for device {kind!r}'
+
+
+class CompiledFunction:
+    """torch.compile(fn) that, once sealed, runs `fn` eagerly instead of compiling again.
+
+    config: inductor settings in force while it compiles (torch._inductor.config names, e.g.
+    freezing). They are patched around the calls that compile rather than passed as
+    torch.compile options, because some (freezing) are read while dynamo traces.
+    """
+
+    def __init__(self, fn: Callable, name: str, config: dict | None = None, **options):
+        self.fn = fn
+        self.name = name
+        self.config = dict(config or {})
+        self.compiled = torch.compile(fn, **options)
+        self.sealed = False
+        self.failed = False      # compiling raised: eager from then on
+        self.fallbacks = 0       # calls that ran eager because no graph fitted their inputs
+
+    def seal(self, sealed: bool = True) -> None:
+        """From now on never compile: inputs without a graph run eager (logged once).
+
+        sealed False: compile again (a warm-up that follows a timed stretch).
+        """
+        self.sealed = sealed
+
+    def __call__(self, *args):
+        if self.failed:
+            return self.fn(*args)
+        if not self.sealed:
+            import torch._inductor.config as inductor_config
+
+            try:
+                with inductor_config.patch(self.config):
+                    return self.compiled(*args)
+            except Exception as err:   # noqa: B902 - any compiler failure: run eager instead
+                self.failed = True
+                logger.warning('%s: torch.compile failed, running eager: %s: %s', self.name,
+                               type(err).__name__, str(err).strip().splitlines()[0][:300])
+                return self.fn(*args)
+        try:
+            with torch.compiler.set_stance('fail_on_recompile'):
+                return self.compiled(*args)
+        except RuntimeError as err:
+            if "stance is 'fail_on_recompile'" not in str(err):
+                raise
+            if not self.fallbacks:
+                logger.warning('%s: inputs that were not warmed up at configure run eager '
+                               '(compiling now would stall the tick): %s', self.name,
+                               str(err).splitlines()[-1].strip())
+            self.fallbacks += 1
+            return self.fn(*args)

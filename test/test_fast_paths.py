@@ -1,0 +1,358 @@
+"""The fast paths: dtype auto, compiled passes == eager, graph breaks pinned, builds in place.
+
+The one inductor compile here runs on MICRO (one layer, two denoise steps): what is tested is
+that compiled and eager agree and that the warm-up covers every shape, not the kernels'
+speed (that is the benchmark's). Graph breaks are counted by tracing only (explain).
+"""
+
+import logging
+import math
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from oxygen_ros.bench.systems import make_system
+from oxygen_ros.engine import (LanguagePolicy, make_engine, random_observation, random_setup,
+                               UnlimitedBudget)
+from oxygen_ros.engine import hardware, prepare
+from oxygen_ros.model import get_preset, Pi05Model
+from oxygen_ros.model.compiled import CompiledFunction
+from oxygen_ros.model.config import GemmaConfig, SiglipConfig
+from oxygen_ros.model.pi05 import INIT_BLOCK
+from oxygen_ros.runtime import engine_setup
+from oxygen_ros.runtime.params import RtcSettings, Settings
+from oxygen_ros.runtime.rtc import RtcPlanner
+
+TINY = get_preset('tiny')
+MICRO = TINY.replace(backbone=GemmaConfig(32, 1, 64, 2, 1, 16, TINY.backbone.vocab_size),
+                     expert=GemmaConfig(16, 1, 32, 2, 1, 16, TINY.backbone.vocab_size),
+                     vision=SiglipConfig(16, 1, 2, 32, 7, 28), num_steps=2, action_horizon=2)
+# compiled vs eager actions (float32): inductor reorders float sums, nothing more
+COMPILED_ACTION_ATOL = 1e-4
+
+
+INSTRUCTIONS = ('pick up the red block', 'open the drawer', 'push the plate to the left edge')
+
+
+def observation(frame: int):
+    return random_observation('libero', frame, seed=3, image_size=MICRO.vision.image_size,
+                              instruction=INSTRUCTIONS[frame % 3])
+
+
+def run_frames(system, frames):
+    actions, tokens = [], {}
+    for frame in frames:
+        result = system.step(observation(frame))
+        actions.append(result.action.normalized)
+        tokens.update((f.origin_frame, f.token_ids) for f in result.finished)
+    while system.num_live_requests:
+        system.advance_language()
+        tokens.update((f.origin_frame, f.token_ids) for f in system.last_result.finished)
+    return actions, tokens
+
+
+@pytest.mark.usefixtures('one_torch_thread')
+def test_compiled_denoise_and_decode_equal_eager_and_never_compile_in_a_tick():
+    """compile 'on' (inductor): after the runner's warm-up, frames of every shape the engine
+    uses run compiled (no eager fallback), tokens equal eager's and actions agree closely."""
+    model, frontend = random_setup(MICRO, 'libero', seed=1)
+    reference, _ = random_setup(MICRO, 'libero', seed=1)   # same weights, eager, unfused
+    plan = prepare.prepare_model(model, 'cpu', 'on')
+    if not plan.any:
+        pytest.fail(f'compile unavailable on this machine: {plan.reason}')
+    policy = LanguagePolicy(max_new_tokens=5, eos_id=None)
+    system = make_system('oxygen', model, frontend, policy, k=2)
+    system.runner.warm_up_compiled(frames=[frontend.prepare(observation(99)).tensors])
+    prepare.seal(model, plan, 0.0)
+    actions, tokens = run_frames(system, range(5))   # prompts of other lengths than frame 99
+    ref_actions, ref_tokens = run_frames(make_system('oxygen', reference, frontend, policy, k=2),
+                                         range(5))
+    compiled = model.compiled_functions
+    assert [fn.name for fn in compiled] == ['vision tower', 'prefill layers', 'denoise step',
+                                            'decode step']
+    assert [(fn.fallbacks, fn.failed) for fn in compiled] == [(0, False)] * 4
+    assert tokens and tokens == ref_tokens
+    for got, want in zip(actions, ref_actions):
+        np.testing.assert_allclose(got, want, atol=COMPILED_ACTION_ATOL, rtol=0)
+
+
+def rtc_chunks(model, frontend, mode: str, frames: int = 4):
+    """Chunks of `frames` frames, each continuing the last (real-time chunking, delay 1)."""
+    engine = make_engine('oxygen', model, frontend, LanguagePolicy(max_new_tokens=3, eos_id=None),
+                         UnlimitedBudget(), seed=1)
+    planner = RtcPlanner(RtcSettings(mode, delay=1), 0.05)
+    chunks = []
+    for i in range(frames):
+        obs = observation(i)
+        obs.stamp = 0.1 * i
+        chunks.append(engine.act(obs, planner.continuation(obs)))
+        planner.record(chunks[-1], obs.stamp + 0.06)
+        engine.advance_language()
+    return chunks
+
+
+@pytest.mark.usefixtures('one_torch_thread')
+def test_rtc_chunks_of_a_compiled_model_equal_eager_and_frozen_rows_stay_exact():
+    """compile 'on': guided and prefix chunks (their denoise steps run eager, over the compiled
+    prefill's K/V) agree with an eager model's; prefix's frozen row is the committed one."""
+    micro = MICRO.replace(action_horizon=8)   # rows left to continue after two have played
+    model, frontend = random_setup(micro, 'libero', seed=1)
+    reference, _ = random_setup(micro, 'libero', seed=1)
+    plan = prepare.prepare_model(model, 'cpu', 'on')
+    if not plan.any:
+        pytest.fail(f'compile unavailable on this machine: {plan.reason}')
+    warm = make_engine('oxygen', model, frontend, LanguagePolicy(max_new_tokens=3, eos_id=None),
+                       UnlimitedBudget())
+    warm.runner.warm_up_compiled(frames=[frontend.prepare(observation(99)).tensors])
+    prepare.seal(model, plan, 0.0)
+    for mode in ('guided', 'prefix'):
+        chunks = rtc_chunks(model, frontend, mode)
+        eager = rtc_chunks(reference, frontend, mode)
+        assert [c.start_row for c in chunks] == [0] + [1] * 3   # each continued the last
+        for got, want in zip(chunks, eager):
+            np.testing.assert_allclose(got.normalized, want.normalized,
+                                       atol=COMPILED_ACTION_ATOL, rtol=0)
+        if mode == 'prefix':   # the frozen row is the committed one, exactly
+            for before, after in zip(chunks, chunks[1:]):
+                np.testing.assert_array_equal(after.actions[0], before.actions[2])
+    assert [(fn.fallbacks, fn.failed) for fn in model.compiled_functions] == [(0, False)] * 4
+
+
+@pytest.mark.usefixtures('one_torch_thread')
+def test_capacity_times_the_warmed_up_compiled_passes(monkeypatch):
+    """The configure-time timing (auto rate) compiles first and times sealed passes: no frame
+    it times compiles or runs eager; afterwards the node's own warm-up may compile again."""
+    from torch._dynamo.utils import counters
+
+    model, frontend = random_setup(MICRO, 'libero', seed=1)
+    plan = prepare.prepare_model(model, 'cpu', 'on')
+    seen = {}
+
+    def time_ticks(tick, **options):
+        seen['sealed'] = [fn.sealed for fn in model.compiled_functions]
+        graphs = counters['stats']['unique_graphs']
+        timed = real_time_ticks(tick, **options)
+        seen['compiled while timed'] = counters['stats']['unique_graphs'] - graphs
+        return timed
+    real_time_ticks = engine_setup.time_ticks
+    monkeypatch.setattr(engine_setup, 'time_ticks', time_ticks)
+    settings = Settings.from_values({'preset': 'tiny', 'control_rate_hz': 0.0})
+    capacity = engine_setup.time_capacity(model, frontend, settings, plan=plan)
+    assert capacity.frames >= 2 and seen == {'sealed': [True] * 4, 'compiled while timed': 0}
+    assert [(fn.sealed, fn.fallbacks) for fn in model.compiled_functions] == [(False, 0)] * 4
+
+
+@pytest.mark.usefixtures('one_torch_thread')
+def test_compiled_denoise_step_serves_every_batch_of_rows_with_one_graph():
+    """compile 'on' on the CPU compiles one denoise step: after a warm-up of 1 and 2 rows (a
+    fleet's), 3 rows run compiled too (the batch is dynamic) and equal eager."""
+    model, frontend = random_setup(MICRO, 'libero', seed=1)
+    reference, _ = random_setup(MICRO, 'libero', seed=1)
+    plan = prepare.prepare_model(model, 'cpu', 'on')
+    assert not plan.whole_loop and 'denoise step' in plan.describe()
+    policy = LanguagePolicy(max_new_tokens=2, eos_id=None)
+    runners = [make_system('oxygen', m, frontend, policy, k=1).runner for m in (model, reference)]
+    frames = [frontend.prepare(observation(i)).tensors for i in range(3)]
+    runners[0].warm_up_compiled(action_rows=(1, 2), frames=frames[:1])
+    prepare.seal(model, plan, 0.0)
+    noise = np.random.default_rng(4).standard_normal((3, *runners[0].action_shape))
+    actions = []
+    for runner in runners:
+        for slot, tensors in enumerate(frames):
+            runner.prefill(tensors, slot)
+        actions.append(runner.sample_actions_rows([0, 1, 2], noise.astype(np.float32)))
+    assert [(fn.fallbacks, fn.failed) for fn in model.compiled_functions] == [(0, False)] * 4
+    np.testing.assert_allclose(actions[0], actions[1], atol=COMPILED_ACTION_ATOL, rtol=0)
+
+
+def test_sealed_function_runs_eager_for_an_unseen_shape(caplog):
+    compiles = []
+
+    def counting_backend(graph, example_inputs):
+        compiles.append([tuple(t.shape) for t in example_inputs])
+        return graph.forward
+
+    fn = CompiledFunction(lambda x: x * 2, 'double', backend=counting_backend, dynamic=False)
+    fn(torch.ones(3))
+    fn.seal()
+    with caplog.at_level(logging.WARNING):
+        torch.testing.assert_close(fn(torch.ones(5)), torch.full((5,), 2.0))
+    assert fn.fallbacks == 1 and 'not warmed up' in caplog.text
+    assert compiles == [[(3,)]]               # eager: nothing compiled for the new shape
+    torch.testing.assert_close(fn(torch.ones(3)), torch.full((3,), 2.0))
+    assert fn.fallbacks == 1 and compiles == [[(3,)]]   # the warmed-up graph still serves
+
+
+def test_compile_failure_falls_back_to_eager_logged(caplog):
+    def broken_backend(graph, example_inputs):
+        raise RuntimeError('no C++ compiler today')
+
+    fn = CompiledFunction(lambda x: x + 1, 'plus one', backend=broken_backend)
+    with caplog.at_level(logging.WARNING):
+        torch.testing.assert_close(fn(torch.zeros(2)), torch.ones(2))
+    assert fn.failed and 'torch.compile failed, running eager' in caplog.text
+    torch.testing.assert_close(fn(torch.zeros(4)), torch.ones(4))
+
+
+def _meta_model(preset: str) -> Pi05Model:
+    with torch.device('meta'):
+        return Pi05Model(get_preset(preset))
+
+
+def test_compile_auto_compiles_where_it_pays(monkeypatch):
+    plan = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'auto')
+    assert (plan.vision, plan.prefill, plan.denoise, plan.decode) == (False, True, True, True)
+    most = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'max')
+    assert (most.vision, most.prefill, most.denoise, most.decode) == (True, True, True, True)
+    # inductor's default mode on the CPU in every dtype (autotuning: minutes, no faster)
+    assert prepare.compile_settings('cpu') == ('default', {})
+    tiny = prepare.compile_plan(_meta_model('tiny'), 'cpu', 'auto')
+    assert not tiny.any and 'denoise 0.' in tiny.reason       # test-sized: not worth it
+    pi05 = prepare.compile_plan(_meta_model('pi05'), 'cpu', 'auto')
+    assert not pi05.any                                         # weight reads dominate
+    assert prepare.compile_plan(_meta_model('tiny'), 'cpu', 'on').any
+    assert not prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'off').any
+    monkeypatch.setattr(prepare, 'unavailable_reason', lambda device: 'no g++ on PATH')
+    missing = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'on')
+    assert not missing.any and 'no g++ on PATH' in missing.describe()
+    with pytest.raises(ValueError, match='compile'):
+        prepare.compile_plan(_meta_model('tiny'), 'cpu', 'sometimes')
+
+
+@pytest.mark.parametrize('speedup, expected', [(6.5, torch.bfloat16), (1.0, torch.float32),
+                                               (0.3, torch.float32)])
+def test_dtype_probe_picks_bf16_only_where_it_is_fast(speedup, expected):
+    def probe(config, device):
+        return speedup, 2e11, speedup * 2e11
+
+    dtype, why = hardware.choose_dtype(get_preset('pi05-cpu'), 'cpu', probe=probe)
+    assert dtype == expected
+    assert f'{speedup:.1f}x float32' in why and 'GFLOP/s' in why
+
+
+@pytest.mark.parametrize('fast', [True, False])
+def test_dtype_auto_at_configure_follows_the_probe(monkeypatch, caplog, fast):
+    """The node's configure resolves dtype 'auto' with the probe, and logs which and why."""
+    from oxygen_ros.runtime.engine_setup import build_engine
+    from oxygen_ros.runtime.params import Settings
+
+    monkeypatch.setattr(hardware, 'bf16_speedup',
+                        lambda config, device: (5.0 if fast else 0.5, 1e11, 5e10))
+    settings = Settings.from_values({'preset': 'tiny', 'tokens_per_request': 2})
+    assert settings.dtype == 'auto' and settings.compile == 'auto'
+    with caplog.at_level(logging.INFO, logger='oxygen_ros'):
+        engine = build_engine(settings, warmup=False)
+    want = 'bfloat16' if fast else 'float32'
+    assert engine.system.runner.model.compute_dtype == getattr(torch, want)
+    assert engine.description['dtype'] == want and engine.description['kv_dtype'] == want
+    assert f'dtype {want}: a ' in caplog.text and 'x float32' in caplog.text
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of CPU tensor storage alive (created under the mode), and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type != 'cpu':
+                continue
+            storage = tensor.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes and key not in self._seen:
+                self._seen.add(key)
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, key, nbytes)
+        return out
+
+
+def test_building_small_in_bf16_never_holds_a_float32_copy():
+    cfg = get_preset('small')
+    with LiveBytes() as bf16_build:
+        model = Pi05Model.build(cfg, torch.bfloat16).init_random(seed=0)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    fp32_weights = sum(p.numel() * 4 for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
+    assert largest * 4 < INIT_BLOCK * 4          # each parameter's noise is one block here
+    # the bf16 weights plus one parameter's float32 noise (and its scaled copy) at a time
+    assert bf16_build.peak <= weights + 2 * 4 * largest + (1 << 16), (bf16_build.peak, weights)
+    assert bf16_build.peak < fp32_weights         # a float32 model never existed
+    with LiveBytes() as old_way:   # what random_setup did before: float32, then cast
+        Pi05Model(cfg).init_random(seed=0).to_precision(torch.bfloat16)
+    assert old_way.peak >= fp32_weights
+    # the same weights as the float32 build cast to bf16, bit for bit
+    reference = Pi05Model(cfg).init_random(seed=0).to_precision(torch.bfloat16)
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(got, want), name
+
+
+def test_fused_projections_are_views_and_match_unfused():
+    model = Pi05Model(TINY).init_random(seed=5).eval()
+    cfg = TINY
+    g = torch.Generator().manual_seed(0)
+    S = cfg.vision.image_size
+    images = torch.rand(1, cfg.num_cameras, 3, S, S, generator=g) * 2 - 1
+    masks = torch.tensor([[True, True, False]])
+    tokens = torch.randint(3, 500, (1, cfg.max_token_len), generator=g)
+    token_masks = torch.arange(cfg.max_token_len)[None] < 9
+    noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, generator=g)
+    with torch.no_grad():
+        prefix = model.prefill(images, masks, tokens, token_masks, extra_len=4)
+        before = model.sample_actions(prefix, noise), model.lm_logits(prefix.last_hidden)
+        params = sum(p.numel() for p in model.parameters())
+        model.fuse()
+        attn = model.backbone.layers[0].self_attn
+        assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()   # a view
+        assert sum(p.numel() for p in model.parameters()) == params
+        assert set(model.state_dict()) == set(Pi05Model(cfg).state_dict())  # names unchanged
+        prefix = model.prefill(images, masks, tokens, token_masks, extra_len=4)
+        after = model.sample_actions(prefix, noise), model.lm_logits(prefix.last_hidden)
+    for got, want in zip(after, before):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    model.to_precision(torch.bfloat16)      # a cast re-fuses from the cast weights
+    assert model.fused and attn.qkv_weight.dtype == torch.bfloat16
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+
+
+def test_floor_is_the_binding_limit_and_work_counts_computed_positions():
+    from oxygen_ros.bench.floors import phase_work
+    from oxygen_ros.bench.phases import floor_rows, format_phases, PhaseCosts
+
+    model = _meta_model('pi05-cpu')
+    libero = phase_work(model, 2, 2 * 256 + 43, (1, 4), 17)
+    every = phase_work(model, 3, 968, (1, 4), 17)
+    assert libero['prefill'].flops < 0.65 * every['prefill'].flops   # 555 of 968 positions
+    assert libero['denoise'] == every['denoise']                     # all P keys by default
+    packed = phase_work(model, 2, 2 * 256 + 43, (1,), 17, denoise_keys=555)['denoise']
+    assert packed.flops < libero['denoise'].flops and packed.bytes < libero['denoise'].bytes
+    assert libero['decode 4'].flops == pytest.approx(4 * libero['decode 1'].flops)
+    assert libero['decode 4'].bytes < 1.2 * libero['decode 1'].bytes  # weights read once
+    machine = hardware.MachinePeaks('cpu', 1, {'float32': 1e11}, 1e10)
+    costs = PhaseCosts(0.01, 0.2, 0.05, {1: 0.004, 4: 0.005},
+                       {k: w.flops for k, w in libero.items()},
+                       {k: w.bytes for k, w in libero.items()}, machine=machine)
+    floor, bound = costs.floor('prefill')
+    assert bound == 'compute' and floor == pytest.approx(libero['prefill'].flops / 1e11)
+    floor, bound = costs.floor('decode 1')
+    assert bound == 'memory' and floor == pytest.approx(libero['decode 1'].bytes / 1e10)
+    assert costs.floor('action')[0] == pytest.approx(costs.floor('prefill')[0]
+                                                     + costs.floor('denoise')[0])
+    rows = {r['phase']: r for r in floor_rows(costs, {'denoise': 0.2})}
+    assert rows['action']['x_floor'] == pytest.approx(0.25 / costs.floor('action')[0])
+    assert rows['denoise']['eager_ms'] == pytest.approx(200) and math.isnan(
+        rows['prefill']['eager_ms'])
+    table = format_phases(costs, {'denoise': 0.2})
+    assert '| x floor |' in table and 'action path' in table
