@@ -30,6 +30,9 @@ class Observation:
     instruction: str                # task text, e.g. 'pick up the red block'
     stamp: float = 0.0              # camera time in seconds, passed through to the outputs
     frame_index: int | None = None  # None: the engine numbers frames 0, 1, 2, ...
+    action_prompt: str | None = None  # the prefill's prompt (None: the instruction); π0.5's
+    #                                   subtask (runtime/subtask.py); templates of language
+    #                                   tasks still read the instruction
 
 
 @dataclasses.dataclass

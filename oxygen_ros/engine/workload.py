@@ -121,6 +121,7 @@ class LanguageTask:
     priority: int = 0                   # higher: admitted first, yields last
     topic: str = ''                     # LanguageChunk topic ('': the task's default)
     drives_actions: bool = False        # its newest finished text becomes the action prompt
+    max_age_s: float = 2.0              # drives_actions: older, the instruction is the prompt
 
 
 def as_tasks(tasks: LanguagePolicy | Sequence[LanguageTask]) -> tuple[LanguageTask, ...]:

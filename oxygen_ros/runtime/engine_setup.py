@@ -128,7 +128,8 @@ def tasks_for(settings: Settings, eos_id: int) -> tuple[LanguageTask, ...]:
         LanguageTask(task.name, LanguagePolicy(
             max_new_tokens=task.tokens, every_n_frames=task.every_n_frames, seed=settings.seed,
             eos_id=eos_id, prompt_template=task.prompt), priority=task.priority,
-            topic=task.token_topic, drives_actions=task.drives_actions)
+            topic=task.token_topic, drives_actions=task.drives_actions,
+            max_age_s=settings.subtask_max_age_s)
         for task in settings.tasks)
 
 

@@ -39,6 +39,7 @@ from oxygen_ros.model.robot_spec import (BUILTIN_ROBOTS, get_robot, is_robot_pat
 from oxygen_ros.model.config import DEFAULT_MAX_GUIDANCE_WEIGHT
 
 NARRATION = 'narration'   # the default language task (engine.workload.NARRATION)
+SUBTASK_MAX_AGE_S = 2.0   # a driving task's subtask stays the action prompt this long
 
 NODE_NAME = 'oxygen_node'
 ROBOTS = BUILTIN_ROBOTS
@@ -356,6 +357,10 @@ PARAMS: tuple[ParamSpec, ...] = (
               ".drives_actions; narration's default to language_prompt, tokens_per_request and "
               'request_every_n_frames. Every task reads the frame\'s one prefill.',
               check=_check_task_names),
+    ParamSpec('subtask_max_age_s', SUBTASK_MAX_AGE_S, "The subtask of the task that drives the "
+              "actions (tasks.<name>.drives_actions, π0.5's subtask loop) is the action "
+              'prompt until it is older than this (from the frame it was decoded from); '
+              'then the instruction is (docs/language_tasks.md).', float_range=(0.01, 3600.0)),
     ParamSpec('kv_capacity', 0, 'KV pool slots; 0 = sized from N, k and the request rate '
               '(configure refuses a pool larger than half the free memory).',
               int_range=(0, 1024)),
@@ -399,7 +404,7 @@ PARAMS_BY_NAME = {spec.name: spec for spec in PARAMS}
 # the node's and shared by every robot (one model, one device, one control thread).
 ROBOT_PARAMS = ('robot', 'camera_names', 'joint_names', 'frame_id', 'publish_trajectory',
                 'control_rate_hz', 'language_prompt', 'tokens_per_request', 'decode_budget',
-                'request_every_n_frames', 'language_tasks', 'kv_capacity',
+                'request_every_n_frames', 'language_tasks', 'subtask_max_age_s', 'kv_capacity',
                 'stale_frame_timeout_s', 'seed',
                 'rtc_mode', 'rtc_schedule', 'rtc_delay', 'rtc_execution_horizon',
                 'rtc_max_guidance_weight')
@@ -702,6 +707,7 @@ class Settings:
     compile: str = 'auto'              # torch.compile: auto, max, on, off
     spec: RobotSpec | None = None      # the robot's spec, resolved from `robot` at check
     tasks: tuple[TaskConfig, ...] = ()   # language_tasks with their tasks.<name>.* values
+    subtask_max_age_s: float = SUBTASK_MAX_AGE_S   # a driving task's subtask, then stale
 
     def task(self, name: str) -> TaskConfig | None:
         """Return the configured task called `name` (None: there is none)."""
@@ -822,7 +828,8 @@ class Settings:
             rtc_delay=int(merged['rtc_delay']),
             rtc_execution_horizon=int(merged['rtc_execution_horizon']),
             rtc_max_guidance_weight=float(merged['rtc_max_guidance_weight']), spec=spec,
-            tasks=tasks, compile=merged['compile']), []
+            tasks=tasks, subtask_max_age_s=float(merged['subtask_max_age_s']),
+            compile=merged['compile']), []
 
 
 @dataclasses.dataclass(frozen=True)
