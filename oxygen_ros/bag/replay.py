@@ -38,6 +38,7 @@ from oxygen_ros.runtime.engine_setup import build_engine as build_node_engine
 from oxygen_ros.runtime.params import NARRATION
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.rtc import planner_for
+from oxygen_ros.runtime.subtask import SUBTASK_TOPIC
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class ReplaySummary:
     tokens: int = 0
     token_messages: int = 0
     narrations: int = 0
+    subtasks: int = 0                    # changes of the subtask driving the actions
     finished: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> requests
     diagnostics: int = 0
     input_messages: int = 0              # messages read from the bag
@@ -170,6 +172,7 @@ class ReplaySummary:
             + (f'; {self.idle_ticks} idle ticks jumped over' if self.idle_ticks else ''),
             f'  action chunks {self.actions}; tokens {self.tokens} in {self.token_messages} '
             f'messages; narrations {self.narrations}'
+            + (f'; subtask changes {self.subtasks}' if self.subtasks else '')
             + (f' (finished: {finished})' if finished else '')
             + f'; diagnostics {self.diagnostics}',
             f'  input messages {self.input_messages} ({self.copied_messages} copied'
@@ -245,6 +248,12 @@ class _BagOutputs:
         self.out.write(self.replay.params.resolve('language/narration'), STRING, self.tick_ns,
                        messages.narration(self.replay.store, request))
         self.replay.summary.narrations += 1
+
+    def subtask(self, subtask, stamp_ns: int) -> None:
+        """Record the subtask that drives the actions ('': the instruction) on its topic."""
+        self.out.write(self.replay.params.resolve(SUBTASK_TOPIC), STRING, self.tick_ns,
+                       messages.text(self.replay.store, subtask.text if subtask else ''))
+        self.replay.summary.subtasks += 1
 
 
 class StopOnRequest:

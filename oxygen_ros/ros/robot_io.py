@@ -33,6 +33,7 @@ from oxygen_ros.runtime.dds_profile import profile_path, profile_variable
 from oxygen_ros.runtime.inputs import InputSet, InputSource, sanitize_instruction
 from oxygen_ros.runtime.params import NARRATION, Settings
 from oxygen_ros.runtime.status import OK, ProblemLog, WARN
+from oxygen_ros.runtime.subtask import SUBTASK_TOPIC
 
 try:   # Jazzy+ names the event classes event_handler; Humble only has qos_event.
     from rclpy.event_handler import SubscriptionEventCallbacks
@@ -78,7 +79,7 @@ class RosOutputs:
 
     def __init__(self, node: LifecycleNode, frame_id: str, layout: ActionLayout,
                  trajectory: bool = False, namespace: str = '',
-                 task_topics: dict[str, str] | None = None):
+                 task_topics: dict[str, str] | None = None, subtask: bool = False):
         self.frame_id = frame_id
         self.layout = layout
         self._lock = threading.Lock()
@@ -94,6 +95,9 @@ class RosOutputs:
             for task, topic in task_topics.items()}
         self._narration = node.create_publisher(
             String, in_namespace(namespace, 'language/narration'), qos.NARRATION)
+        # π0.5's subtask loop: the subtask driving the actions ('' = the instruction).
+        self._subtask = node.create_publisher(
+            String, in_namespace(namespace, SUBTASK_TOPIC), qos.SUBTASK) if subtask else None
         self._trajectory = None
         if trajectory:
             from trajectory_msgs.msg import JointTrajectory
@@ -112,7 +116,7 @@ class RosOutputs:
     def destroy(self) -> None:
         self.close()
         for pub in (self._actions, *self._task_tokens.values(), self._narration,
-                    self._trajectory):
+                    self._subtask, self._trajectory):
             if pub is not None:
                 self._node.destroy_publisher(pub)
 
@@ -140,6 +144,10 @@ class RosOutputs:
         if request.task == NARRATION:   # the other tasks' texts are in their LanguageChunks
             self._publish(self._narration, String(data=request.text))
 
+    def subtask(self, subtask, stamp_ns: int) -> None:
+        if self._subtask is not None:
+            self._publish(self._subtask, String(data=subtask.text if subtask else ''))
+
 
 class RobotIO:
     """One robot's subscriptions, inputs and outputs on `node`, topics under `namespace`.
@@ -165,7 +173,8 @@ class RobotIO:
         self.outputs = RosOutputs(node, settings.frame_id,
                                   action_layout(settings.spec or settings.robot),
                                   settings.publish_trajectory, namespace,
-                                  {task.name: task.token_topic for task in settings.tasks})
+                                  {task.name: task.token_topic for task in settings.tasks},
+                                  any(task.drives_actions for task in settings.tasks))
         try:
             self.inputs = self._subscribe(settings)
         except BaseException:

@@ -154,6 +154,12 @@ class _Replies:
             'text': request.text, 'finish_reason': str(request.finish_reason),
             'task': request.task})
 
+    def subtask(self, subtask, stamp_ns: int) -> None:
+        """Send nothing more: the client got the subtask as a 'finished' item of its task.
+
+        The frame loop already made it the action prompt of the next frames.
+        """
+
 
 class EngineWorker:
     """The engine thread: takes requests round robin and runs one frame loop tick per request."""
