@@ -326,6 +326,12 @@ def test_attention_paths_agree():
     two = attention_two_blocks(q, k1, v1, key_bias(mask1, q.dtype), k2, v2)
     torch.testing.assert_close(folded, per_query, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(two, per_query, atol=1e-6, rtol=1e-5)
+    # a masked second block (a decode row's generation block: entries written so far)
+    mask2 = torch.tensor([[True, False, False], [True, True, False]])
+    masked = attention(q, k, v, torch.cat([mask1, mask2], 1)[:, None])
+    two = attention_two_blocks(q, k1, v1, key_bias(mask1, q.dtype), k2, v2,
+                               key_bias(mask2, q.dtype))
+    torch.testing.assert_close(two, masked, atol=1e-6, rtol=1e-5)
 
 
 @torch.no_grad()

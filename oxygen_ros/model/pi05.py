@@ -16,10 +16,12 @@ and `attend` (where this layer's K/V go and which keys, under which mask, the qu
                  K/V read in place (two score blocks, one softmax: prefix keys + their own),
                  so nothing of size P is copied per frame. The prefix never attends to the
                  suffix, so this equals openpi's joint forward.
-  decode_step    one text token per row; row b writes its K/V at storage index P + gen_len[b]
-                 and RoPE position n_valid[b] + gen_len[b], and attends to its valid prefix
-                 plus J generated positions under a mask. Rows are independent, so requests
-                 from different frames (and padding rows on a null slot) batch by slot id.
+  decode_step    one text token per row; row b writes its K/V at entry gen_len[b] of its
+                 generation block (or at P + gen_len[b] of its own slot) and RoPE position
+                 n_valid[b] + gen_len[b], and attends to its valid prefix plus J generated
+                 entries under a mask, one softmax over both. Rows are independent, so
+                 requests of different frames, and several of one frame sharing its prefix
+                 slot (language tasks), batch by slot and block id.
 
 Static shapes: with `attend_len` and ids on the model's device a decode step reads no tensor
 value on the host, and its shapes depend only on (B, attend_len), so `compile_decode` compiles
