@@ -190,3 +190,7 @@ def test_only_a_task_that_drives_the_actions_makes_a_subtask_loop_with_the_param
     assert Settings.from_values({}).subtask_max_age_s == SUBTASK_MAX_AGE_S
     assert check_value('subtask_max_age_s', 2.0) is None
     assert check_value('subtask_max_age_s', 0.0)    # out of range: a reason
+    settings, problems = Settings.check({
+        'language_tasks': ['narration', 'subtask'], 'tasks.subtask.drives_actions': True})
+    assert settings is None   # no prompt: it would decode subtasks from the last subtask
+    assert any('tasks.subtask.drives_actions' in p and '{instruction}' in p for p in problems)

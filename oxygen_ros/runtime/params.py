@@ -525,6 +525,14 @@ def _check_tasks(merged: dict[str, Any], values: dict[str, Any], prefix: str
     driving = [t.name for t in tasks if t.drives_actions]
     if len(driving) > 1:
         problems.append(f'{prefix}tasks: at most one task drives the actions, got {driving}')
+    for task in tasks:
+        # The prefix's prompt is the active subtask: without the instruction in its own
+        # prompt the task would decode the next subtask from the last one.
+        if task.drives_actions and '{instruction}' not in task.prompt:
+            problems.append(f'{prefix}{task_param_name(task.name, "drives_actions")}: a task '
+                            'that drives the actions needs a prompt with {instruction} (its '
+                            f'prompt is {task.prompt!r}): the frame\'s prefix holds the '
+                            'subtask, the instruction reaches the task through its template')
     return tuple(tasks), problems
 
 
