@@ -123,10 +123,16 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                       help='seconds the active node runs without inputs, for its idle CPU '
                       '(default 5; quick 1)')
     node.add_argument('--node-rate', type=float, default=None,
-                      help='asked control rate in Hz (default 0.9 / p50 engine frame time)')
-    node.add_argument('--node-tokens', type=int, default=10, help='N of the node (default 10)')
-    node.add_argument('--node-k', type=int, default=5,
-                      help='fixed decode budget k of the node and the engine run (default 5)')
+                      help="asked control rate in Hz (default: the YAML's; 0 there = the node's "
+                           'auto rate, 90%% of what it times at configure)')
+    node.add_argument('--node-tokens', type=int, default=None,
+                      help="N of the node (default: the YAML's tokens_per_request)")
+    node.add_argument('--node-k', type=int, default=None,
+                      help='a fixed decode budget k of the node and the engine run (default: '
+                           "the YAML's, the adaptive budget)")
+    node.add_argument('--node-threads', type=int, default=None,
+                      help="torch threads of the node and its engine reference (default: the "
+                           "YAML's torch_threads, 0 there = every core but one, as the node)")
     node.add_argument('--node-engine-frames', type=int, default=None,
                       help='measured frames of the engine alone (default 20; quick 5)')
     node.add_argument('--node-rtc', default='off', choices=['off', 'guided', 'prefix'],
@@ -297,6 +303,7 @@ def node_options_from_args(args: argparse.Namespace):
     base = NodeBenchOptions.quick() if args.quick else NodeBenchOptions()
     return dataclasses.replace(base, robot=args.node_robot, tokens=args.node_tokens,
                                k=args.node_k, rate_hz=args.node_rate,
+                               threads=args.node_threads,
                                camera_rate_hz=args.camera_rate, camera_width=width,
                                camera_height=height, camera_format=args.camera_format,
                                rtc_mode=args.node_rtc, **changes)

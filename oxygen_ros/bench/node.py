@@ -2,12 +2,13 @@
 
 One run, in this order (one thing at a time on the machine):
 
-  1. engine   the node's engine (same preset, robot, threads, N, k, seed) built in this
+  1. engine   the node's engine (same preset, robot, threads, N, seed) built in this
               process; act() and act() + advance_language() timed over `engine_frames`
               frames after warm-up, on observations of the cameras' resolution (the node's
-              inference_time includes resizing them). Asked rate = 0.9 / p50(frame time):
-              what the engine's action path plus its decode budget allow, with 10% spare.
-  2. idle     the node process started at the asked rate, a monitor process
+              inference_time includes resizing them).
+  2. idle     the node process started with the robot's YAML as it ships (its rate: with
+              `control_rate_hz: 0` the node's auto rate, 90% of what it timed at configure;
+              the adaptive budget), unless a rate or k is given; a monitor process
               (`python -m oxygen_ros.ros.monitor`) recording its outputs; once the node is
               active, `idle_s` seconds with no inputs: its CPU while idle.
   3. active   the stand-in robot (`python -m oxygen_ros.ros.sim_inputs`: cameras at
@@ -59,7 +60,6 @@ from .cpu import cpu_between, OtherLoad, ThreadCpu
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PACKAGE_ROOT / 'config'
-ASKED_SHARE = 0.9                      # asked rate = this share of 1 / p50(engine frame time)
 BENCH_INSTRUCTION = 'pick up the black bowl and place it on the plate'
 TOKEN_WINDOW_S = 5.0                   # tokens/s is also reported per window of this length
 ROBOT_START_S = 3.0                    # the stand-in robot's start-up before frames are timed
@@ -70,9 +70,13 @@ class NodeBenchOptions:
     """What the node part runs (the model preset, device and threads are BenchOptions')."""
 
     robot: str = 'libero'           # config/<robot>.yaml: cameras, joints, language prompt
-    tokens: int = 10                # N, tokens per language request
-    k: int = 5                      # fixed decode budget of the node and of the engine run
-    rate_hz: float | None = None    # asked control rate; None: 0.9 / p50(engine frame time)
+    # None: the robot's YAML as it ships (its N, the adaptive budget, its rate: 0 = the node's
+    # auto rate, 90% of what it timed at configure). A robot's defaults, not a tuned harness.
+    tokens: int | None = None       # N, tokens per language request
+    k: int | None = None            # a fixed decode budget of the node and of the engine run
+    rate_hz: float | None = None    # asked control rate
+    # torch threads of node and engine; None: the YAML's (0: every core but one, as the node)
+    threads: int | None = None
     duration_s: float = 60.0        # measured window
     warmup_s: float = 5.0           # after the first action chunk, not measured
     idle_s: float = 5.0             # node active with no inputs, before the robot starts
@@ -120,10 +124,6 @@ class EngineReference:
     @property
     def frame_p50_s(self) -> float:
         return float(np.median(self.frame_s))
-
-    def asked_rate_hz(self, share: float = ASKED_SHARE) -> float:
-        """Return the control rate the engine holds with (1 - share) of the period to spare."""
-        return share / self.frame_p50_s
 
 
 def node_robots() -> list[str]:
@@ -331,13 +331,15 @@ class Child:
 
 
 def node_command(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threads: int,
-                 rate_hz: float, seed: int) -> list[str]:
-    """oxygen_node with the robot's YAML and the benchmark's overrides."""
-    overrides = {'preset': preset, 'device': device, 'dtype': dtype,
-                 'control_rate_hz': f'{rate_hz:.6g}', 'decode_budget': int(opts.k),
-                 'tokens_per_request': opts.tokens, 'seed': seed,
+                 rate_hz: float | None, seed: int) -> list[str]:
+    """oxygen_node with the robot's YAML and the benchmark's overrides (None: the YAML's)."""
+    overrides = {'preset': preset, 'device': device, 'dtype': dtype, 'seed': seed,
                  # Declared by nodes that pin torch's threads; an older node ignores it.
                  'torch_threads': threads}
+    for name, value in (('control_rate_hz', rate_hz and f'{rate_hz:.6g}'),
+                        ('decode_budget', opts.k), ('tokens_per_request', opts.tokens)):
+        if value is not None:
+            overrides[name] = value
     if opts.rtc_mode != 'off':
         overrides['rtc_mode'] = opts.rtc_mode
     return yaml_node_command(opts, overrides)
@@ -444,7 +446,7 @@ def _silent(message: str) -> None:
 
 
 def run_node(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threads: int,
-             rate_hz: float, seed: int, log_dir: Path, say=_silent) -> NodeRun:
+             rate_hz: float | None, seed: int, log_dir: Path, say=_silent) -> NodeRun:
     """Start node, monitor and robot; measure idle, then the active window; stop them all.
 
     say: gets one line per stage (progress for a person waiting).
@@ -462,7 +464,8 @@ def run_node(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threa
         node = Child('oxygen_node', node_command(opts, preset, device, dtype, threads, rate_hz,
                                                  seed), env, log_dir / 'oxygen_node.log')
         children.append(node)
-        say(f'oxygen_node started (pid {node.pid}, {rate_hz:.3g} Hz, ROS_DOMAIN_ID='
+        say(f'oxygen_node started (pid {node.pid}, '
+            f'{f"{rate_hz:.3g} Hz" if rate_hz else "its own rate"}, ROS_DOMAIN_ID='
             f'{env["ROS_DOMAIN_ID"]}); logs in {log_dir}')
         _wait_event(events, 'lifecycle', opts.start_timeout_s, children, state='active')
         say(f'node active: {opts.idle_s:g} s without inputs (idle CPU)')
@@ -500,6 +503,15 @@ def run_node(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threa
 
 
 # ---- analysis -----------------------------------------------------------------------------
+
+def node_rate(diagnostics: list[dict]) -> float:
+    """Return the control rate the node resolved (its model status), or raise NodeBenchError."""
+    rates = [float(d['model']['control_rate_hz']) for d in diagnostics
+             if 'control_rate_hz' in d.get('model', {})]
+    if not rates or rates[-1] <= 0:
+        raise NodeBenchError('the node published no control_rate_hz in its model status')
+    return rates[-1]
+
 
 def analyze(run: NodeRun, rate_hz: float) -> dict:
     """Figures of the measured window from the monitor's records (times in ms, % of ticks).
@@ -631,7 +643,10 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
     figures = analyze(run, rate_hz)
     act = np.array(engine.act_s)
     row = {'preset': preset, 'robot': opts.robot, 'device': device, 'dtype': dtype,
-           'threads': threads, 'n_tokens': opts.tokens, 'k': opts.k, 'rtc_mode': opts.rtc_mode,
+           'threads': threads,
+           'n_tokens': opts.tokens or node_parameters(opts.robot).get('tokens_per_request'),
+           'k': 'adaptive' if opts.k is None else opts.k, 'engine_k': engine.k,
+           'rtc_mode': opts.rtc_mode,
            'cameras': f'{opts.camera_width}x{opts.camera_height} {opts.camera_format} '
                       f'@{opts.camera_rate_hz:g}Hz',
            'camera_rate_hz': opts.camera_rate_hz,
@@ -671,11 +686,20 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
     return row
 
 
-def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, threads: int,
-                  seed: int, log_dir: Path, say=_silent
-                  ) -> tuple[dict, list[dict], EngineReference]:
+def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, seed: int,
+                  log_dir: Path, say=_silent) -> tuple[dict, list[dict], EngineReference]:
     """Engine first, then the node at the asked rate; return (row, per-tick rows, engine)."""
-    say(f'node part: timing the engine ({preset}, {opts.robot}, N={opts.tokens}, k={opts.k}, '
+    from oxygen_ros.runtime.engine_setup import inference_threads   # torch: lazily
+
+    yaml = node_parameters(opts.robot)
+    # The node's threads, not the benchmark process's: two torch threads on two cores next to
+    # the camera process made configure's timing 40x slow (an OpenMP team losing barriers).
+    threads = opts.threads or inference_threads(int(yaml.get('torch_threads') or 0))
+    tokens = opts.tokens or int(yaml.get('tokens_per_request', 10))
+    # The engine alone times act() (what the node's inference_time is); its language part
+    # needs a fixed k: the node's, or with the adaptive budget its minimum per frame, 1.
+    engine_k = opts.k or int(yaml.get('decode_budget') or 1)
+    say(f'node part: timing the engine ({preset}, {opts.robot}, N={tokens}, k={engine_k}, '
         f'{opts.camera_width}x{opts.camera_height} frames)')
     log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -694,17 +718,19 @@ def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, 
             robot.stop()
 
     engine = measure_engine(preset, opts.robot, device=device, dtype=dtype, threads=threads,
-                            tokens=opts.tokens, k=opts.k, seed=seed, frames=opts.engine_frames,
+                            tokens=tokens, k=engine_k, seed=seed, frames=opts.engine_frames,
                             camera_hw=(opts.camera_height, opts.camera_width),
                             loaded_frames=opts.engine_loaded_frames, load=robot_running,
                             rtc_mode=opts.rtc_mode)
-    if opts.rate_hz:
-        rate_hz, source = opts.rate_hz, 'given'
-    else:
-        rate_hz, source = engine.asked_rate_hz(), f'{ASKED_SHARE:g} / engine frame p50'
-    rate_hz = min(max(rate_hz, 0.1), 1000.0)   # the node's control_rate_hz range
     say(f'engine: act() p50 {1e3 * engine.act_p50_s:.1f} ms, frame p50 '
-        f'{1e3 * engine.frame_p50_s:.1f} ms -> asked rate {rate_hz:.3g} Hz ({source})')
-    run = run_node(opts, preset, device, dtype, threads, rate_hz, seed, log_dir, say)
+        f'{1e3 * engine.frame_p50_s:.1f} ms')
+    given = min(max(opts.rate_hz, 0.1), 1000.0) if opts.rate_hz else None   # the param's range
+    run = run_node(opts, preset, device, dtype, threads, given, seed, log_dir, say)
+    if given:
+        rate_hz, source = given, 'given'
+    else:
+        rate_hz = node_rate(run.monitor['diagnostics'])
+        source = f'the node\'s ({opts.robot}.yaml: {yaml.get("control_rate_hz", 0) or "auto"})'
+    say(f'node ran at {rate_hz:.3g} Hz ({source})')
     row = node_row(opts, engine, run, rate_hz, source, preset, device, dtype, threads)
     return row, tick_records(run, rate_hz), engine

@@ -504,9 +504,9 @@ def _run_benchmark(opts: BenchOptions, checkpoint, dtype_reason: str) -> BenchRe
         if checkpoint is not None and (memory or result.robots):
             checkpoint(result)
         start = time.perf_counter()
+        # the node's own torch threads (NodeBenchOptions.threads), not this process's
         row, ticks, _ = run_node_part(opts.node, opts.preset, opts.device, opts.dtype,
-                                      opts.threads, opts.seed, Path(opts.out_dir) / 'node_logs',
-                                      say)
+                                      opts.seed, Path(opts.out_dir) / 'node_logs', say)
         result.node.append(row)
         result.node_ticks.extend(ticks)
         part_seconds['node'] = time.perf_counter() - start
