@@ -528,3 +528,30 @@ def test_bag_of_a_robot_described_in_yaml(tmp_path):
     assert len(chunks) == TICKS
     assert {(c.action_dim, tuple(c.names)) for c in chunks} == {(6, tuple(spec['actions'][
         'names']))}
+
+
+def test_replay_records_the_subtask_that_drives_the_actions(tmp_path, demo_bag):
+    """π0.5's subtask loop in the replay: from the frame after a subtask finishes, the action
+    prompt is its text, recorded on language/subtask and in the diagnostics."""
+    params = load_params(None, {**ENGINE, 'decode_budget': 8,
+                                'language_tasks': ['narration', 'subtask'],
+                                'tasks.subtask.prompt': 'Subtask of {instruction}:',
+                                'tasks.subtask.tokens': 3, 'tasks.subtask.every_n_frames': 4,
+                                'tasks.subtask.drives_actions': True,
+                                'subtask_max_age_s': 100.0})
+    summary, frames = replay(demo_bag, tmp_path / 'out', params)
+    assert summary.status == 'complete' and summary.frames == TICKS
+    done = [(i, f) for i, (_, r) in enumerate(frames) for f in r.finished
+            if f.task == 'subtask' and f.text.strip()]
+    assert done, 'no subtask finished in the replay'
+    first_tick, first = done[0]
+    prompts = [obs.action_prompt for obs, _ in frames]
+    instruction = frames[0][0].instruction
+    assert prompts[:first_tick + 1] == [instruction] * (first_tick + 1)
+    assert prompts[first_tick + 1] == first.text.strip()
+    messages, _ = read_bag(tmp_path / 'out')
+    recorded = [m.data for _, m in messages['/language/subtask']]
+    assert recorded[0] == first.text.strip() and len(recorded) == summary.subtasks
+    assert all(prompt in recorded for prompt in prompts[first_tick + 1:])
+    names = [s.name for s in messages['/diagnostics'][-1][1].status]
+    assert 'oxygen_node: subtask' in names

@@ -16,7 +16,7 @@ import torch
 from oxygen_ros.engine import AdaptiveBudget, FixedBudget, make_engine, random_observation
 from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, fit_line,
                                          resolve_rate, steady_batch, time_ticks)
-from oxygen_ros.runtime.engine_setup import (build_engine, load_model, policy_for, robot_spec,
+from oxygen_ros.runtime.engine_setup import (build_engine, load_model, tasks_for, robot_spec,
                                              time_capacity)
 from oxygen_ros.runtime.params import check_value, Settings
 
@@ -92,7 +92,7 @@ def test_the_estimate_is_within_twenty_percent_of_the_ticks_it_predicts():
         frontend = make_frontend(robot_spec(settings))
         capacity = time_capacity(model, frontend, settings, clock=time.thread_time)
         # The node's language at its minimum: every live request one step a frame (k_min).
-        system = make_engine('oxygen', model, frontend, policy_for(settings, frontend.eos_id),
+        system = make_engine('oxygen', model, frontend, tasks_for(settings, frontend.eos_id),
                              FixedBudget(1), seed=settings.seed, clock=time.thread_time)
         ticks = []
         for frame in range(settings.tokens_per_request + 8):

@@ -21,6 +21,7 @@ from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
 from oxygen_ros.engine import (FixedBudget, FleetActions, FleetResult,  # noqa: E402
                                LanguagePolicy)
 from oxygen_ros.engine.types import ActionOutput, FrameResult, Timings  # noqa: E402
+from oxygen_ros.engine.workload import as_tasks  # noqa: E402
 from oxygen_ros.kv import KVPool  # noqa: E402
 from oxygen_ros.runtime import engine_setup  # noqa: E402
 from oxygen_ros.runtime.control import ControlThread, THREAD_NAME  # noqa: E402
@@ -56,6 +57,7 @@ class StubSystem:
         self.act_seconds: list[float] = []
         self.frames = 0
         self.policy = LanguagePolicy(max_new_tokens=4, every_n_frames=0)
+        self.tasks = as_tasks(self.policy)   # narration alone, as a Scheduler's
         self.budget = FixedBudget(1)
         self.pool = KVPool(2)
 

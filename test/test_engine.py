@@ -475,12 +475,14 @@ def test_bfloat16_model_keeps_token_identity_and_actions_near_float32(setup):
 @pytest.mark.parametrize('template', ['', 'Task: {instruction}. Narrate:'])
 def test_pool_slot_bytes_is_what_the_engine_allocates(setup, template):
     """The configure-time memory check sizes slots with the formula the store uses."""
-    from oxygen_ros.engine.engine import pool_slot_bytes
+    from oxygen_ros.engine.engine import pool_block_bytes, pool_slot_bytes
 
     model, frontend = setup
     policy = LanguagePolicy(max_new_tokens=9, eos_id=None, prompt_template=template)
     for dtype in (torch.float32, torch.bfloat16):
         system = make_system('oxygen', model, frontend, policy, k=3,
                              runner_options={'kv_dtype': dtype})
-        assert pool_slot_bytes(CFG, policy, dtype) == system.pool.bytes_per_slot
+        assert pool_slot_bytes(CFG, dtype) == system.pool.bytes_per_slot
         assert system.pool.bytes_per_slot == system.runner.store.bytes_per_slot
+        assert pool_block_bytes(CFG, policy, dtype) == system.blocks.bytes_per_slot
+        assert system.blocks.bytes_per_slot == system.runner.store.bytes_per_block

@@ -68,12 +68,14 @@ def fake_fleet(robots, step_s=lambda rows: 0.0, prefill_s=0.0, frontend=TaggedFr
     max_gen_len = max(spec[1].max_request_len for spec in robots.values()) - 1
     runner = FleetFakeRunner(sum(quotas.values()), max_gen_len, clock, step_s, prefill_s)
     pool = KVPool(sum(quotas.values()), 10)
-    shares = pool.partition(quotas)
-    members = [FleetMember(name, Scheduler(policy, budget, shares[name], max_gen_len),
+    blocks = KVPool(sum(quotas.values()), 5)
+    shares, block_shares = pool.partition(quotas), blocks.partition(quotas)
+    members = [FleetMember(name, Scheduler(policy, budget, shares[name], max_gen_len,
+                                           blocks=block_shares[name]),
                            frontend(tag))
                for name, (tag, policy, budget, _) in robots.items()]
-    return FleetEngine(members, runner, pool, max_prefill_rows=max_prefill_rows, debug=True,
-                       clock=clock)
+    return FleetEngine(members, runner, pool, blocks=blocks, max_prefill_rows=max_prefill_rows,
+                       debug=True, clock=clock)
 
 
 def obs(frame, state=np.zeros(1)):

@@ -51,12 +51,12 @@ class FakeRunner:
 
     def __init__(self, num_slots, max_gen_len, clock, step_s=lambda rows: 0.0):
         self.prefix = [None] * num_slots        # frame whose prefix each slot holds
-        self.written = [0] * num_slots          # generated entries written per slot
+        self.written = {}                       # generated entries written per block
         self.max_gen_len = max_gen_len
         self.clock = clock
         self.step_s = step_s                    # fake seconds of a decode step of B rows
         self.fail_calls = set()                 # decode call numbers that raise
-        self.decode_calls = []                  # slots of every decode call
+        self.decode_calls = []                  # blocks of every decode call
         self.prefills = 0
         self.seconds = dict.fromkeys(MODEL_CALLS, 0.0)
         self.last_call_s = 0.0
@@ -68,7 +68,6 @@ class FakeRunner:
     def prefill(self, tensors, slot):
         self.prefills += 1
         self.prefix[slot] = tensors['frame']
-        self.written[slot] = 0
 
     def sample_actions(self, slot, noise, plan=None):
         assert noise.shape == (H, A)
@@ -78,18 +77,20 @@ class FakeRunner:
         self.last_call_s = 0.0
         return [first_token(self.prefix[s]) for s in slots]
 
-    def decode(self, slots, gen_lens, tokens):
-        self.decode_calls.append(list(slots))
+    def decode(self, slots, blocks, gen_lens, tokens):
+        self.decode_calls.append(list(blocks))
         if len(self.decode_calls) in self.fail_calls:
             raise RuntimeError('injected decode failure')
-        assert slots == sorted(slots) and len(set(slots)) == len(slots)
+        assert blocks == sorted(blocks) and len(set(blocks)) == len(blocks)
         out = []
-        for slot, gen_len, fed in zip(slots, gen_lens, tokens):
-            # K/V entries are appended in order: a request never skips or rewrites one.
-            assert gen_len == self.written[slot] < self.max_gen_len, (slot, gen_len)
-            self.written[slot] += 1
+        for slot, block, gen_len, fed in zip(slots, blocks, gen_lens, tokens):
+            # K/V entries are appended in order: a request (new in its block at gen_len 0)
+            # never skips or rewrites one.
+            assert gen_len in (0, self.written.get(block)) and gen_len < self.max_gen_len, (
+                block, gen_len)
+            self.written[block] = gen_len + 1
             out.append(next_token(self.prefix[slot], gen_len + 1, fed))
-        self.last_call_s = self.step_s(len(slots))
+        self.last_call_s = self.step_s(len(blocks))
         self.clock.now += self.last_call_s
         self.seconds['decode'] += self.last_call_s
         return out

@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from oxygen_ros.bench.systems import make_system
-from oxygen_ros.engine import (LanguagePolicy, make_engine, random_observation, random_setup,
-                               UnlimitedBudget)
+from oxygen_ros.engine import (FixedBudget, LanguagePolicy, LanguageTask, make_engine,
+                               random_observation, random_setup, UnlimitedBudget)
 from oxygen_ros.engine import hardware, prepare
 from oxygen_ros.model import get_preset, Pi05Model
 from oxygen_ros.model.compiled import CompiledFunction
@@ -48,29 +48,39 @@ def run_frames(system, frames):
     for frame in frames:
         result = system.step(observation(frame))
         actions.append(result.action.normalized)
-        tokens.update((f.origin_frame, f.token_ids) for f in result.finished)
+        tokens.update(((f.task, f.origin_frame), f.token_ids) for f in result.finished)
     while system.num_live_requests:
         system.advance_language()
-        tokens.update((f.origin_frame, f.token_ids) for f in system.last_result.finished)
+        tokens.update(((f.task, f.origin_frame), f.token_ids)
+                      for f in system.last_result.finished)
     return actions, tokens
 
 
 @pytest.mark.usefixtures('one_torch_thread')
 def test_compiled_denoise_and_decode_equal_eager_and_never_compile_in_a_tick():
     """compile 'on' (inductor): after the runner's warm-up, frames of every shape the engine
-    uses run compiled (no eager fallback), tokens equal eager's and actions agree closely."""
+    uses run compiled (no eager fallback), tokens equal eager's and actions agree closely.
+
+    Two language tasks: decode rows on one prefix slot, each in its own generation block.
+    """
     model, frontend = random_setup(MICRO, 'libero', seed=1)
     reference, _ = random_setup(MICRO, 'libero', seed=1)   # same weights, eager, unfused
     plan = prepare.prepare_model(model, 'cpu', 'on')
     if not plan.any:
         pytest.fail(f'compile unavailable on this machine: {plan.reason}')
-    policy = LanguagePolicy(max_new_tokens=5, eos_id=None)
-    system = make_system('oxygen', model, frontend, policy, k=2)
+    tasks = (LanguageTask('narration', LanguagePolicy(max_new_tokens=5, eos_id=None)),
+             LanguageTask('subtask', LanguagePolicy(max_new_tokens=3, every_n_frames=2,
+                                                    eos_id=None, prompt_template='{instruction}:'),
+                          priority=1))
+
+    def engine(model):
+        return make_engine('oxygen', model, frontend, tasks, FixedBudget(2))
+    system = engine(model)
     system.runner.warm_up_compiled(frames=[frontend.prepare(observation(99)).tensors])
     prepare.seal(model, plan, 0.0)
     actions, tokens = run_frames(system, range(5))   # prompts of other lengths than frame 99
-    ref_actions, ref_tokens = run_frames(make_system('oxygen', reference, frontend, policy, k=2),
-                                         range(5))
+    ref_actions, ref_tokens = run_frames(engine(reference), range(5))
+    assert {task for task, _ in tokens} == {'narration', 'subtask'}
     compiled = model.compiled_functions
     assert [fn.name for fn in compiled] == ['vision tower', 'prefill layers', 'denoise step',
                                             'decode step']

@@ -16,14 +16,23 @@ def make_pool(num_slots=3):
 
 
 def test_store_shapes_bytes_and_prefix_state():
-    store = KVStore(L, 3, P, G, KVH, D, W)
-    # One scratch entry after the generated capacity, for padding rows.
-    assert store.k.shape == (L, 3, P + G + 1, KVH, D) == store.v.shape
-    assert store.scratch_gen_len == G and store.slot_len == P + G + 1
+    store = KVStore(L, 3, P, G, KVH, D, W, num_blocks=7)
+    # Prefix slots hold the prefix only; each generation block one scratch entry after its
+    # generated capacity, for padding rows.
+    assert store.k.shape == (L, 3, P, KVH, D) == store.v.shape
+    assert store.gen_k.shape == (L, 7, G + 1, KVH, D) == store.gen_v.shape
+    assert store.scratch_gen_len == G and store.block_len == G + 1
     assert store.prefix_valid.shape == (3, P) and store.prefix_valid.dtype == torch.bool
     assert store.n_valid.shape == (3,) and store.last_hidden.shape == (3, W)
-    per_slot = 2 * L * (P + G + 1) * KVH * D * 4 + P + 8 + W * 4
-    assert store.bytes_per_slot == per_slot and store.total_bytes == 3 * per_slot
+    per_slot = 2 * L * P * KVH * D * 4 + P + 8 + W * 4
+    per_block = 2 * L * (G + 1) * KVH * D * 4
+    assert store.bytes_per_slot == per_slot and store.bytes_per_block == per_block
+    assert store.total_bytes == 3 * per_slot + 7 * per_block
+    # The bytes are those of the tensors (the accounting is not a separate guess).
+    tensors = (store.k, store.v, store.gen_k, store.gen_v)
+    kv_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    assert kv_bytes == 3 * (per_slot - P - 8 - W * 4) + 7 * per_block
+    assert KVStore(L, 3, P, G, KVH, D, W).num_blocks == 3   # default: one per slot
     store.record_prefix(1, torch.arange(P) < 4, torch.tensor(4), torch.ones(W))
     assert store.prefix_valid.sum(-1).tolist() == [0, 4, 0]
     assert store.n_valid.tolist() == [0, 4, 0] and store.last_hidden[1].sum() == W

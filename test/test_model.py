@@ -326,6 +326,12 @@ def test_attention_paths_agree():
     two = attention_two_blocks(q, k1, v1, key_bias(mask1, q.dtype), k2, v2)
     torch.testing.assert_close(folded, per_query, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(two, per_query, atol=1e-6, rtol=1e-5)
+    # a masked second block (a decode row's generation block: entries written so far)
+    mask2 = torch.tensor([[True, False, False], [True, True, False]])
+    masked = attention(q, k, v, torch.cat([mask1, mask2], 1)[:, None])
+    two = attention_two_blocks(q, k1, v1, key_bias(mask1, q.dtype), k2, v2,
+                               key_bias(mask2, q.dtype))
+    torch.testing.assert_close(two, masked, atol=1e-6, rtol=1e-5)
 
 
 @torch.no_grad()
@@ -393,7 +399,7 @@ def test_static_decode_with_padding_rows_equals_dynamic(model):
         for new, ref in ((kv.k, after[0]), (kv.v, after[1])):
             torch.testing.assert_close(new[:, real, :T - 1], ref[:, real, :T - 1], atol=1e-5,
                                        rtol=1e-5)
-    with pytest.raises(ValueError, match='cache length'):
+    with pytest.raises(ValueError, match='generated entries'):
         model.decode_step(kv, slots, valid, n_valid, gen, toks, attend_len=T - P + 1)
 
 
@@ -412,14 +418,25 @@ def _explain(fn, *args):
 
 @torch.no_grad()
 def test_decode_step_graph_breaks_pinned(model):
-    """With attend_len the step reads no tensor value on the host: one graph, no break."""
+    """With attend_len the step reads no tensor value on the host: one graph, no break.
+
+    Both layouts: generated tokens after the prefix in its slot, and in generation blocks of
+    their own (the engine's: kv/store.py), several rows on one prefix slot.
+    """
     prefix, gen_len, tokens = _ragged_pool(model)
     kv = prefix.kv
+    P = model.config.prefix_len
+    blocks = KVTensors.allocate(model.config, num_slots=4, max_len=9)
     cos, sin = model.rope_tables(kv.max_len, 'cpu')
     for rows in (slice(0, 1), slice(None)):   # B = 1 and B = 3: the two graphs of a runner
-        args = (kv.k, kv.v, cos, sin, prefix.slots[rows], prefix.valid[rows],
-                prefix.n_valid[rows], gen_len[rows], tokens[rows], 8)
-        assert _explain(model._decode_layers, *args) == GRAPHS['decode step'], rows
+        slots = prefix.slots[rows]
+        shared = slots[:1].expand(slots.shape[0])   # every row on the first row's prefix
+        layouts = ((kv, slots, slots, P), (blocks, shared, torch.tensor([3, 0, 2])[rows], 0))
+        for gen, prefix_slots, block_ids, gen_offset in layouts:
+            args = (kv.k, kv.v, gen.k, gen.v, cos, sin, prefix_slots, block_ids,
+                    prefix.valid[rows], prefix.n_valid[rows], gen_len[rows], tokens[rows], 8,
+                    gen_offset)
+            assert _explain(model._decode_layers, *args) == GRAPHS['decode step'], rows
     ref = model.decode_step(kv, prefix.slots, prefix.valid, prefix.n_valid, gen_len, tokens,
                             attend_len=8)
     try:

@@ -112,6 +112,37 @@ def test_joint_position_robot_publishes_a_joint_trajectory(harness):
     assert all(len(p.positions) == 14 for p in msg.points)
 
 
+def test_the_subtask_driving_the_actions_is_latched_and_in_the_diagnostics(harness):
+    """π0.5's subtask loop on the node: language/subtask (reliable, transient-local: a late
+    subscriber gets the active subtask) and the diagnostics' subtask, its frame and age."""
+    from rclpy.qos import DurabilityPolicy
+    from std_msgs.msg import String
+
+    h = harness(decode_budget=8, language_tasks=['narration', 'subtask'],
+                **{'tasks.subtask.prompt': 'Subtask of {instruction}:',
+                   'tasks.subtask.tokens': 3, 'tasks.subtask.every_n_frames': 40,
+                   'tasks.subtask.drives_actions': True, 'subtask_max_age_s': 3600.0})
+    h.start()
+
+    def active():
+        status = h.statuses().get('subtask')
+        return status is not None and dict(status.values)['source'] == 'subtask'
+    assert wait_for(active, 30), h.node.problem_history[-3:]
+    values = dict(h.statuses()['subtask'].values)
+    assert values['frame'] == '0' and float(values['age_s']) > 0 and values['text']
+    (info,) = h.collector.get_publishers_info_by_topic('/h0/language/subtask')
+    assert info.qos_profile.durability == DurabilityPolicy.TRANSIENT_LOCAL
+    assert info.qos_profile.reliability == ReliabilityPolicy.RELIABLE
+    got, lock = [], threading.Lock()   # subscribed after it was published: latched
+
+    def on_subtask(msg):
+        with lock:
+            got.append(msg.data)
+    h.collector.create_subscription(String, 'language/subtask', on_subtask, qos.SUBTASK)
+    assert wait_for(lambda: got, 10)
+    assert got == [values['text']]   # one subtask (every 40 frames), never stale
+
+
 def test_bf16_kv_store_and_real_time_control_thread_from_parameters(harness):
     """kv_dtype and control_priority reach the engine and the control thread."""
     import os

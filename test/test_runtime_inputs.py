@@ -568,6 +568,10 @@ class _TimedAct:
     def live_requests(self, robot):
         return 0
 
+    def scheduler(self, robot):
+        from types import SimpleNamespace
+        return SimpleNamespace(tasks=())
+
     def act(self, observations, continuations=None):
         from oxygen_ros.engine import FleetActions
         from oxygen_ros.engine.types import ActionOutput

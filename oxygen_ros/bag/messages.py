@@ -58,7 +58,12 @@ def language_chunk(store: Typestore, delta: TokenDelta, stamp_ns: int, frame_id:
 
 def narration(store: Typestore, finished: FinishedRequest):
     """std_msgs/String with a finished request's full text."""
-    return store.types[STRING](data=finished.text)
+    return text(store, finished.text)
+
+
+def text(store: Typestore, data: str):
+    """std_msgs/String with `data`."""
+    return store.types[STRING](data=data)
 
 
 def diagnostic_array(store: Typestore, stamp_ns: int, statuses, hardware_id: str):

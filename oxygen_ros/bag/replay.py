@@ -35,8 +35,10 @@ from oxygen_ros.engine.types import FrameResult, Observation
 from oxygen_ros.runtime import conversions, inputs, status
 from oxygen_ros.runtime.actions import action_layout
 from oxygen_ros.runtime.engine_setup import build_engine as build_node_engine
+from oxygen_ros.runtime.params import NARRATION
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.rtc import planner_for
+from oxygen_ros.runtime.subtask import SUBTASK_TOPIC
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,7 @@ class ReplaySummary:
     tokens: int = 0
     token_messages: int = 0
     narrations: int = 0
+    subtasks: int = 0                    # changes of the subtask driving the actions
     finished: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> requests
     diagnostics: int = 0
     input_messages: int = 0              # messages read from the bag
@@ -169,6 +172,7 @@ class ReplaySummary:
             + (f'; {self.idle_ticks} idle ticks jumped over' if self.idle_ticks else ''),
             f'  action chunks {self.actions}; tokens {self.tokens} in {self.token_messages} '
             f'messages; narrations {self.narrations}'
+            + (f'; subtask changes {self.subtasks}' if self.subtasks else '')
             + (f' (finished: {finished})' if finished else '')
             + f'; diagnostics {self.diagnostics}',
             f'  input messages {self.input_messages} ({self.copied_messages} copied'
@@ -230,16 +234,26 @@ class _BagOutputs:
 
     def tokens(self, delta, stamp_ns: int) -> None:
         p, summary = self.replay.params, self.replay.summary
-        self.out.write(p.resolve('language/tokens'), LANGUAGE_CHUNK, self.tick_ns,
+        task = p.settings.task(delta.task)
+        topic = task.token_topic if task is not None else 'language/tokens'
+        self.out.write(p.resolve(topic), LANGUAGE_CHUNK, self.tick_ns,
                        messages.language_chunk(self.replay.store, delta, stamp_ns,
                                                p.settings.frame_id))
         summary.token_messages += 1
         summary.tokens += len(delta.token_ids)
 
     def narration(self, request, stamp_ns: int) -> None:
+        if request.task != NARRATION:   # the other tasks' texts are in their LanguageChunks
+            return
         self.out.write(self.replay.params.resolve('language/narration'), STRING, self.tick_ns,
                        messages.narration(self.replay.store, request))
         self.replay.summary.narrations += 1
+
+    def subtask(self, subtask, stamp_ns: int) -> None:
+        """Record the subtask that drives the actions ('': the instruction) on its topic."""
+        self.out.write(self.replay.params.resolve(SUBTASK_TOPIC), STRING, self.tick_ns,
+                       messages.text(self.replay.store, subtask.text if subtask else ''))
+        self.replay.summary.subtasks += 1
 
 
 class StopOnRequest:

@@ -82,6 +82,7 @@ class _Sink:
         self.actions = 0                      # action chunks
         self.token_count = 0                  # language tokens
         self.finished: list[float] = []      # wall time of every completed request
+        self.subtasks = 0                     # changes of the subtask driving the actions
 
     def action(self, action, stamp_ns: int) -> None:
         self.actions += 1
@@ -91,6 +92,9 @@ class _Sink:
 
     def narration(self, request, stamp_ns: int) -> None:
         self.finished.append(self.clock())
+
+    def subtask(self, subtask, stamp_ns: int) -> None:
+        self.subtasks += 1
 
 
 def node_values(options: FleetTimingOptions) -> dict:

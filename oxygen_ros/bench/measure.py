@@ -73,8 +73,11 @@ class SystemLog:
             self.actions[frame_index] = np.asarray(result.action.normalized, dtype=np.float32)
         self.record_finished(result.finished, frame_index)
         usage = result.kv_usage or {}
-        self.kv_peak_bytes = max(self.kv_peak_bytes, int(usage.get('peak_bytes', 0)))
-        self.kv_total_bytes = max(self.kv_total_bytes, int(usage.get('bytes_total', 0)))
+        # Prefix slots and generation blocks: the whole KV cache.
+        peak = usage.get('peak_bytes', 0) + usage.get('block_peak_bytes', 0)
+        total = usage.get('bytes_total', 0) + usage.get('block_bytes_total', 0)
+        self.kv_peak_bytes = max(self.kv_peak_bytes, int(peak))
+        self.kv_total_bytes = max(self.kv_total_bytes, int(total))
         if not measured:
             return
         self.measured_frames.append(frame_index)

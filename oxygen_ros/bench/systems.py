@@ -187,7 +187,7 @@ class ParallelSystem:
         # The processes overlap, so the frame's model time is the longer of the two.
         timings.overhead_s = max(total_s - max(a.model_s, g.model_s), 0.0)
         usage = {key: act.kv_usage[key] + lang.kv_usage[key]
-                 for key in act.kv_usage if key != 'holders'}
+                 for key in act.kv_usage if 'holders' not in key}
         self.last_result = FrameResult(
             frame_index=index, action=dataclasses.replace(act.action, inference_time_s=act_s),
             deltas=lang.deltas, finished=lang.finished, k=lang.k,

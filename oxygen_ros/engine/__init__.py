@@ -17,14 +17,15 @@ from oxygen_ros.engine.system import System
 from oxygen_ros.engine.types import (ActionOutput, Continuation, FinishedRequest, FrameResult,
                                      Observation, ObservationError, TokenDelta, Timings)
 from oxygen_ros.engine.workload import (default_num_slots, get_workload, LanguagePolicy,
-                                        Workload, WORKLOADS)
+                                        LanguageTask, NARRATION, Workload, WORKLOADS)
 from oxygen_ros.kv import FinishReason
 
 __all__ = ['ActionOutput', 'AdaptiveBudget', 'Admission', 'Budget', 'Continuation',
            'default_num_slots', 'Engine', 'FinishedRequest', 'FinishReason', 'FixedBudget',
            'FleetActions', 'FleetEngine', 'FleetMember', 'FleetResult', 'FleetRobot',
            'make_fleet', 'FrameResult', 'Frontend', 'get_workload', 'identity_norm_stats',
-           'LanguagePolicy', 'make_engine', 'ModelRunner', 'Observation', 'ObservationError',
+           'LanguagePolicy', 'LanguageTask', 'make_engine', 'NARRATION', 'ModelRunner',
+           'Observation', 'ObservationError',
            'OutputProcessor', 'random_observation', 'random_setup', 'Scheduler', 'StepCostModel',
            'StepPlan', 'synthetic_frame', 'System', 'TokenDelta', 'Timings', 'UnlimitedBudget',
            'Workload', 'WORKLOADS']

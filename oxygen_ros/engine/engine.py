@@ -22,18 +22,19 @@ from typing import Callable
 from oxygen_ros.engine.budget import Budget, sizing_k
 from oxygen_ros.engine.fleet import (DEFAULT_MAX_FORCED_TOKENS, FleetActions, FleetEngine,
                                      FleetMember, FleetResult, forced_token_room,
-                                     generated_entries, ONE_ROBOT, pool_slot_bytes)
+                                     generated_entries, kv_usage, num_blocks_for, ONE_ROBOT,
+                                     pool_block_bytes, pool_slot_bytes, Tasks)
 from oxygen_ros.engine.frontend import Frontend
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
 from oxygen_ros.engine.scheduler import Scheduler
 from oxygen_ros.engine.types import ActionOutput, Continuation, FrameResult, Observation
-from oxygen_ros.engine.workload import default_num_slots, LanguagePolicy
+from oxygen_ros.engine.workload import as_tasks, LanguagePolicy, tasks_num_slots
 from oxygen_ros.kv import KVPool
 from oxygen_ros.model.pi05 import Pi05Model
 
 __all__ = ['DEFAULT_MAX_FORCED_TOKENS', 'Engine', 'forced_token_room', 'generated_entries',
-           'make_engine', 'pool_slot_bytes']
+           'make_engine', 'pool_block_bytes', 'pool_slot_bytes']
 
 
 class Engine:
@@ -48,7 +49,8 @@ class Engine:
         self.system = name
         self.robot = robot
         self.fleet = FleetEngine([FleetMember(robot, scheduler, frontend, seed)], runner,
-                                 scheduler.pool, debug=debug, clock=clock)
+                                 scheduler.pool, blocks=scheduler.blocks, debug=debug,
+                                 clock=clock)
         self.last_result: FrameResult | None = None
 
     @classmethod
@@ -107,8 +109,13 @@ class Engine:
 
     @property
     def pool(self) -> KVPool:
-        """Slot ids and byte accounting of the KV cache (num_slots, total_bytes, usage())."""
+        """Prefix slot ids and their byte accounting (num_slots, total_bytes, usage())."""
         return self.scheduler.pool
+
+    @property
+    def blocks(self) -> KVPool:
+        """Generation block ids and their byte accounting (one per live request)."""
+        return self.scheduler.blocks
 
     @property
     def num_live_requests(self) -> int:
@@ -171,7 +178,8 @@ class Engine:
         if mine is None:
             mine = FrameResult(frame_index=-1, action=None, deltas=[], finished=[], k=0,
                                decode_steps=0, batch_sizes=[], active_requests=0,
-                               timings=result.timings, kv_usage=self.pool.usage())
+                               timings=result.timings,
+                               kv_usage=kv_usage(self.pool, self.blocks))
         self.last_result = mine
         return mine
 
@@ -183,19 +191,28 @@ class Engine:
         return f'{self.system}: {self.scheduler}'
 
 
-def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy,
+def make_engine(name: str, model: Pi05Model, frontend: Frontend, policy: Tasks,
                 budget: Budget, *, share_prefix: bool = True, num_slots: int | None = None,
-                seed: int = 0, max_forced_tokens: int | None = None, debug: bool = False,
+                num_blocks: int | None = None, seed: int = 0,
+                max_forced_tokens: int | None = None, debug: bool = False,
                 clock: Callable[[], float] = time.perf_counter, **runner_options) -> Engine:
-    """Build an Engine: pool sized by default_num_slots for the budget unless num_slots.
+    """Build an Engine: slots and blocks sized for the tasks and the budget unless given.
 
+    num_slots / num_blocks: prefix slots / generation blocks (None: sized from the tasks).
+
+    policy: the language tasks (a LanguagePolicy: narration alone).
     runner_options: ModelRunner's max_holes_per_row / bucket_sizes / kv_dtype.
     """
-    max_forced_tokens = forced_token_room(policy, max_forced_tokens)
-    max_gen_len = generated_entries(policy, max_forced_tokens)
-    num_slots = num_slots or default_num_slots(policy, sizing_k(budget))
-    runner = ModelRunner(model, num_slots, max_gen_len, clock=clock, **runner_options)
+    tasks = as_tasks(policy)
+    max_forced_tokens = forced_token_room(tasks, max_forced_tokens)
+    max_gen_len = generated_entries(tasks, max_forced_tokens)
+    k = sizing_k(budget)
+    num_slots = num_slots or tasks_num_slots(tasks, k)
+    num_blocks = num_blocks or num_blocks_for(tasks, k, num_slots)
+    runner = ModelRunner(model, num_slots, max_gen_len, clock=clock, num_blocks=num_blocks,
+                         **runner_options)
     pool = KVPool(num_slots, runner.store.bytes_per_slot)
-    scheduler = Scheduler(policy, budget, pool, max_gen_len, share_prefix=share_prefix,
-                          max_forced_tokens=max_forced_tokens)
+    blocks = KVPool(num_blocks, runner.store.bytes_per_block)
+    scheduler = Scheduler(tasks, budget, pool, max_gen_len, share_prefix=share_prefix,
+                          max_forced_tokens=max_forced_tokens, blocks=blocks)
     return Engine(name, scheduler, runner, frontend, seed=seed, debug=debug, clock=clock)

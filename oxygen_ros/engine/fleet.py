@@ -56,7 +56,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Callable, Collection, Mapping
+from typing import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -68,9 +68,10 @@ from oxygen_ros.engine.runner import ModelRunner, Runner
 from oxygen_ros.engine.scheduler import Scheduler, StepPlan
 from oxygen_ros.engine.types import (ActionOutput, Continuation, FrameResult, Observation,
                                      ObservationError, Timings)
-from oxygen_ros.engine.workload import default_num_slots, frame_noise, LanguagePolicy
-from oxygen_ros.kv import KVPool
-from oxygen_ros.kv.store import slot_bytes
+from oxygen_ros.engine.workload import (as_tasks, frame_noise, LanguagePolicy, LanguageTask,
+                                        tasks_num_blocks, tasks_num_slots)
+from oxygen_ros.kv import KVPool, QuotaPool
+from oxygen_ros.kv.store import block_bytes, slot_bytes
 from oxygen_ros.model.config import Pi05Config
 from oxygen_ros.model.pi05 import Pi05Model
 from oxygen_ros.model.rtc import RowPlan
@@ -83,41 +84,78 @@ ONE_ROBOT = ''                   # the member name of a one-robot engine (and a 
 
 # ---- slot sizing ------------------------------------------------------------------------------
 
-def forced_token_room(policy: LanguagePolicy, max_forced_tokens: int | None = None) -> int:
-    """Entries a slot reserves for a prompt template's forced tokens (None: the default)."""
+Tasks = LanguagePolicy | Sequence[LanguageTask]   # a bare policy: the one narration task
+
+
+def forced_token_room(tasks: Tasks, max_forced_tokens: int | None = None) -> int:
+    """Entries a block reserves for a prompt template's forced tokens (None: the default)."""
     if max_forced_tokens is not None:
         return max_forced_tokens
-    return DEFAULT_MAX_FORCED_TOKENS if policy.prompt_template else 0
+    templated = any(t.policy.prompt_template for t in as_tasks(tasks))
+    return DEFAULT_MAX_FORCED_TOKENS if templated else 0
 
 
-def generated_entries(policy: LanguagePolicy, max_forced_tokens: int | None = None) -> int:
-    """Entries a request writes after the prefix: forced + N - 1 (its last token is not fed)."""
-    return forced_token_room(policy, max_forced_tokens) + policy.max_request_len - 1
+def generated_entries(tasks: Tasks, max_forced_tokens: int | None = None) -> int:
+    """Entries a request writes to its block: forced + N - 1 (its last token is not fed)."""
+    longest = max(t.policy.max_request_len for t in as_tasks(tasks))
+    return forced_token_room(tasks, max_forced_tokens) + longest - 1
 
 
-def pool_slot_bytes(config: Pi05Config, policy: LanguagePolicy,
-                    kv_dtype: torch.dtype) -> int:
-    """Bytes of one KV slot as make_engine allocates it for `policy` (before building)."""
+def pool_slot_bytes(config: Pi05Config, kv_dtype: torch.dtype) -> int:
+    """Bytes of one prefix slot as make_engine allocates it (before building)."""
     b = config.backbone
-    return slot_bytes(b.depth, config.prefix_len, generated_entries(policy), b.num_kv_heads,
-                      b.head_dim, b.width, kv_dtype)
+    return slot_bytes(b.depth, config.prefix_len, b.num_kv_heads, b.head_dim, b.width, kv_dtype)
+
+
+def pool_block_bytes(config: Pi05Config, tasks: Tasks, kv_dtype: torch.dtype) -> int:
+    """Bytes of one generation block as make_engine allocates it for `tasks` (before building)."""
+    b = config.backbone
+    return block_bytes(b.depth, generated_entries(tasks), b.num_kv_heads, b.head_dim, kv_dtype)
+
+
+def num_blocks_for(tasks: Tasks, k: int | None, num_slots: int) -> int:
+    """Return the generation blocks for `tasks` next to `num_slots` prefix slots.
+
+    One task: one block per slot (a narration-only robot admits exactly what it did with
+    one slot per request); several: workload.tasks_num_blocks, and at least one per slot.
+    """
+    tasks = as_tasks(tasks)
+    return num_slots if len(tasks) == 1 else max(tasks_num_blocks(tasks, k), num_slots)
+
+
+def kv_usage(pool: KVPool | QuotaPool, blocks: KVPool | QuotaPool) -> dict:
+    """Return the KV cache's accounting: the prefix slots' usage() plus the blocks'."""
+    usage = pool.usage()
+    usage.update(blocks_in_use=blocks.num_in_use, blocks_total=blocks.num_slots,
+                 bytes_per_block=blocks.bytes_per_slot, block_bytes_in_use=blocks.bytes_in_use,
+                 block_bytes_total=blocks.total_bytes, block_peak_bytes=blocks.peak_bytes,
+                 block_holders=blocks.usage()['holders'])
+    return usage
 
 
 # ---- the robots ------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class FleetRobot:
-    """One robot of a fleet, as configured: name, adapter, language policy, budget, quota."""
+    """One robot of a fleet, as configured: name, adapter, language tasks, budget, quota."""
 
     name: str                    # e.g. 'arm_left'; unique in the fleet
     frontend: Frontend           # robot spec, tokenizer and norm stats of this robot
-    policy: LanguagePolicy       # when its requests start and how long they run
+    policy: Tasks                # its language tasks (a policy: narration alone)
     budget: Budget               # its decode budget k (fixed or adaptive)
-    kv_quota: int | None = None  # KV slots it may hold (None: default_num_slots of its policy)
+    kv_quota: int | None = None  # prefix slots it may hold (None: sized from its tasks)
     seed: int = 0                # flow-matching noise seed (as make_engine's)
 
+    @property
+    def tasks(self) -> tuple[LanguageTask, ...]:
+        return as_tasks(self.policy)
+
     def quota(self) -> int:
-        return self.kv_quota or default_num_slots(self.policy, sizing_k(self.budget))
+        return self.kv_quota or tasks_num_slots(self.tasks, sizing_k(self.budget))
+
+    def block_quota(self) -> int:
+        """Return the generation blocks it may hold (see num_blocks_for)."""
+        return num_blocks_for(self.tasks, sizing_k(self.budget), self.quota())
 
 
 @dataclasses.dataclass
@@ -188,8 +226,9 @@ class FleetEngine:
     system = 'fleet'
 
     def __init__(self, members: list[FleetMember], runner: Runner, pool: KVPool, *,
-                 max_prefill_rows: int | None = None, row_threads: int = 1,
-                 debug: bool = False, clock: Callable[[], float] = time.perf_counter):
+                 blocks: KVPool | None = None, max_prefill_rows: int | None = None,
+                 row_threads: int = 1, debug: bool = False,
+                 clock: Callable[[], float] = time.perf_counter):
         if max_prefill_rows is not None and max_prefill_rows < 1:
             raise ValueError(f'max_prefill_rows must be >= 1 or None, got {max_prefill_rows}')
         if row_threads < 1:
@@ -200,7 +239,9 @@ class FleetEngine:
         self._rows = (ThreadPoolExecutor(row_threads, thread_name_prefix='oxy_rows')
                       if row_threads > 1 and len(members) > 1 else None)
         self.runner = runner
-        self.pool = pool
+        self.pool = pool            # prefix slots
+        # generation blocks (None: the one member's own, as Engine builds it)
+        self.blocks = blocks if blocks is not None else members[0].scheduler.blocks
         self.debug = debug
         self.clock = clock
         self.last_result: FleetResult | None = None
@@ -434,7 +475,7 @@ class FleetEngine:
         act_s = act.act_s if act is not None else 0.0
         timings = self._timings(act_s, act_s + self.clock() - start)
         results = {}
-        usage = self.pool.usage()
+        usage = kv_usage(self.pool, self.blocks)
         for robot in working:
             deltas, finished = reports[robot.name]
             frame = frames.get(robot.name)
@@ -445,7 +486,7 @@ class FleetEngine:
                 decode_steps=len(scheduler.batch_sizes),
                 batch_sizes=list(scheduler.batch_sizes), active_requests=len(scheduler.active),
                 timings=timings, kv_usage=(usage if scheduler.pool is self.pool
-                                           else scheduler.pool.usage()))
+                                           else kv_usage(scheduler.pool, scheduler.blocks)))
         self.last_result = FleetResult(results, dict(act.rejected) if act else {},
                                        dict(act.failed) if act else {},
                                        act.prefill_rows if act else 0, batch_sizes, timings,
@@ -458,22 +499,24 @@ class FleetEngine:
         robot = frame.robot
         scheduler = robot.scheduler
         try:
-            forced = []
-            policy = scheduler.policy
-            if policy.prompt_template:
-                with self._frontend_clock():
-                    forced = robot.frontend.encode_text(policy.prompt_text(frame.obs.instruction))
-            admission = scheduler.admit(frame.index, forced)
+            forced = {}
+            for task in scheduler.tasks:
+                if task.policy.prompt_template:
+                    with self._frontend_clock():
+                        forced[task.name] = robot.frontend.encode_text(
+                            task.policy.prompt_text(frame.obs.instruction))
+            admissions = scheduler.admit(frame.index, forced)
         except Exception as err:   # noqa: BLE001 - a language failure must not leak a slot
             logger.error('%sframe %d: no language request started: %r', _who(robot),
                          frame.index, err)
             scheduler.drop_frame()
             return
-        if admission is not None and admission.needs_prefill:   # isolated: a slot of its own
-            try:
-                self.runner.prefill(frame.prepared.tensors, admission.slot)
-            except Exception as err:   # a language failure must not reach the action path
-                scheduler.fail([admission.request_id], err)
+        for admission in admissions:
+            if admission.needs_prefill:   # isolated: a slot of its own
+                try:
+                    self.runner.prefill(frame.prepared.tensors, admission.slot)
+                except Exception as err:   # a language failure must not reach the action path
+                    scheduler.fail([admission.request_id], err)
 
     def _token_steps(self, working: list[FleetMember], tick_start: float,
                      deadline_s: float | None) -> list[int]:
@@ -486,7 +529,8 @@ class FleetEngine:
                     if plan.first_token:
                         token_ids = runner.first_tokens(plan.slots)
                     else:
-                        token_ids = runner.decode(plan.slots, plan.gen_lens, plan.tokens)
+                        token_ids = runner.decode(plan.slots, plan.blocks, plan.gen_lens,
+                                                  plan.tokens)
                 except Exception as err:   # a language failure must not reach the action path
                     scheduler.fail(plan.request_ids, err)
                     continue
@@ -517,21 +561,24 @@ class FleetEngine:
 
     def _run_plans(self, plans: list[tuple[FleetMember, StepPlan]], first_token: bool) -> int:
         """Run the rows of several robots' plans as one model call; return the row count."""
-        if len(plans) == 1:   # one robot: its plan's slots are ascending already
+        if len(plans) == 1:   # one robot: its plan's blocks are ascending already
             plan = plans[0][1]
-            slots, gen_lens, tokens = plan.slots, plan.gen_lens, plan.tokens
+            slots, blocks, gen_lens, tokens = plan.slots, plan.blocks, plan.gen_lens, plan.tokens
+        elif first_token:   # rows in plan order, matched back by position
+            slots = [slot for _, plan in plans for slot in plan.slots]
         else:
-            # Slots are distinct across robots (a partitioned pool), so a slot names its row.
-            rows = sorted((slot, gen_len, token) for _, plan in plans for slot, gen_len, token
-                          in zip(plan.slots, plan.gen_lens or [0] * plan.size,
-                                 plan.tokens or [0] * plan.size))
-            slots = [slot for slot, _, _ in rows]
-            gen_lens, tokens = [g for _, g, _ in rows], [t for _, _, t in rows]
+            # Blocks are distinct across robots (a partitioned pool): a block names its row.
+            rows = sorted((block, slot, gen_len, token) for _, plan in plans
+                          for slot, block, gen_len, token
+                          in zip(plan.slots, plan.blocks, plan.gen_lens, plan.tokens))
+            blocks = [b for b, _, _, _ in rows]
+            slots = [s for _, s, _, _ in rows]
+            gen_lens, tokens = [g for _, _, g, _ in rows], [t for _, _, _, t in rows]
         try:
             if first_token:
                 token_ids = self.runner.first_tokens(slots)
             else:
-                token_ids = self.runner.decode(slots, gen_lens, tokens)
+                token_ids = self.runner.decode(slots, blocks, gen_lens, tokens)
         except Exception as err:   # a language failure must not reach the action path
             for robot, plan in plans:
                 robot.scheduler.fail(plan.request_ids, err)
@@ -540,9 +587,16 @@ class FleetEngine:
         if len(plans) == 1:
             plans[0][0].scheduler.update(plans[0][1], token_ids, seconds)
             return len(slots)
-        by_slot = dict(zip(slots, token_ids))
+        if first_token:   # rows in plan order
+            start = 0
+            for robot, plan in plans:
+                robot.scheduler.update(plan, token_ids[start:start + plan.size], seconds,
+                                       call_rows=len(slots))
+                start += plan.size
+            return len(slots)
+        by_block = dict(zip(blocks, token_ids))
         for robot, plan in plans:
-            robot.scheduler.update(plan, [by_slot[s] for s in plan.slots], seconds,
+            robot.scheduler.update(plan, [by_block[b] for b in plan.blocks], seconds,
                                    call_rows=len(slots))
         return len(slots)
 
@@ -604,19 +658,25 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
                              f', images {adapter.image_size}; the model has {cfg.action_dim}, '
                              f'{cfg.vision.image_size}')
     if max_forced_tokens is None:
-        templated = any(r.policy.prompt_template for r in robots)
+        templated = any(t.policy.prompt_template for r in robots for t in r.tasks)
         max_forced_tokens = DEFAULT_MAX_FORCED_TOKENS if templated else 0
-    # One slot length for every robot: the longest request any of them may write.
-    max_gen_len = max_forced_tokens + max(r.policy.max_request_len for r in robots) - 1
+    # One block length for every robot: the longest request any of its tasks may write.
+    max_gen_len = max(generated_entries(r.policy, max_forced_tokens) for r in robots)
     quotas = {r.name: r.quota() for r in robots}
+    block_quotas = {r.name: r.block_quota() for r in robots}
     runner = ModelRunner(model, sum(quotas.values()), max_gen_len, clock=clock,
-                         **runner_options)
+                         num_blocks=sum(block_quotas.values()), **runner_options)
     pool = KVPool(sum(quotas.values()), runner.store.bytes_per_slot)
+    blocks = KVPool(sum(block_quotas.values()), runner.store.bytes_per_block)
     # One robot owns the whole pool; several share it by quota.
-    shares = pool.partition(quotas) if len(robots) > 1 else {robots[0].name: pool}
+    if len(robots) > 1:
+        shares, block_shares = pool.partition(quotas), blocks.partition(block_quotas)
+    else:
+        shares, block_shares = {robots[0].name: pool}, {robots[0].name: blocks}
     members = [FleetMember(r.name, Scheduler(r.policy, r.budget, shares[r.name], max_gen_len,
                                              share_prefix=True,
-                                             max_forced_tokens=max_forced_tokens),
+                                             max_forced_tokens=max_forced_tokens,
+                                             blocks=block_shares[r.name]),
                            r.frontend, r.seed) for r in robots]
-    return FleetEngine(members, runner, pool, max_prefill_rows=max_prefill_rows,
+    return FleetEngine(members, runner, pool, blocks=blocks, max_prefill_rows=max_prefill_rows,
                        row_threads=row_threads, debug=debug, clock=clock)

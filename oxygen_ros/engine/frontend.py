@@ -62,7 +62,8 @@ class Frontend:
     def prepare(self, obs: Observation) -> PreparedObservation:
         """Validate and convert one observation (ObservationError with a reason when bad)."""
         try:
-            inputs = self.adapter.prepare(obs.images, obs.state, obs.instruction)
+            prompt = obs.instruction if obs.action_prompt is None else obs.action_prompt
+            inputs = self.adapter.prepare(obs.images, obs.state, prompt)
         except ValueError as err:   # the adapter's checks of cameras, state and prompt
             raise ObservationError(str(err)) from err
         return PreparedObservation(inputs, collate([inputs], self.device))

@@ -37,7 +37,8 @@ class OutputProcessor:
             else:
                 self._shown[req.request_id] = now_shown
             deltas.append(TokenDelta(req.request_id, req.origin_frame, new, text,
-                                     len(req.token_ids), req.finished, req.finish_reason))
+                                     len(req.token_ids), req.finished, req.finish_reason,
+                                     req.task))
         finished = []
         for req in ended:
             self._shown.pop(req.request_id, None)
@@ -45,5 +46,6 @@ class OutputProcessor:
             finished.append(FinishedRequest(
                 req.request_id, req.origin_frame, list(req.token_ids),
                 text if text is not None else self.frontend.decode(req.token_ids),
-                req.finish_reason, last_frame_index - req.origin_frame + 1, req.error))
+                req.finish_reason, last_frame_index - req.origin_frame + 1, req.error,
+                req.task))
         return deltas, finished

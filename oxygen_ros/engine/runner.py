@@ -1,18 +1,20 @@
 """ModelRunner: owns every tensor of the engine and executes the scheduler's plans.
 
-It holds the KVStore (prefix K/V plus per-slot prefix state: valid mask, n_valid, last hidden)
-and is the one place where slot ids become tensor indices and the model is called. Every
-model call is timed here (with a device sync on CUDA, so the clock sees the work), which is
-how the engine tells model time from its own overhead.
+It holds the KVStore (prefix slots with their state: valid mask, n_valid, last hidden; and the
+generation blocks of the language requests) and is the one place where slot and block ids
+become tensor indices and the model is called. Every model call is timed here (with a device
+sync on CUDA, so the clock sees the work), which is how the engine tells model time from its
+own overhead.
 
 Decode batches keep the cache readable as a view and the shapes static where asked:
-  * holes: rows on slots 3, 4, 6 run as 3, 4, 5, 6 with a padding row on 5, so the model reads
-    one run of slots (a view) instead of gathering them; a padding row writes only the slot's
-    scratch entry (see kv/store.py) and its logits are dropped.
+  * holes: rows on blocks 3, 4, 6 run as 3, 4, 5, 6 with a padding row on 5, so the model reads
+    one run of blocks (a view) instead of gathering them; a padding row writes only the
+    block's scratch entry (see kv/store.py) and its logits are dropped. The rows' prefix slots
+    are a view too when they form a run (one task: slots follow blocks), else one gather.
   * buckets (optional, for CUDA graphs / torch.compile): the batch is padded to the next
     bucket size with padding rows, so a step has one of a few static shapes.
-Slot ids, lengths and tokens enter the device as one [3, B] copy into a persistent buffer;
-per-slot prefix state is read on the device by index, so nothing inside a step waits on the
+Slot and block ids, lengths and tokens enter the device as one [4, B] copy into a persistent
+buffer; per-slot prefix state is read on the device by index, so nothing inside a step waits on the
 host. The step's one sync is reading back the next token ids, which the scheduler needs.
 
 Shapes: B rows of a decode batch (padding rows included), P prefix positions, W backbone
@@ -61,8 +63,9 @@ class Runner(Protocol):
     def first_tokens(self, slots: list[int]) -> list[int]:
         """Return each slot's first generated token (from its prefix)."""
 
-    def decode(self, slots: list[int], gen_lens: list[int], tokens: list[int]) -> list[int]:
-        """Run one batched decode step; return each row's next token."""
+    def decode(self, slots: list[int], blocks: list[int], gen_lens: list[int],
+               tokens: list[int]) -> list[int]:
+        """Run one batched decode step (row b: prefix slot slots[b], its block blocks[b])."""
 
 
 def padded_rows(slots: Sequence[int], num_slots: int, max_holes: int,
@@ -97,6 +100,7 @@ class ModelRunner:
 
     max_holes_per_row: holes filled per real row of a decode batch (see padded_rows); 0 turns
     hole filling off. bucket_sizes: pad decode batches to these sizes (GPU capture); () = off.
+    num_blocks: generation blocks (None: one per prefix slot).
     Compiled passes (engine/prepare.py) are the model's; `warm_up_compiled` runs every shape
     this runner will use before the first tick.
     kv_dtype: dtype of the KV store (None: the model's compute dtype). bfloat16 on a float32
@@ -107,7 +111,7 @@ class ModelRunner:
     def __init__(self, model: Pi05Model, num_slots: int, max_gen_len: int, *,
                  clock: Callable[[], float] = time.perf_counter,
                  max_holes_per_row: float = 0.25, bucket_sizes: Sequence[int] = (),
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, num_blocks: int | None = None):
         cfg = model.config
         backbone = cfg.backbone
         device = next(model.parameters()).device
@@ -118,16 +122,18 @@ class ModelRunner:
         self.model = model
         self.store = KVStore(backbone.depth, num_slots, cfg.prefix_len, max_gen_len,
                              backbone.num_kv_heads, backbone.head_dim, backbone.width,
-                             dtype=kv_dtype or model.compute_dtype, device=device)
+                             dtype=kv_dtype or model.compute_dtype, device=device,
+                             num_blocks=num_blocks)
         self.kv = KVTensors(self.store.k, self.store.v)   # views of the store, no copy
+        self.gen = KVTensors(self.store.gen_k, self.store.gen_v)
         self.clock = clock
         self.device = device
         self.max_holes_per_row = max_holes_per_row
         self.bucket_sizes = tuple(sorted(bucket_sizes))
         # Persistent device inputs (slots, gen_len, tokens) of a decode step: fixed addresses
         # for graph capture; on the CPU the host tensor is used as it is.
-        max_rows = max((num_slots,) + self.bucket_sizes)
-        self._step_inputs = torch.zeros(3, max_rows, dtype=torch.long, device=device)
+        max_rows = max((self.store.num_blocks,) + self.bucket_sizes)
+        self._step_inputs = torch.zeros(4, max_rows, dtype=torch.long, device=device)
         self.seconds = dict.fromkeys(MODEL_CALLS, 0.0)   # model time since reset_times()
         self.last_call_s = 0.0                            # duration of the latest call
 
@@ -243,43 +249,56 @@ class ModelRunner:
         return tokens
 
     @torch.no_grad()
-    def decode(self, slots: list[int], gen_lens: list[int], tokens: list[int]) -> list[int]:
-        """One batched decode step (slots ascending); greedy next token of every row."""
+    def decode(self, slots: list[int], blocks: list[int], gen_lens: list[int],
+               tokens: list[int]) -> list[int]:
+        """One batched decode step (blocks ascending); greedy next token of every row.
+
+        Row b reads the prefix in slots[b] (rows of one frame share it) and its own
+        generation block blocks[b].
+        """
         start = self.clock()
         s = self.store
-        max_holes = int(self.max_holes_per_row * len(slots))
-        rows, real = padded_rows(slots, s.num_slots, max_holes, self.bucket_sizes)
-        fill = {i: (g, t) for i, g, t in zip(real, gen_lens, tokens)}
-        # Padding rows write the scratch entry and feed token 0; their logits are dropped.
-        pad = (s.scratch_gen_len, 0)
+        max_holes = int(self.max_holes_per_row * len(blocks))
+        rows, real = padded_rows(blocks, s.num_blocks, max_holes, self.bucket_sizes)
+        fill = {i: (slot, g, t) for i, slot, g, t in zip(real, slots, gen_lens, tokens)}
+        # Padding rows read some prefix (the slot of their block's number where there is one,
+        # so a run of slots stays a run), write their block's scratch entry, feed token 0;
+        # their logits are dropped.
+        pad = [fill.get(i, (b if b < s.num_slots else slots[0], s.scratch_gen_len, 0))
+               for i, b in enumerate(rows)]
         # A static attend length from the host's ints (a few buckets: few graphs, no sync);
         # at most max_gen_len, so no real row ever reads the scratch entry padding writes.
         attend_len = attend_bucket(max(gen_lens) + 1, s.max_gen_len)
-        logits = self._step(rows, [fill.get(i, pad)[0] for i in range(len(rows))],
-                            [fill.get(i, pad)[1] for i in range(len(rows))], attend_len)
+        logits = self._step([p[0] for p in pad], rows, [p[1] for p in pad],
+                            [p[2] for p in pad], attend_len)
         every = logits.argmax(-1).tolist()                                   # syncs
         self._add('decode', start)
         return [every[i] for i in real]
 
-    def _step(self, rows: list[int], gen_lens: list[int], tokens: list[int],
-              attend_len: int) -> torch.Tensor:
-        """Run the model's decode step on padded rows -> logits [B, V] (no sync)."""
+    def _step(self, slots: list[int], blocks: list[int], gen_lens: list[int],
+              tokens: list[int], attend_len: int) -> torch.Tensor:
+        """Run the model's decode step on padded rows -> logits [B, V] (no sync).
+
+        Row b: prefix slot slots[b], generation block blocks[b].
+        """
         s = self.store
         if self.device.type == 'cpu':
-            # Three tensors, not rows of one: a compiled step would guard on the rows'
+            # Four tensors, not rows of one: a compiled step would guard on the rows'
             # storage offsets (2B coinciding with a pool size once made every B recompile).
-            slot_index, gen_len, fed = (torch.tensor(values, dtype=torch.long)
-                                        for values in (rows, gen_lens, tokens))
+            slot_index, block_index, gen_len, fed = (
+                torch.tensor(values, dtype=torch.long)
+                for values in (slots, blocks, gen_lens, tokens))
         else:
-            host = torch.tensor([rows, gen_lens, tokens], dtype=torch.long)  # [3, B]
-            inputs = self._step_inputs[:, :len(rows)]
+            host = torch.tensor([slots, blocks, gen_lens, tokens], dtype=torch.long)  # [4, B]
+            inputs = self._step_inputs[:, :len(blocks)]
             inputs.copy_(host, non_blocking=True)
-            slot_index, gen_len, fed = inputs
+            slot_index, block_index, gen_len, fed = inputs
         prefix_valid = s.prefix_valid.index_select(0, slot_index)           # [B, P]
         n_valid = s.n_valid.index_select(0, slot_index)                     # [B]
         decode_step = self.model.decode_step   # looked up per call: tests may wrap it
         return decode_step(self.kv, slot_index, prefix_valid, n_valid, gen_len, fed,
-                           attend_len=attend_len)                            # [B, vocab]
+                           attend_len=attend_len, gen=self.gen,
+                           blocks=block_index)                               # [B, vocab]
 
     @torch.no_grad()
     def warm_up_compiled(self, action_rows: Sequence[int] = (1,),
@@ -289,13 +308,13 @@ class ModelRunner:
         Prefill: each of `frames` (prepared tensors of the robots' frames: their camera count
         and prompt; the number of valid positions is dynamic) into slot 0, a slot no request
         holds yet. Decode: batches of 1 and 2 rows (2: the one graph every B > 1 shares) at
-        the smallest and largest attend length, every row on its slot's scratch entry (nothing
-        real is written). Actions: `action_rows` prefixes (1 for one robot; a fleet adds 2).
-        A GPU pool is marked static first, so its CUDA graphs read it in place.
+        the smallest and largest attend length, every row on its generation block's scratch
+        entry (nothing real is written). Actions: `action_rows` prefixes (1 for one robot; a
+        fleet adds 2). A GPU pool is marked static first, so its CUDA graphs read it in place.
         """
         model, s = self.model, self.store
         if self.device.type == 'cuda':
-            for tensor in (s.k, s.v):
+            for tensor in (s.k, s.v, s.gen_k, s.gen_v):
                 torch._dynamo.mark_static_address(tensor)
         if model._prefill_fn is not None:
             for tensors in frames:
@@ -303,11 +322,12 @@ class ModelRunner:
         if model._decode_fn is not None:
             lengths = sorted({attend_bucket(1, s.max_gen_len),
                               attend_bucket(s.max_gen_len, s.max_gen_len)})
-            sizes = sorted({min(size, s.num_slots) for size in (1, 2)} | set(self.bucket_sizes))
-            for B in sizes:   # a bucket larger than the pool repeats slots, as decode pads
-                rows = [row % s.num_slots for row in range(B)]
+            sizes = sorted({min(size, s.num_blocks) for size in (1, 2)} | set(self.bucket_sizes))
+            for B in sizes:   # a bucket larger than the pool repeats blocks, as decode pads
+                blocks = [row % s.num_blocks for row in range(B)]
+                slots = [row % s.num_slots for row in range(B)]
                 for attend_len in lengths:
-                    self._step(rows, [s.scratch_gen_len] * B, [0] * B, attend_len)
+                    self._step(slots, blocks, [s.scratch_gen_len] * B, [0] * B, attend_len)
         if model._denoise_fn is not None:
             H, A = self.action_shape
             for rows in sorted({min(r, s.num_slots) for r in action_rows}):

@@ -11,9 +11,11 @@ One frame, as the engine drives it:
                    ... runner prefills s_t, computes actions ...
                    after_actions()                 (isolated: the action task lets s_t go)
     advance        begin_language()
-                   admit(t, forced) -> Admission   a request starting at t adopts s_t (zero
-                                                   copy) or, isolated, gets a slot of its own
-                                                   to prefill; the frame's hold on s_t ends
+                   admit(t, forced) -> [Admission] each language task's request starting at t
+                                                   adopts s_t (zero copy; all of them read the
+                                                   one prefix) and takes a generation block of
+                                                   its own, or, isolated, gets a slot of its
+                                                   own to prefill; the frame's hold on s_t ends
                    choose_k(elapsed) -> k          k token steps per live request, and at least
                                                    each one's minimum (its pool deadline)
                    schedule() -> StepPlan | None   first tokens (LM head on the prefix), then
@@ -44,8 +46,16 @@ caller's numbering. Should a frame still find the pool full (a slot held outside
 the newest request is preempted (ended 'evicted'), never the oldest.
 
 A later budget or policy change keeps the deadlines already given (admission then plans with
-the new k_min). Priorities (several language tasks) fit in the same two places: admission
-order, and which request is preempted first (`_preemption_victim`).
+the new k_min).
+
+Several language tasks (workload.LanguageTask): a frame starts at most one request per task,
+all on the frame's one prefix slot, each with a generation block of its own (a frame's slot
+then lives until its last request ends, so the room above counts distinct prefix slots). The
+task priority orders three things: admission (higher first, and a lower priority never takes
+a block a higher one's live requests will need: `_reserved_blocks`, so when the pool is short
+the lower priority is refused), the budget's token steps (a lower priority's k is chosen with the
+higher priorities' rows counted, and when the tick's time runs out the lower priority stops
+first, down to its minimum), and preemption (the lowest priority's newest request first).
 """
 
 from __future__ import annotations
@@ -54,9 +64,11 @@ import dataclasses
 import logging
 import math
 
+from typing import Mapping, Sequence
+
 from oxygen_ros.engine.budget import Budget
-from oxygen_ros.engine.workload import LanguagePolicy
-from oxygen_ros.kv import FinishReason, KVPool, RequestState
+from oxygen_ros.engine.workload import as_tasks, LanguagePolicy, LanguageTask, NARRATION
+from oxygen_ros.kv import FinishReason, KVPool, QuotaPool, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +79,11 @@ class StepPlan:
 
     first_token: bool        # True: each row's token comes from its prefix (LM head only)
     request_ids: list[int]   # row b belongs to request request_ids[b]
-    slots: list[int]         # pool slot of each row, ascending
-    gen_lens: list[int]      # K/V entries already written after the prefix (decode rows)
+    slots: list[int]         # prefix slot of each row (rows of one frame share it)
+    gen_lens: list[int]      # K/V entries already written to the row's block (decode rows)
     tokens: list[int]        # token fed at this step (decode rows)
+    blocks: list[int] = dataclasses.field(default_factory=list)   # generation block of each
+    #                          decode row, ascending (distinct: a block is one request's)
 
     @property
     def size(self) -> int:
@@ -81,28 +95,33 @@ class Admission:
     """The request a frame started, and whether its slot still needs a prefill."""
 
     request_id: int          # the new request
-    slot: int                # pool slot it holds
+    slot: int                # prefix slot it holds
     needs_prefill: bool      # False: it adopted the frame's slot, whose prefix is there
+    task: str = ''           # the language task it belongs to
 
 
 class Scheduler:
     """Admission, budget, pool deadlines and the rows of every step; no tensors.
 
-    share_prefix: True (oxygen, shared) a request adopts its frame's slot; False (isolated)
-    the action task releases the frame slot and the request is prefilled into a slot of its
-    own. max_gen_len: generated K/V entries a slot can hold (forced + N - 1 per request).
+    tasks: the robot's language tasks (a LanguagePolicy: the one narration task).
+    pool: prefix slots; blocks: generation blocks (None: one per prefix slot, enough for one
+    task). share_prefix: True (oxygen, shared) a request adopts its frame's slot; False
+    (isolated) the action task releases the frame slot and each request is prefilled into a
+    slot of its own. max_gen_len: generated K/V entries a block holds (forced + N - 1).
     """
 
-    def __init__(self, policy: LanguagePolicy, budget: Budget, pool: KVPool, max_gen_len: int,
-                 *, share_prefix: bool = True, max_forced_tokens: int = 0):
-        self.policy = policy
+    def __init__(self, tasks: LanguagePolicy | Sequence[LanguageTask], budget: Budget,
+                 pool: KVPool | QuotaPool, max_gen_len: int, *, share_prefix: bool = True,
+                 max_forced_tokens: int = 0, blocks: KVPool | QuotaPool | None = None):
+        self.tasks = as_tasks(tasks)
         self.budget = budget
         self.pool = pool
+        self.blocks = blocks if blocks is not None else KVPool(pool.num_slots)
         self.max_gen_len = max_gen_len
         self.share_prefix = share_prefix
         self.max_forced_tokens = max_forced_tokens
         self.active: list[RequestState] = []       # live requests, oldest first
-        self.num_queued = 0                        # arrived requests waiting for a frame
+        self.queued: dict[str, int] = {t.name: 0 for t in self.tasks}   # arrived, waiting
         self.num_requests = 0                      # request ids handed out (refused included)
         self.now = -1                              # frames begun so far - 1 (deadlines' clock)
         self.batch_sizes: list[int] = []           # rows of each decode step this frame
@@ -112,6 +131,36 @@ class Scheduler:
         self._must: dict[int, int] = {}            # request id -> steps it must still take
         self._touched: dict[int, RequestState] = {}  # requests this frame reports on
         self._ended: list[RequestState] = []       # ended since the last end_language()
+
+    @property
+    def policy(self) -> LanguagePolicy:
+        """Return the narration task's LanguagePolicy; the first task's without one."""
+        return self.tasks[self._main_task].policy
+
+    @policy.setter
+    def policy(self, policy: LanguagePolicy) -> None:
+        tasks = list(self.tasks)
+        tasks[self._main_task] = dataclasses.replace(tasks[self._main_task], policy=policy)
+        self.tasks = tuple(tasks)
+
+    @property
+    def _main_task(self) -> int:
+        names = [t.name for t in self.tasks]
+        return names.index(NARRATION) if NARRATION in names else 0
+
+    def set_tasks(self, tasks: LanguagePolicy | Sequence[LanguageTask]) -> None:
+        """Use `tasks` for requests that arrive from the next frame on (live ones go on)."""
+        self.tasks = as_tasks(tasks)
+        self.queued = {t.name: self.queued.get(t.name, 0) for t in self.tasks}
+
+    @property
+    def num_queued(self) -> int:
+        """Arrived requests of every task still waiting for a frame."""
+        return sum(self.queued.values())
+
+    def _by_priority(self) -> list[LanguageTask]:
+        """Tasks, higher priority first (declaration order among equals)."""
+        return sorted(self.tasks, key=lambda t: -t.priority)
 
     # ---- the action path -----------------------------------------------------------------
 
@@ -141,8 +190,12 @@ class Scheduler:
         return slot
 
     def _preemption_victim(self) -> RequestState:
-        """Return who gives its slot up first: the newest (the oldest is nearest done)."""
-        return self.active[-1]
+        """Return who gives its slot up first: the lowest priority's newest request.
+
+        The oldest is nearest done; a frame's slot is free once all its requests are gone.
+        """
+        lowest = min(r.priority for r in self.active)
+        return [r for r in self.active if r.priority == lowest][-1]
 
     def after_actions(self) -> None:
         """End the action task; without prefix sharing its slot is released at once."""
@@ -164,87 +217,131 @@ class Scheduler:
         self.batch_sizes = []
         self._quota, self._must = {}, {}
 
-    def admit(self, frame_index: int, forced: list[int]) -> Admission | None:
-        """Queue this frame's arrivals and start at most one request; end the frame's hold.
+    def admit(self, frame_index: int,
+              forced: Mapping[str, Sequence[int]] | Sequence[int] = ()) -> list[Admission]:
+        """Queue this frame's arrivals, start at most one request per task; end the frame's hold.
 
-        forced: the prompt template's token ids for a request starting now (may be []).
+        forced: each task's prompt template token ids (task name -> ids; a plain list is the
+        first task's); a task absent gets none. Tasks are admitted higher priority first.
         """
+        if not isinstance(forced, Mapping):
+            forced = {self.tasks[0].name: forced}
+        admissions = []
         try:
             if not self._frame_counted:
                 self.now += 1   # a frame that took no action slot (the parallel baseline's)
-            arrivals = self.policy.arrivals(frame_index)
-            accepted = min(arrivals, self.policy.max_queue - self.num_queued)
-            self.num_queued += accepted
-            for _ in range(arrivals - accepted):
-                self._refuse(frame_index, 'request queue full')
-            admission = None
-            if self.num_queued:
-                self.num_queued -= 1
-                admission = self._start_request(frame_index, forced)
+            tasks = self._by_priority()
+            for task in tasks:
+                arrivals = task.policy.arrivals(frame_index)
+                accepted = min(arrivals, task.policy.max_queue - self.queued[task.name])
+                self.queued[task.name] += accepted
+                for _ in range(arrivals - accepted):
+                    self._refuse(frame_index, task, 'request queue full')
+            for task in tasks:
+                if self.queued[task.name]:
+                    self.queued[task.name] -= 1
+                    admission = self._start_request(frame_index, task,
+                                                    list(forced.get(task.name, ())))
+                    if admission is not None:
+                        admissions.append(admission)
         finally:
             self._frame_counted = False
             self.drop_frame()   # whatever failed above, the frame's slot is not leaked
-        return admission
+        return admissions
 
-    def _start_request(self, frame_index: int, forced: list[int]) -> Admission | None:
+    def _start_request(self, frame_index: int, task: LanguageTask,
+                       forced: list[int]) -> Admission | None:
+        policy = task.policy
         if len(forced) > self.max_forced_tokens:
-            logger.warning('prompt template has %d tokens, keeping the first %d',
-                           len(forced), self.max_forced_tokens)
+            logger.warning('%s: prompt template has %d tokens, keeping the first %d',
+                           task.name, len(forced), self.max_forced_tokens)
             forced = forced[:self.max_forced_tokens]
-        n_tokens = self.policy.request_len(frame_index)
-        # Storage bound (a policy set later may ask more than the slots were sized for).
+        n_tokens = policy.request_len(frame_index)
+        # Storage bound (a policy set later may ask more than the blocks were sized for).
         fits = self.max_gen_len - len(forced) + 1
         if n_tokens > fits:
-            logger.warning('request of %d tokens shortened to %d (KV slot length)', n_tokens,
-                           fits)
+            logger.warning('%s: request of %d tokens shortened to %d (generation block length)',
+                           task.name, n_tokens, fits)
             n_tokens = fits
         req = RequestState(request_id=-1, slot=None, origin_frame=frame_index,
-                           max_new_tokens=n_tokens, eos_id=self.policy.eos_id,
-                           forced=list(forced))
+                           max_new_tokens=n_tokens, eos_id=policy.eos_id,
+                           forced=list(forced), task=task.name, priority=task.priority)
         req.deadline = self.now + math.ceil(req.steps_left / max(self.budget.k_min, 1)) - 1
         why = self._no_room(req)
         if why:
-            self._refuse(frame_index, why)
+            self._refuse(frame_index, task, why)
             return None
         req.request_id = self._take_request_id()
+        holder = f'request {req.request_id}'
         if self.share_prefix:
             assert self._frame is not None and self._frame[0] == frame_index, (
                 f'no slot of frame {frame_index} to adopt')
             slot, needs_prefill = self._frame[1], False
-            self.pool.retain(slot, f'request {req.request_id}')
+            self.pool.retain(slot, holder)
         else:
-            slot, needs_prefill = self.pool.allocate(f'request {req.request_id}'), True
+            slot, needs_prefill = self.pool.allocate(holder), True
             if slot is None:
-                self._refuse(frame_index, f'KV pool full ({self.pool.num_slots} slots)',
+                self._refuse(frame_index, task, f'KV pool full ({self.pool.num_slots} slots)',
                              req.request_id)
                 return None
+        req.block = self.blocks.allocate(holder)   # _no_room saw a free one
         req.slot = slot
         self.active.append(req)
         self._touched[req.request_id] = req
-        return Admission(req.request_id, slot, needs_prefill)
+        return Admission(req.request_id, slot, needs_prefill, task.name)
 
     def _no_room(self, req: RequestState) -> str:
         """Why `req` cannot be admitted without a later frame lacking a slot ('' if it can).
 
-        After this frame at most S - 1 requests may hold slots, so that the next frame's
-        action path finds one; requests due now finish in this frame (module doc).
+        After this frame at most S - 1 prefix slots may be held by requests, so that the next
+        frame's action path finds one; requests due now finish in this frame (module doc).
+        The frame's slot counts once however many of its tasks' requests stay. A request
+        also needs a free generation block now (the action path never needs one).
         """
-        staying = [r for r in self.active if r.deadline > self.now]
+        if not self.blocks.num_free:
+            return (f'no free generation block: {self.blocks.num_slots} blocks hold '
+                    f'{len(self.active)} live requests')
+        reserved = self._reserved_blocks(req.priority)
+        if self.blocks.num_free - 1 < reserved:
+            return (f'no free generation block: {self.blocks.num_free} free, {reserved} kept '
+                    'for the requests of higher priority tasks')
+        staying = {r.slot for r in self.active if r.deadline > self.now}
         if req.deadline > self.now:
-            staying.append(req)
+            frame_slot = self._frame[1] if self.share_prefix and self._frame else -1
+            staying.add(frame_slot)
         room = self.pool.num_slots - 1
         if len(staying) <= room:
             return ''
-        return (f'KV pool full: {len(staying) - 1} live requests run past this frame and the '
-                f'pool keeps {room} of its {self.pool.num_slots} slots for them; a request of '
-                f'{req.steps_left} steps at k_min={self.budget.k_min} would hold a slot '
+        return (f'KV pool full: requests of {len(staying) - 1} frames run past this frame and '
+                f'the pool keeps {room} of its {self.pool.num_slots} slots for them; a request '
+                f'of {req.steps_left} steps at k_min={self.budget.k_min} would hold a slot '
                 f'{req.deadline - self.now + 1} frames')
 
-    def _refuse(self, frame_index: int, why: str, request_id: int | None = None) -> None:
+    def _reserved_blocks(self, priority: int) -> int:
+        """Blocks kept free for tasks of a higher priority than `priority`.
+
+        Each such task keeps its share, the requests it has live at once at k_min steps per
+        frame (ceil(ceil(N / k_min) / n)), less those it holds: so a lower priority takes
+        only blocks a higher one will not need, and never delays its admission.
+        """
+        reserved = 0
+        for task in self.tasks:
+            if task.priority <= priority or not task.policy.requests_per_frame():
+                continue
+            policy = task.policy
+            life = math.ceil(policy.max_request_len / max(self.budget.k_min, 1))
+            every = 1 if policy.arrival_rate is not None else policy.every_n_frames
+            live = sum(r.task == task.name for r in self.active)
+            reserved += max(math.ceil(life / every) - live, 0)
+        return reserved
+
+    def _refuse(self, frame_index: int, task: LanguageTask, why: str,
+                request_id: int | None = None) -> None:
         req = RequestState(
             request_id=self._take_request_id() if request_id is None else request_id,
-            slot=None, origin_frame=frame_index, max_new_tokens=0, eos_id=self.policy.eos_id)
-        logger.warning('frame %d: language request %d refused: %s', frame_index,
+            slot=None, origin_frame=frame_index, max_new_tokens=0, eos_id=task.policy.eos_id,
+            task=task.name, priority=task.priority)
+        logger.warning('frame %d: %s request %d refused: %s', frame_index, task.name,
                        req.request_id, why)
         req.finish(FinishReason.REFUSED, why)
         self._ended.append(req)
@@ -270,16 +367,31 @@ class Scheduler:
         tick's language must end (None: the budget's own period); other_rows: rows other
         robots add to each decode step (a fleet's), so the budget prices the whole step.
         """
-        k = self.budget.choose(elapsed_s, len(self.active) + other_rows, deadline_s)
+        ks = self._priority_ks(elapsed_s, deadline_s, other_rows)
         self._must = {}
         for req in self.active:
             frames_left = req.deadline - self.now + 1
             self._must[req.request_id] = (req.steps_left if frames_left < 1
                                           else -(-req.steps_left // frames_left))
-        self._quota = {i: max(k, must) for i, must in self._must.items()}
+        self._quota = {r.request_id: max(ks[r.priority], self._must[r.request_id])
+                       for r in self.active}
         if self.budget.unlimited:
-            return self.policy.max_request_len
-        return max([k, *self._must.values()])
+            return max(t.policy.max_request_len for t in self.tasks)
+        return max([*ks.values(), *self._must.values()])
+
+    def _priority_ks(self, elapsed_s: float, deadline_s: float | None,
+                     other_rows: int) -> dict[int, int]:
+        """Return the budget's k of each priority level of the live requests.
+
+        The highest level's k is chosen at its own rows, each lower level's with the rows of
+        every level above it counted too: the steps a lower priority adds run beside theirs,
+        so it gets what is left (the same k for all with a single level or a fixed budget).
+        The highest level is asked last, so the budget reports its k.
+        """
+        levels = sorted({r.priority for r in self.active}, reverse=True) or [0]
+        rows = {level: sum(r.priority >= level for r in self.active) for level in levels}
+        return {level: self.budget.choose(elapsed_s, rows[level] + other_rows, deadline_s)
+                for level in reversed(levels)}
 
     def schedule(self, elapsed_s: float, deadline_s: float | None = None,
                  other_rows: int = 0) -> StepPlan | None:
@@ -296,17 +408,35 @@ class Scheduler:
         rows = [r for r in self.active if self._quota[r.request_id]]
         if rows and self.batch_sizes and not self.budget.allow_more(
                 elapsed_s, len(rows) + other_rows, deadline_s):
-            rows = [r for r in rows if self._must[r.request_id]]
+            rows = self._yield_by_priority(rows, elapsed_s, deadline_s, other_rows)
         if not rows:
             return None
-        # Slot order: a run of slots is read as a view of the cache.
-        rows.sort(key=lambda r: r.slot)
+        # Block order: a run of blocks (and, with one task, of prefix slots) is read as a view.
+        rows.sort(key=lambda r: r.block)
         for req in rows:
-            # The entry written now sits at P + gen_len; it must fit in the slot.
+            # The entry written now sits at gen_len of its block; it must fit there.
             assert req.gen_len < self.max_gen_len, (
                 f'request {req.request_id}: gen_len {req.gen_len} >= {self.max_gen_len}')
         return StepPlan(False, [r.request_id for r in rows], [r.slot for r in rows],
-                        [r.gen_len for r in rows], [r.next_input_token() for r in rows])
+                        [r.gen_len for r in rows], [r.next_input_token() for r in rows],
+                        [r.block for r in rows])
+
+    def _yield_by_priority(self, rows: list[RequestState], elapsed_s: float,
+                           deadline_s: float | None, other_rows: int) -> list[RequestState]:
+        """Return the rows that go on once the tick's time is short: lower priorities yield first.
+
+        Whole priority levels are kept from the highest down while a step of their rows still
+        fits; every other row goes on only while short of its minimum (admitted requests
+        finish by their deadline whatever the budget).
+        """
+        kept: list[RequestState] = []
+        for level in sorted({r.priority for r in rows}, reverse=True):
+            level_rows = [r for r in rows if r.priority == level]
+            if not self.budget.allow_more(elapsed_s, len(kept) + len(level_rows) + other_rows,
+                                          deadline_s):
+                break
+            kept += level_rows
+        return kept + [r for r in rows if r not in kept and self._must[r.request_id]]
 
     def update(self, plan: StepPlan, token_ids: list[int], seconds: float,
                call_rows: int | None = None) -> None:
@@ -340,10 +470,14 @@ class Scheduler:
                 self._end(live[request_id], FinishReason.ERROR, repr(error))
 
     def _end(self, req: RequestState, reason: FinishReason, error: str = '') -> None:
-        """Finish `req` (if not yet) and give its slot back."""
+        """Finish `req` (if not yet) and give its block and its hold on the prefix slot back."""
         req.finish(reason, error)
+        holder = f'request {req.request_id}'
+        if req.block is not None:
+            self.blocks.release(req.block, holder)
+            req.block = None
         if req.slot is not None:
-            self.pool.release(req.slot, f'request {req.request_id}')
+            self.pool.release(req.slot, holder)
             req.slot = None
         self.active.remove(req)
         self._quota.pop(req.request_id, None)
@@ -364,25 +498,34 @@ class Scheduler:
     def check(self) -> None:
         """Assert pool and request invariants (the engine runs it after every frame in debug)."""
         self.pool.check()
+        self.blocks.check()
         for req in self.active:
+            holder = f'request {req.request_id}'
             assert not req.finished, f'finished request {req.request_id} still active'
-            assert req.slot is not None
-            assert self.pool.holders(req.slot) == (f'request {req.request_id}',), (
+            assert req.slot is not None and req.block is not None
+            assert holder in self.pool.holders(req.slot), (
                 f'request {req.request_id}: slot {req.slot} held by {self.pool.holders(req.slot)}')
+            assert self.blocks.holders(req.block) == (holder,), (
+                f'request {req.request_id}: block {req.block} held by '
+                f'{self.blocks.holders(req.block)}')
             assert req.gen_len <= self.max_gen_len
             # Admitted requests finish by their deadline (checked after a frame's language).
             assert req.deadline > self.now, (
                 f'request {req.request_id} outlived its deadline {req.deadline} '
                 f'(frame {self.now})')
-        slots = [r.slot for r in self.active]
-        assert len(set(slots)) == len(slots), f'two requests share a slot: {slots}'
+        blocks = [r.block for r in self.active]
+        assert len(set(blocks)) == len(blocks), f'two requests share a block: {blocks}'
+        assert self.blocks.num_in_use == len(self.active), (
+            f'leak: {self.blocks.num_in_use} blocks in use, {len(self.active)} requests\n'
+            f'{self.blocks}')
         if self._frame is None:
-            # Between frames only live requests hold slots.
-            assert self.pool.num_in_use == len(self.active), (
-                f'leak: {self.pool.num_in_use} slots in use, {len(self.active)} requests\n'
+            # Between frames only live requests hold prefix slots.
+            slots = {r.slot for r in self.active}
+            assert self.pool.num_in_use == len(slots), (
+                f'leak: {self.pool.num_in_use} slots in use, {len(slots)} held by requests\n'
                 f'{self.pool}')
 
     def __str__(self) -> str:
         return (f'{len(self.active)} live requests (deadlines '
                 f'{[r.deadline for r in self.active]} at frame {self.now}), budget '
-                f'{self.budget}, {self.num_queued} queued\n{self.pool}')
+                f'{self.budget}, {self.num_queued} queued\n{self.pool}\n{self.blocks}')

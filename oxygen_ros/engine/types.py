@@ -30,6 +30,9 @@ class Observation:
     instruction: str                # task text, e.g. 'pick up the red block'
     stamp: float = 0.0              # camera time in seconds, passed through to the outputs
     frame_index: int | None = None  # None: the engine numbers frames 0, 1, 2, ...
+    action_prompt: str | None = None  # the prefill's prompt (None: the instruction); π0.5's
+    #                                   subtask (runtime/subtask.py); templates of language
+    #                                   tasks still read the instruction
 
 
 @dataclasses.dataclass
@@ -73,6 +76,7 @@ class TokenDelta:
     tokens_so_far: int              # generated tokens of the request including these
     done: bool                      # True on the request's last delta
     finish_reason: FinishReason | str = ''   # '' while running, else a FinishReason
+    task: str = 'narration'         # language task of the request
 
 
 @dataclasses.dataclass
@@ -86,6 +90,7 @@ class FinishedRequest:
     finish_reason: FinishReason     # why it ended (.completed: eos or length)
     frames: int                     # frames it was alive (1 = finished in its first frame)
     error: str = ''                 # exception text ('error') or refusal reason ('refused')
+    task: str = 'narration'         # language task of the request
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
 import numpy as np
 
@@ -100,6 +101,68 @@ def default_num_slots(policy: LanguagePolicy, k: int | None) -> int:
     if k is None:
         return 2
     return math.ceil(policy.max_request_len / max(k, 1)) + 1
+
+
+NARRATION = 'narration'   # the default language task: today's one stream
+
+
+@dataclasses.dataclass(frozen=True)
+class LanguageTask:
+    """One language stream of a robot: its requests, their priority and where they go.
+
+    Every task's request of a frame reads that frame's one prefix (no extra prefill) and
+    decodes in the same batched steps as the others. Priority orders admission (higher first)
+    and who yields first when the tick's budget runs out (lower first, down to each
+    request's minimum: admitted requests always finish).
+    """
+
+    name: str = NARRATION
+    policy: LanguagePolicy = LanguagePolicy()
+    priority: int = 0                   # higher: admitted first, yields last
+    topic: str = ''                     # LanguageChunk topic ('': the task's default)
+    drives_actions: bool = False        # its newest finished text becomes the action prompt
+    max_age_s: float = 2.0              # drives_actions: older, the instruction is the prompt
+
+
+def as_tasks(tasks: LanguagePolicy | Sequence[LanguageTask]) -> tuple[LanguageTask, ...]:
+    """Return `tasks` as a tuple; a bare policy is the one narration task (today's configs)."""
+    if isinstance(tasks, LanguagePolicy):
+        return (LanguageTask(NARRATION, tasks),)
+    tasks = tuple(tasks)
+    if not tasks:
+        raise ValueError('a robot needs at least one language task (narration with '
+                         'every_n_frames 0 for none)')
+    names = [t.name for t in tasks]
+    if len(set(names)) != len(names):
+        raise ValueError(f'language task names must be unique, got {names}')
+    return tasks
+
+
+def tasks_num_slots(tasks: Sequence[LanguageTask], k: int | None) -> int:
+    """Prefix slots for several tasks: the longest-lived task's default_num_slots.
+
+    A frame's prefix slot lives as long as its longest request, and at most one frame starts
+    per tick, so the task whose requests live longest sizes the pool as it would alone.
+    """
+    return max(default_num_slots(t.policy, k) for t in tasks)
+
+
+def tasks_num_blocks(tasks: Sequence[LanguageTask], k: int | None) -> int:
+    """Return the generation blocks for several tasks: each one's live requests, plus a spare.
+
+    A task's request lives ceil(N / k) ticks; one starting every n frames has
+    ceil(ceil(N / k) / n) live at once when the next is admitted (Poisson arrivals: as if
+    n = 1). With one task and n = 1 that is default_num_slots: one block per prefix slot.
+    """
+    total = 0
+    for task in tasks:
+        policy = task.policy
+        if policy.requests_per_frame() == 0:
+            continue
+        life = 1 if k is None else math.ceil(policy.max_request_len / max(k, 1))
+        every = 1 if policy.arrival_rate is not None else policy.every_n_frames
+        total += math.ceil(life / every) + 1
+    return max(total, 1)
 
 
 @dataclasses.dataclass(frozen=True)

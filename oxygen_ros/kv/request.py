@@ -1,15 +1,17 @@
 """RequestState σ: one language request continuing the KV cache of the frame it started at.
 
-Token ranges of a request in its slot (storage index, not RoPE position):
+A request reads the prefix slot of its frame (shared with the frame's other requests, one per
+language task) and writes its own generation block (storage index, not RoPE position):
 
-    [0 .............. P)[P ......... P+F)[P+F ........... P+F+G-1)
-     prefix of frame t    forced tokens     generated tokens fed back
-     (n_valid real)       (prompt template)  (the last one is never fed)
+    prefix slot:       [0 .............. P)     prefix of frame t (n_valid real), read only
+    generation block:  [0 ...... F)[F ........... F+G-1)
+                        forced       generated tokens fed back
+                        (template)   (the last one is never fed)
 
-F = len(forced), G = tokens generated so far. `gen_len` = K/V entries written after the prefix
-= the storage offset the next decode step writes at. RoPE positions continue from n_valid, so
-padding in the prefix costs no positions. n_valid is per-slot prefix state and lives with the
-K/V in the runner's KVStore; a request is counters and token ids only.
+F = len(forced), G = tokens generated so far. `gen_len` = K/V entries written to the block
+= the index the next decode step writes at. RoPE positions continue from n_valid, so padding
+in the prefix costs no positions. n_valid is per-slot prefix state and lives with the K/V in
+the runner's KVStore; a request is counters and token ids only.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class RequestState:
     """Mutable state of one language request; the scheduler owns it, the pool owns its slot."""
 
     request_id: int                 # unique, increasing in start order
-    slot: int | None                # pool slot holding its K/V (None once released / refused)
+    slot: int | None                # prefix slot it reads (None once released / refused)
     origin_frame: int               # frame whose prefix this request continues
     max_new_tokens: int             # N: stop with 'length' after this many generated tokens
     deadline: int = 0               # scheduler frame count by whose end it must be done (the
@@ -55,6 +57,9 @@ class RequestState:
     finish_reason: FinishReason | str = ''   # '' while running
     num_reported: int = 0           # tokens already handed out in deltas
     error: str = ''                 # exception text ('error') or refusal reason ('refused')
+    block: int | None = None        # generation block its K/V go to (None: none held)
+    task: str = 'narration'         # language task that started it
+    priority: int = 0               # its task's priority (higher: admitted first, yields last)
 
     @property
     def tokens_left(self) -> int:

@@ -1,25 +1,33 @@
-"""KVStore: the tensors behind the pool's slots, preallocated once.
+"""KVStore: the tensors behind the pool's prefix slots and generation blocks, allocated once.
 
 Shapes (letters used throughout kv/ and engine/):
-    L layers, S slots, P prefix positions, T = P + max_gen_len + 1 storage entries per slot,
-    G kv heads, D head dim, W backbone width.
+    L layers, S prefix slots, P prefix positions, M generation blocks, E = max_gen_len + 1
+    entries per block, G kv heads, D head dim, W backbone width.
 
-Per slot s:
-    k[:, s], v[:, s]    [L, T, G, D]  K (after RoPE) and V of the prefix, then generated tokens
-    prefix_valid[s]     [P] bool      which prefix positions are real (masked cameras, padding)
-    n_valid[s]          long          real prefix positions = RoPE offset of generated tokens
-    last_hidden[s]      [W] float32   final-normed hidden at the last real prefix position
-                                      (the first generated token's logits come from it)
+A frame's prefix is written once into a prefix slot; every language request started at that
+frame (one per language task) reads it in place and writes the tokens it generates into a
+generation block of its own (vLLM v1's shared prefix blocks, one level deep):
 
-Storage entries of one slot:
+    prefix slot s        k[:, s], v[:, s]          [L, P, G, D]  K (after RoPE) and V
+                         prefix_valid[s]           [P] bool      real positions (masked cameras,
+                                                                 padding)
+                         n_valid[s]                long          real prefix positions = RoPE
+                                                                 offset of generated tokens
+                         last_hidden[s]            [W] float32   final-normed hidden at the last
+                                                                 real prefix position (the first
+                                                                 generated token's logits)
+    generation block b   gen_k[:, b], gen_v[:, b]  [L, E, G, D]  K/V of one request's tokens
 
-    [0 ........ P)[P ................ P + max_gen_len)[P + max_gen_len]
-     prefix          generated tokens (a request writes    scratch: written by padding rows,
-                     at most forced + N - 1 of them)        never read unmasked
+Entries of one generation block:
+
+    [0 ................. max_gen_len)[max_gen_len]
+     generated tokens (a request       scratch: written by padding rows, never read unmasked
+     writes at most forced + N - 1)
 
 The scratch entry is what makes padding free of side effects: a padding row of a decode batch
-may name any slot (a hole in a run of slots, or a repeat to fill a bucket) and writes only
-there, so the batch keeps a static shape without a whole null slot of memory.
+may name any block (a hole in a run of blocks, or a repeat to fill a bucket) and writes only
+there, so the batch keeps a static shape without a whole null block of memory. A prefix is
+only ever read by decode steps, so several requests share it without a copy.
 """
 
 from __future__ import annotations
@@ -43,39 +51,56 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
-def slot_bytes(num_layers: int, prefix_len: int, max_gen_len: int, num_kv_heads: int,
-               head_dim: int, width: int, dtype: torch.dtype) -> int:
-    """Bytes one slot of a KVStore occupies: K and V of T entries plus its prefix state."""
-    slot_len = prefix_len + max_gen_len + 1
-    kv = 2 * num_layers * slot_len * num_kv_heads * head_dim * dtype.itemsize
+def slot_bytes(num_layers: int, prefix_len: int, num_kv_heads: int, head_dim: int, width: int,
+               dtype: torch.dtype) -> int:
+    """Bytes one prefix slot of a KVStore occupies: K and V of P entries plus its prefix state."""
+    kv = 2 * num_layers * prefix_len * num_kv_heads * head_dim * dtype.itemsize
     state = prefix_len * torch.bool.itemsize + torch.long.itemsize + width * 4   # float32
     return kv + state
 
 
+def block_bytes(num_layers: int, max_gen_len: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype) -> int:
+    """Bytes one generation block occupies: K and V of max_gen_len + 1 entries (scratch)."""
+    return 2 * num_layers * (max_gen_len + 1) * num_kv_heads * head_dim * dtype.itemsize
+
+
 class KVStore:
-    """Preallocated K/V and per-slot prefix state; only the model runner touches it."""
+    """Preallocated prefix slots, generation blocks and prefix state; only the runner touches it.
+
+    num_blocks: generation blocks (None: one per prefix slot, one language task's need).
+    """
 
     def __init__(self, num_layers: int, num_slots: int, prefix_len: int, max_gen_len: int,
                  num_kv_heads: int, head_dim: int, width: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = 'cpu'):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = 'cpu',
+                 num_blocks: int | None = None):
         if prefix_len < 1 or max_gen_len < 0:
             raise ValueError(f'bad lengths: prefix_len={prefix_len}, max_gen_len={max_gen_len}')
-        self.num_slots = num_slots
+        num_blocks = num_slots if num_blocks is None else num_blocks
+        if num_slots < 1 or num_blocks < 1:
+            raise ValueError(f'need a slot and a block, got {num_slots} slots, {num_blocks} '
+                             'blocks')
+        self.num_slots = num_slots                      # S
+        self.num_blocks = num_blocks                    # M
         self.prefix_len = prefix_len                    # P
         self.max_gen_len = max_gen_len                  # generated entries a request may write
-        self.slot_len = prefix_len + max_gen_len + 1    # T, the scratch entry included
-        shape = (num_layers, num_slots, self.slot_len, num_kv_heads, head_dim)
+        self.block_len = max_gen_len + 1                # E, the scratch entry included
+        shape = (num_layers, num_slots, prefix_len, num_kv_heads, head_dim)
+        gen_shape = (num_layers, num_blocks, self.block_len, num_kv_heads, head_dim)
         # Zeroed, not empty: masked-out positions still enter attention matmuls with weight 0,
         # and 0 * NaN from uninitialised memory would poison the row.
-        self.k = zeros(shape, dtype, device)                                  # [L, S, T, G, D]
-        self.v = zeros(shape, dtype, device)                                  # [L, S, T, G, D]
+        self.k = zeros(shape, dtype, device)                                  # [L, S, P, G, D]
+        self.v = zeros(shape, dtype, device)                                  # [L, S, P, G, D]
+        self.gen_k = zeros(gen_shape, dtype, device)                          # [L, M, E, G, D]
+        self.gen_v = zeros(gen_shape, dtype, device)                          # [L, M, E, G, D]
         self.prefix_valid = torch.zeros(num_slots, prefix_len, dtype=torch.bool,
                                         device=device)                        # [S, P]
         self.n_valid = torch.zeros(num_slots, dtype=torch.long, device=device)  # [S]
         self.last_hidden = torch.zeros(num_slots, width, dtype=torch.float32,
                                        device=device)                         # [S, W]
         # slot_ids[s:s + 1] is a device tensor naming slot s: no host-to-device copy per call.
-        self.slot_ids = torch.arange(num_slots, device=device)               # [S]
+        self.slot_ids = torch.arange(max(num_slots, num_blocks), device=device)  # [max(S, M)]
 
     @property
     def device(self) -> torch.device:
@@ -83,19 +108,24 @@ class KVStore:
 
     @property
     def scratch_gen_len(self) -> int:
-        """The gen_len of a padding row: it writes the scratch entry P + max_gen_len."""
+        """The gen_len of a padding row: it writes the scratch entry max_gen_len of a block."""
         return self.max_gen_len
 
     @property
     def bytes_per_slot(self) -> int:
-        """Bytes one slot occupies: K and V rows plus its prefix state."""
+        """Bytes one prefix slot occupies: K and V rows plus its prefix state."""
         L, _, _, G, D = self.k.shape
-        return slot_bytes(L, self.prefix_len, self.max_gen_len, G, D,
-                          self.last_hidden.shape[1], self.k.dtype)
+        return slot_bytes(L, self.prefix_len, G, D, self.last_hidden.shape[1], self.k.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one generation block occupies."""
+        L, _, _, G, D = self.k.shape
+        return block_bytes(L, self.max_gen_len, G, D, self.k.dtype)
 
     @property
     def total_bytes(self) -> int:
-        return self.bytes_per_slot * self.num_slots
+        return self.bytes_per_slot * self.num_slots + self.bytes_per_block * self.num_blocks
 
     def record_prefix(self, slot: int, valid: torch.Tensor, n_valid: torch.Tensor,
                       last_hidden: torch.Tensor) -> None:

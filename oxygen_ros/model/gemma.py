@@ -276,23 +276,26 @@ def key_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
-                         bias1: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
-    """Attention over the keys of two blocks with one softmax (the denoise step's attention).
+                         bias1: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor,
+                         bias2: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over the keys of two blocks with one softmax.
 
     q [B, Q, N, D]; k1, v1 [B, K1, G, D] with bias1 [B, K1] (key_bias of its mask), e.g. a
-    slot's prefix read in place from the pool; k2, v2 [B, K2, G, D], all visible (the queries'
-    own block). Every query sees the same keys. Equals
-    `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, ones)[:, None])`, and is computed so:
-    the heads sharing a K/V head fold into rows (fold_heads) and one fused SDPA kernel runs.
-    Why the copy: with a head dim of 32 (pi05-cpu), four separate matmuls and a softmax over
-    the two blocks cost ~3x the concatenation plus one SDPA in bfloat16 (1.4x in float32).
-    Returns [B, Q, N*D].
+    slot's prefix read in place from the pool; k2, v2 [B, K2, G, D] with bias2 [B, K2], or
+    None when all are visible (the denoise step: the queries' own block; a decode step: its
+    request's generation block, masked to the entries written). Every query sees the same
+    keys. Equals `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, mask2)[:, None])`, and is
+    computed so: the heads sharing a K/V head fold into rows (fold_heads) and one fused SDPA
+    kernel runs. Why the copy: with a head dim of 32 (pi05-cpu), four separate matmuls and a
+    softmax over the two blocks cost ~3x the concatenation plus one SDPA in bfloat16 (1.4x in
+    float32). Returns [B, Q, N*D].
     """
     B, Q, N, D = q.shape
     G, K2 = k1.shape[2], k2.shape[1]
     keys = torch.cat([k1, k2], dim=1).transpose(1, 2)                        # [B, G, K, D]
     values = torch.cat([v1, v2], dim=1).transpose(1, 2)
-    bias = torch.cat([bias1.to(q.dtype), bias1.new_zeros(B, K2, dtype=q.dtype)], dim=1)
+    bias2 = bias1.new_zeros(B, K2, dtype=q.dtype) if bias2 is None else bias2.to(q.dtype)
+    bias = torch.cat([bias1.to(q.dtype), bias2], dim=1)                       # [B, K1+K2]
     out = F.scaled_dot_product_attention(fold_heads(q, G), keys, values,
                                          attn_mask=bias[:, None, None, :])  # [B, G, rQ, D]
     return unfold_heads(out, Q)                                               # [B, Q, N*D]

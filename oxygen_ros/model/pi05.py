@@ -16,10 +16,12 @@ and `attend` (where this layer's K/V go and which keys, under which mask, the qu
                  K/V read in place (two score blocks, one softmax: prefix keys + their own),
                  so nothing of size P is copied per frame. The prefix never attends to the
                  suffix, so this equals openpi's joint forward.
-  decode_step    one text token per row; row b writes its K/V at storage index P + gen_len[b]
-                 and RoPE position n_valid[b] + gen_len[b], and attends to its valid prefix
-                 plus J generated positions under a mask. Rows are independent, so requests
-                 from different frames (and padding rows on a null slot) batch by slot id.
+  decode_step    one text token per row; row b writes its K/V at entry gen_len[b] of its
+                 generation block (or at P + gen_len[b] of its own slot) and RoPE position
+                 n_valid[b] + gen_len[b], and attends to its valid prefix plus J generated
+                 entries under a mask, one softmax over both. Rows are independent, so
+                 requests of different frames, and several of one frame sharing its prefix
+                 slot (language tasks), batch by slot and block id.
 
 Static shapes: with `attend_len` and ids on the model's device a decode step reads no tensor
 value on the host, and its shapes depend only on (B, attend_len), so `compile_decode` compiles
@@ -144,6 +146,20 @@ def attend_bucket(needed: int, limit: int) -> int:
     ints picks the bucket, so a step's shapes take a few values only (one graph each).
     """
     return min(limit, max(8, 1 << (needed - 1).bit_length()))
+
+
+def attend_prefix_and_generated(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
+                                prefix_bias: torch.Tensor, k_gen: torch.Tensor,
+                                v_gen: torch.Tensor, gen_bias: torch.Tensor) -> torch.Tensor:
+    """Attend a decode step's q [B, 1, N, D] over its prefix and its generated tokens.
+
+    k_prefix, v_prefix [B, P, G, D] with prefix_bias [B, P] (the slot's valid positions);
+    k_gen, v_gen [B, J, G, D] with gen_bias [B, J] (the entries generated so far, this
+    step's included). The two parts are read where they live (a prefix slot and a
+    generation block) and attended with one softmax (attention_two_blocks: one fused SDPA
+    over both, as the denoise step). -> [B, 1, N*D].
+    """
+    return attention_two_blocks(q, k_prefix, v_prefix, prefix_bias, k_gen, v_gen, gen_bias)
 
 
 def time_embedding(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -601,89 +617,114 @@ class Pi05Model(nn.Module):
     @torch.no_grad()
     def decode_step(self, kv: KVTensors, slots: torch.Tensor, prefix_valid: torch.Tensor,
                     n_valid: torch.Tensor, gen_len: torch.Tensor, tokens: torch.Tensor,
-                    attend_len: int | None = None) -> torch.Tensor:
+                    attend_len: int | None = None, *, gen: KVTensors | None = None,
+                    blocks: torch.Tensor | None = None) -> torch.Tensor:
         """Feed one token per row, append its K/V, return next-token logits [B, V].
 
-        slots long [B]; prefix_valid bool [B, P]; n_valid, gen_len, tokens long [B]; on the
-        host or on the model's device. Row b writes storage index P + gen_len[b] and attends to
-        its valid prefix plus storage [P, P + gen_len[b]]. The caller advances gen_len.
+        slots long [B]: the prefix slot of each row in `kv`; prefix_valid bool [B, P]; n_valid,
+        gen_len, tokens long [B]; on the host or on the model's device. Where a row's generated
+        tokens live:
+          gen None      after its prefix, in the same slot: storage [P, P + gen_len[b]];
+          gen, blocks   in generation block blocks[b] of `gen` ([S', T', G, D] per layer),
+                        entries [0, gen_len[b]]: several rows (requests) may share one prefix
+                        slot, each with a block of its own (kv/store.py).
+        Row b writes its generated entry gen_len[b] at RoPE position n_valid[b] + gen_len[b]
+        and attends to its valid prefix plus its generated entries. The caller advances gen_len.
 
-        attend_len (J): how many generated positions [P, P + J) the step reads, masked per row
-        to gen_len[b] + 1; needs J > gen_len[b] for every real row and P + J <= T (not
-        checked: that would read gen_len). Pick it with `attend_bucket` so shapes depend on
-        (B, J) only; with ids on the model's device the step then reads nothing on the host.
-        Without it, J = max(gen_len) + 1 from host gen_len, or T - P (the whole slot) when
-        gen_len is on an accelerator.
+        attend_len (J): how many generated entries the step reads, masked per row to
+        gen_len[b] + 1; needs J > gen_len[b] for every real row and J <= the entries a row's
+        generated storage holds (not checked: that would read gen_len). Pick it with
+        `attend_bucket` so shapes depend on (B, J) only; with ids on the model's device the
+        step then reads nothing on the host. Without it, J = max(gen_len) + 1 from host
+        gen_len, or all entries when gen_len is on an accelerator.
 
-        Padding rows (to fill a bucket or a hole in a run of slots) change nothing in the other
-        rows as long as they write an entry no real row attends: a reserved null slot, or any
-        slot's last entry (gen_len = T - P - 1, outside every real row's mask). Their gen_len
-        need not be below J; their logits are to be dropped.
+        Padding rows (to fill a bucket or a hole in a run of blocks) change nothing in the other
+        rows as long as they write an entry no real row attends: a reserved null block, or any
+        block's last entry (outside every real row's mask). Their gen_len need not be below J;
+        their logits are to be dropped.
         """
         P, T = prefix_valid.shape[1], kv.max_len
+        gen_offset, room = (P, T - P) if gen is None else (0, gen.max_len)
         if attend_len is None:
-            attend_len = int(gen_len.max()) + 1 if gen_len.device.type == 'cpu' else T - P
-        if not 0 < attend_len <= T - P:
-            raise ValueError(f'decode needs cache length {P + attend_len}, storage has {T}')
+            attend_len = int(gen_len.max()) + 1 if gen_len.device.type == 'cpu' else room
+        if not 0 < attend_len <= room:
+            raise ValueError(f'decode needs {attend_len} generated entries, storage has {room}')
+        gen = gen or kv
+        blocks = slots if blocks is None else blocks
         device = kv.k.device
-        cos, sin = self.rope_tables(T, device)
+        cos, sin = self.rope_tables(P + room, device)
         decode = self._decode_fn or self._decode_layers
-        return decode(kv.k, kv.v, cos, sin, slots, prefix_valid.to(device), n_valid.to(device),
-                      gen_len.to(device), tokens.to(device), attend_len)
+        return decode(kv.k, kv.v, gen.k, gen.v, cos, sin, slots, blocks,
+                      prefix_valid.to(device), n_valid.to(device), gen_len.to(device),
+                      tokens.to(device), attend_len, gen_offset)
 
-    def _decode_layers(self, k_store: torch.Tensor, v_store: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, slots: torch.Tensor, prefix_valid: torch.Tensor,
+    def _decode_layers(self, k_store: torch.Tensor, v_store: torch.Tensor, k_gen: torch.Tensor,
+                       v_gen: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       slots: torch.Tensor, blocks: torch.Tensor, prefix_valid: torch.Tensor,
                        n_valid: torch.Tensor, gen_len: torch.Tensor, tokens: torch.Tensor,
-                       J: int) -> torch.Tensor:
+                       J: int, gen_offset: int) -> torch.Tensor:
         """Tensor work of decode_step (what compile_decode compiles); see decode_step.
 
-        k_store, v_store [L, S, T, G, D]; cos, sin [>= T, D] RoPE tables; slots [B] (host or
-        device); prefix_valid bool [B, P], n_valid, gen_len, tokens long [B] on the device.
+        k_store, v_store [L, S, T, G, D] prefix storage; k_gen, v_gen [L, S', T', G, D]
+        generated storage (the prefix storage itself when gen_offset = P); cos, sin [>= P + J,
+        D] RoPE tables; slots, blocks [B] (host or device); prefix_valid bool [B, P], n_valid,
+        gen_len, tokens long [B] on the device. Row b reads prefix slot slots[b] and generated
+        entries [gen_offset, gen_offset + J) of blocks[b], and writes gen_offset + gen_len[b].
         """
         B, P = prefix_valid.shape
         device = k_store.device
-        run = host_run(slots)
-        slot_index = slots.to(device)
+        run, block_run = host_run(slots), host_run(blocks)
+        block_index = blocks.to(device)
         x = self.backbone.embed_tokens(tokens)[:, None].to(self.compute_dtype)
         x = x * math.sqrt(self.config.backbone.width)                           # [B, 1, W]
         positions = (n_valid + gen_len)[:, None]                                # [B, 1]
         cos, sin = cos[positions], sin[positions]                               # [B, 1, D]
-        write_index = P + gen_len                                               # [B]
+        write_index = gen_offset + gen_len                                      # [B]
         generated = torch.arange(J, device=device)[None] <= gen_len[:, None]    # [B, J]
-        key_mask = torch.cat([prefix_valid, generated], dim=1)[:, None]         # [B, 1, P+J]
+        dtype = self.compute_dtype
+        prefix_bias = key_bias(prefix_valid, dtype)                             # [B, P]
+        generated_bias = key_bias(generated, dtype)                             # [B, J]
+        gen_end = gen_offset + J
         for i, layer in enumerate(self.backbone.layers):
             def attend(q, k, v, i=i):   # append the token's K/V, attend prefix + generated
-                # Indexed on the whole store, not on the layer's view k_store[i]: a compiled
+                # Indexed on the whole storage, not on the layer's view k_gen[i]: a compiled
                 # step then writes the B entries in place; through the view, functionalization
                 # copied the whole layer of the pool every step.
-                where = (torch.full_like(slot_index, i), slot_index, write_index)
-                k_store.index_put_(where, k[:, 0].to(k_store.dtype))
-                v_store.index_put_(where, v[:, 0].to(v_store.dtype))
-                keys = slot_rows(k_store[i], slots, run, 0, P + J).to(q.dtype)  # [B, P+J, G, D]
-                values = slot_rows(v_store[i], slots, run, 0, P + J).to(q.dtype)
-                return attention(q, keys, values, key_mask)
+                where = (torch.full_like(block_index, i), block_index, write_index)
+                k_gen.index_put_(where, k[:, 0].to(k_gen.dtype))
+                v_gen.index_put_(where, v[:, 0].to(v_gen.dtype))
+                return attend_prefix_and_generated(
+                    q, slot_rows(k_store[i], slots, run, 0, P).to(q.dtype),         # [B, P, G, D]
+                    slot_rows(v_store[i], slots, run, 0, P).to(q.dtype), prefix_bias,
+                    slot_rows(k_gen[i], blocks, block_run, gen_offset, gen_end).to(q.dtype),
+                    slot_rows(v_gen[i], blocks, block_run, gen_offset, gen_end).to(q.dtype),
+                    generated_bias)                                             # [B, 1, N*D]
             x = layer(x, cos, sin, attend)
         h, _ = self.backbone.norm(x)
         return self.lm_logits(h[:, 0])
 
     def compile_decode(self, mode: str | None = 'default', kv: KVTensors | None = None,
-                       config: dict | None = None, **options) -> Pi05Model:
+                       config: dict | None = None, gen: KVTensors | None = None,
+                       **options) -> Pi05Model:
         """Run decode steps through torch.compile (call once, then warm up, then seal).
 
         Call decode_step with `attend_len` (from `attend_bucket`) and ids on the device: then a
         step reads no tensor value on the host and compiles to one graph. Shapes are dynamic
         by default: one graph for B = 1 and one for every other (B, J), so a warm-up with two
         batch sizes covers them all. mode 'reduce-overhead' (a GPU) replays CUDA graphs, one
-        recorded per (B, J); pass the pool's `kv` there so its storage and the RoPE tables are
-        marked static (the storage is written in place every step). `config`: inductor
-        settings while compiling (see CompiledFunction); `options` go to torch.compile (e.g.
-        backend, fullgraph). mode=None with no options turns it off.
+        recorded per (B, J); pass the pool's `kv` (and its generation blocks `gen`) there so
+        their storage and the RoPE tables are marked static (the storage is written in place
+        every step). `config`: inductor settings while compiling (see CompiledFunction);
+        `options` go to torch.compile (e.g. backend, fullgraph). mode=None with no options
+        turns it off.
         """
         if mode is None and not options:
             self._decode_fn = None
             return self
         if kv is not None and kv.k.device.type == 'cuda':
-            static = (kv.k, kv.v) + self.rope_tables(kv.max_len, kv.k.device)
+            static = (kv.k, kv.v) + self.rope_tables(kv.max_len + (gen.max_len if gen else 0),
+                                                     kv.k.device)
+            static += (gen.k, gen.v) if gen is not None else ()
             for tensor in static:
                 torch._dynamo.mark_static_address(tensor)
         options.setdefault('dynamic', True)

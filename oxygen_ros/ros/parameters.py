@@ -26,11 +26,11 @@ from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescr
 
 from oxygen_ros.runtime.changes import check_fits
 from oxygen_ros.runtime.params import (camera_param_name, camera_param_specs, check_value,
-                                       deprecation_warning, FleetSettings, param_spec,
-                                       PARAMS, PARAMS_BY_NAME, robot_defaults,
-                                       robot_param_defaults, robot_param_name,
+                                       deprecation_warning, FleetSettings, NARRATION,
+                                       NARRATION_LEGACY, param_spec, PARAMS, PARAMS_BY_NAME,
+                                       robot_defaults, robot_param_defaults, robot_param_name,
                                        robot_param_specs, ROBOT_PARAMS, RobotSpecError,
-                                       SAFETY_LIMITS, split_param_name)
+                                       SAFETY_LIMITS, split_param_name, task_param_specs)
 from oxygen_ros.runtime.status import ERROR, ProblemLog, WARN
 
 
@@ -103,6 +103,7 @@ class NodeParameters:
                     self._declare(spec, defaults.get(spec.name, spec.default))
             cameras = self.value('camera_names')
             self.declare_cameras(cameras, legacy=self._legacy_camera_topics(cameras))
+            self.declare_tasks(self.value('language_tasks'))
             self.declare_robots(self.value('robots'))
         finally:
             self._declaring = False
@@ -157,6 +158,30 @@ class NodeParameters:
                             self._declare(spec)
                 self.declare_cameras(self.value(robot_param_name(robot, 'camera_names')),
                                      robot)
+                self.declare_tasks(self.value(robot_param_name(robot, 'language_tasks')), robot)
+        finally:
+            self._declaring = declaring
+
+    def declare_tasks(self, tasks, robot: str = '') -> None:
+        """Declare [<robot>.]tasks.<name>.* for every language task not declared yet.
+
+        narration's prompt, tokens and every_n_frames are not declared: they are
+        language_prompt, tokens_per_request and request_every_n_frames, which stay the
+        parameters to set (a startup value of tasks.narration.* is read all the same).
+        """
+        if check_value('language_tasks', list(tasks)) is not None:
+            return   # configure reports why
+        declaring, self._declaring = self._declaring, True
+        try:
+            for task in tasks:
+                for spec in task_param_specs(task):
+                    field = spec.name.rsplit('.', 1)[1]
+                    if task == NARRATION and field in NARRATION_LEGACY:
+                        continue
+                    if robot:
+                        spec = dataclasses.replace(spec, name=robot_param_name(robot, spec.name))
+                    if not self.node.has_parameter(spec.name):
+                        self._declare(spec)
         finally:
             self._declaring = declaring
 
@@ -202,12 +227,29 @@ class NodeParameters:
         """
         values = {spec.name: self.value(spec.name) for spec in PARAMS}
         values.update(self._camera_values(values['camera_names']))
+        values.update(self._task_values(values['language_tasks']))
         robots = list(values['robots'])
         self.declare_robots(robots)   # robots named since startup
         for robot in robots:
             values.update(self._camera_values(
                 self.value(robot_param_name(robot, 'camera_names')), robot))
+            values.update(self._task_values(
+                self.value(robot_param_name(robot, 'language_tasks')), robot))
         return values
+
+    def _task_values(self, tasks, robot: str = '') -> dict:
+        """Return one robot's task values: declared ones, and every tasks.* startup value.
+
+        Startup values of no declared parameter (a typo, a task not in language_tasks,
+        narration's legacy fields) are passed on too, so configure names what is wrong.
+        """
+        self.declare_tasks(tasks, robot)   # task names set since startup
+        prefix = robot_param_name(robot, 'tasks.') if robot else 'tasks.'
+        overrides = getattr(self.node, '_parameter_overrides', {})   # rclpy keeps them by name
+        names = {n for n in overrides if n.startswith(prefix)}
+        names |= {prefix + n for n in self.node.get_parameters_by_prefix(prefix[:-1])}
+        return {n: (self.value(n) if self.node.has_parameter(n) else overrides[n].value)
+                for n in sorted(names)}
 
     def _camera_values(self, cameras, robot: str = '') -> dict:
         """Return one robot's camera values (robot '': the node's), and a robot's own values."""

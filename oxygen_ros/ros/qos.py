@@ -50,6 +50,11 @@ TOKENS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100,
 NARRATION = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10,
                        reliability=ReliabilityPolicy.RELIABLE,
                        durability=DurabilityPolicy.TRANSIENT_LOCAL)
+# The subtask driving the actions is state, as the instruction is: a late joiner gets the
+# active one (language/subtask).
+SUBTASK = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
+                     reliability=ReliabilityPolicy.RELIABLE,
+                     durability=DurabilityPolicy.TRANSIENT_LOCAL)
 # As diagnostic_updater publishes /diagnostics.
 DIAGNOSTICS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10,
                          reliability=ReliabilityPolicy.RELIABLE,

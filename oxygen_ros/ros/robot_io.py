@@ -31,8 +31,9 @@ from oxygen_ros.runtime.conversions import (check_frame_size, compressed_to_rgb,
                                             InputError, joint_state_to_vector)
 from oxygen_ros.runtime.dds_profile import profile_path, profile_variable
 from oxygen_ros.runtime.inputs import InputSet, InputSource, sanitize_instruction
-from oxygen_ros.runtime.params import Settings
+from oxygen_ros.runtime.params import NARRATION, Settings
 from oxygen_ros.runtime.status import OK, ProblemLog, WARN
+from oxygen_ros.runtime.subtask import SUBTASK_TOPIC
 
 try:   # Jazzy+ names the event classes event_handler; Humble only has qos_event.
     from rclpy.event_handler import SubscriptionEventCallbacks
@@ -77,7 +78,8 @@ class RosOutputs:
     """
 
     def __init__(self, node: LifecycleNode, frame_id: str, layout: ActionLayout,
-                 trajectory: bool = False, namespace: str = ''):
+                 trajectory: bool = False, namespace: str = '',
+                 task_topics: dict[str, str] | None = None, subtask: bool = False):
         self.frame_id = frame_id
         self.layout = layout
         self._lock = threading.Lock()
@@ -86,10 +88,16 @@ class RosOutputs:
         self.actions_published = 0   # ActionChunks published so far (after the switch)
         self._actions = node.create_publisher(ActionChunk, in_namespace(namespace, 'actions'),
                                               qos.ACTIONS)
-        self._tokens = node.create_publisher(
-            LanguageChunk, in_namespace(namespace, 'language/tokens'), qos.TOKENS)
+        # One LanguageChunk publisher per language task (narration: language/tokens).
+        task_topics = task_topics or {NARRATION: 'language/tokens'}
+        self._task_tokens = {task: node.create_publisher(
+            LanguageChunk, in_namespace(namespace, topic), qos.TOKENS)
+            for task, topic in task_topics.items()}
         self._narration = node.create_publisher(
             String, in_namespace(namespace, 'language/narration'), qos.NARRATION)
+        # π0.5's subtask loop: the subtask driving the actions ('' = the instruction).
+        self._subtask = node.create_publisher(
+            String, in_namespace(namespace, SUBTASK_TOPIC), qos.SUBTASK) if subtask else None
         self._trajectory = None
         if trajectory:
             from trajectory_msgs.msg import JointTrajectory
@@ -107,7 +115,8 @@ class RosOutputs:
 
     def destroy(self) -> None:
         self.close()
-        for pub in (self._actions, self._tokens, self._narration, self._trajectory):
+        for pub in (self._actions, *self._task_tokens.values(), self._narration,
+                    self._subtask, self._trajectory):
             if pub is not None:
                 self._node.destroy_publisher(pub)
 
@@ -126,11 +135,18 @@ class RosOutputs:
                           joint_trajectory_msg(action, self.frame_id, self.layout))
 
     def tokens(self, delta, stamp_ns: int) -> None:
-        self._publish(self._tokens, language_chunk_msg(delta, ns_to_stamp(stamp_ns),
-                                                       self.frame_id))
+        publisher = self._task_tokens.get(delta.task)
+        if publisher is not None:
+            self._publish(publisher, language_chunk_msg(delta, ns_to_stamp(stamp_ns),
+                                                        self.frame_id))
 
     def narration(self, request, stamp_ns: int) -> None:
-        self._publish(self._narration, String(data=request.text))
+        if request.task == NARRATION:   # the other tasks' texts are in their LanguageChunks
+            self._publish(self._narration, String(data=request.text))
+
+    def subtask(self, subtask, stamp_ns: int) -> None:
+        if self._subtask is not None:
+            self._publish(self._subtask, String(data=subtask.text if subtask else ''))
 
 
 class RobotIO:
@@ -156,7 +172,9 @@ class RobotIO:
         self.lost_counters: list[tuple[str, LostMessages]] = []   # (camera key, its count)
         self.outputs = RosOutputs(node, settings.frame_id,
                                   action_layout(settings.spec or settings.robot),
-                                  settings.publish_trajectory, namespace)
+                                  settings.publish_trajectory, namespace,
+                                  {task.name: task.token_topic for task in settings.tasks},
+                                  any(task.drives_actions for task in settings.tasks))
         try:
             self.inputs = self._subscribe(settings)
         except BaseException:

@@ -11,15 +11,16 @@ import logging
 import os
 from pathlib import Path
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from oxygen_ros.engine import (AdaptiveBudget, Budget, Engine as EngineView, FixedBudget,
                                FleetRobot, Frontend, identity_norm_stats, LanguagePolicy,
-                               make_fleet, random_observation, random_setup)
-from oxygen_ros.engine.fleet import ONE_ROBOT, pool_slot_bytes
+                               LanguageTask, make_fleet, random_observation, random_setup)
+from oxygen_ros.engine.fleet import (num_blocks_for, ONE_ROBOT, pool_block_bytes,
+                                     pool_slot_bytes)
 from oxygen_ros.engine.hardware import choose_dtype
 from oxygen_ros.engine.prepare import (CompilePlan, prepare_model, runner_options, seal,
                                        sealed, warm_up)
@@ -123,11 +124,15 @@ def _check_device(device: str) -> None:
                                f"({torch.__version__}); use device 'cpu'")
 
 
-def policy_for(settings: Settings, eos_id: int) -> LanguagePolicy:
-    """Build the language request policy the node's parameters describe."""
-    return LanguagePolicy(max_new_tokens=settings.tokens_per_request,
-                          every_n_frames=settings.request_every_n_frames, seed=settings.seed,
-                          eos_id=eos_id, prompt_template=settings.language_prompt)
+def tasks_for(settings: Settings, eos_id: int) -> tuple[LanguageTask, ...]:
+    """Build the language tasks the node's parameters describe (language_tasks, tasks.*)."""
+    return tuple(
+        LanguageTask(task.name, LanguagePolicy(
+            max_new_tokens=task.tokens, every_n_frames=task.every_n_frames, seed=settings.seed,
+            eos_id=eos_id, prompt_template=task.prompt), priority=task.priority,
+            topic=task.token_topic, drives_actions=task.drives_actions,
+            max_age_s=settings.subtask_max_age_s)
+        for task in settings.tasks)
 
 
 def robot_spec(settings: Settings) -> RobotSpec:
@@ -230,7 +235,7 @@ def available_memory_bytes(device: str) -> int | None:
     return None if available_kb is None else available_kb * 1024
 
 
-def check_pool_fits(settings: Settings, config, policy: LanguagePolicy,
+def check_pool_fits(settings: Settings, config, tasks: Sequence[LanguageTask],
                     dtype: torch.dtype) -> None:
     """Refuse an explicit kv_capacity whose pool would take more than half the free memory.
 
@@ -239,8 +244,10 @@ def check_pool_fits(settings: Settings, config, policy: LanguagePolicy,
     """
     if not settings.kv_capacity:
         return
-    per_slot = pool_slot_bytes(config, policy, dtype)
-    need = settings.kv_capacity * per_slot
+    blocks = num_blocks_for(tasks, settings.decode_budget or 1, settings.kv_capacity)
+    per_slot = pool_slot_bytes(config, dtype) + pool_block_bytes(config, tasks, dtype)
+    need = (settings.kv_capacity * pool_slot_bytes(config, dtype)
+            + blocks * pool_block_bytes(config, tasks, dtype))
     free = available_memory_bytes(settings.device)
     if free is not None and need > free // 2:
         raise EngineSetupError(
@@ -301,7 +308,7 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
     the model's compiled passes, compiled before and sealed while the frames are timed.
     """
     node = fleet.node
-    robots = [FleetRobot(name, frontends[s.robot], policy_for(s, frontends[s.robot].eos_id),
+    robots = [FleetRobot(name, frontends[s.robot], tasks_for(s, frontends[s.robot].eos_id),
                          FixedBudget(_k_min(s)), kv_quota=TIMED_FRAMES + 3, seed=s.seed)
               for name, s in fleet.robots.items()]
     options = runner_options(plan, node.device) if plan else {}
@@ -464,7 +471,7 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
             raise EngineSetupError(f'{who}{err}') from err
         except ValueError as err:
             raise EngineSetupError(f'{who or "loading the model failed: "}{err}') from err
-        policies[name] = policy_for(settings, frontends[settings.robot].eos_id)
+        policies[name] = tasks_for(settings, frontends[settings.robot].eos_id)
         try:
             check_pool_fits(settings, model.config, policies[name], kv_dtype)
         except EngineSetupError as err:

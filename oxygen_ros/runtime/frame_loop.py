@@ -12,7 +12,9 @@ robots share one prefill and one denoise, a robot served early by at most gather
 wakes the loop at the robots' own ticks (`next_wake_s`), so robots at 9 and 10 Hz wake it at
 most 19 times a second, not at a 90 Hz common grid. A tick serves the due robots only:
 
-    1. build       each due robot's observation from its newest inputs (or the reasons not)
+    1. build       each due robot's observation from its newest inputs (or the reasons not);
+                   its action prompt: the active subtask of a task that drives the actions
+                   (runtime/subtask.py, never waited for), else the instruction
     2. act         engine.act(observations): one prefill + one denoise over the due robots
                    (real-time chunking: each continues its committed chunk, runtime/rtc.py)
     3. emit        each robot's action on its own sink, at once: nothing below delays it
@@ -20,7 +22,8 @@ most 19 times a second, not at a 90 Hz common grid. A tick serves the due robots
                    requests (also without a new frame, so no request stalls while a camera
                    hiccups), k tokens per robot tick, against ONE deadline: the next tick
                    of any robot (a 10 Hz robot's language stops before a 15 Hz robot is due)
-    5. emit        tokens and narrations on each robot's sink
+    5. emit        tokens and narrations on each robot's sink; a subtask that completed
+                   becomes the action prompt from the robot's next frame on
 
 A wake-up where no robot is due does nothing (no language round). A tick that raises is still
 recorded in every due robot's statistics and advances their grids.
@@ -40,10 +43,12 @@ import time
 from typing import Callable, Protocol
 
 from oxygen_ros.engine import FinishReason
-from oxygen_ros.engine.types import ActionOutput, FinishedRequest, FrameResult, TokenDelta
+from oxygen_ros.engine.types import (ActionOutput, FinishedRequest, FrameResult, Observation,
+                                     TokenDelta)
 from oxygen_ros.runtime.inputs import InputSet, ObservationResult
 from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import ERROR, LoopStats, ProblemLog, WARN
+from oxygen_ros.runtime.subtask import Subtask, SubtaskLoop
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +65,16 @@ class OutputSink(Protocol):
         """Emit the action chunk of this tick."""
 
     def tokens(self, delta: TokenDelta, stamp_ns: int) -> None:
-        """Emit the new tokens of one language request."""
+        """Emit the new tokens of one language request (of any task: delta.task)."""
 
     def narration(self, request: FinishedRequest, stamp_ns: int) -> None:
-        """Emit the full text of a request that completed (eos or length)."""
+        """Emit the full text of a request that completed (eos or length; of any task)."""
+
+    def subtask(self, subtask: Subtask | None, stamp_ns: int) -> None:
+        """Emit the subtask that drives the actions from this tick on (None: the instruction).
+
+        Called only for a robot with a task that drives the actions, when it changes.
+        """
 
 
 @dataclasses.dataclass
@@ -82,6 +93,8 @@ class TickOutcome:
     duration_s: float = 0.0             # wall time of the whole tick
     latency_s: float | None = None      # tick start -> action emitted
     act_cpu_share: float | None = None  # act()'s CPU time on this thread / its wall time
+    action_prompt: str | None = None    # the observation's prompt (a subtask or the instruction)
+    subtask_changed: bool = False       # the subtask driving the actions changed this tick
 
     @property
     def rejected(self) -> str:
@@ -106,6 +119,7 @@ class RobotLoop:
     finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     last_inputs: ObservationResult | None = None   # its inputs at its last tick (diagnostics)
     last_result: FrameResult | None = None         # its last language result (diagnostics)
+    subtask: SubtaskLoop | None = None  # its task that drives the actions (set by FrameLoop)
 
     def __post_init__(self):
         if not self.period_s > 0:
@@ -172,6 +186,9 @@ class FrameLoop:
             raise ValueError(f'gather_s must be >= 0, got {gather_s}')
         self.engine = engine
         self.robots = {r.name: r for r in robots}
+        for robot in robots:
+            if robot.subtask is None:
+                robot.subtask = subtask_loop(engine.scheduler(robot.name).tasks)
         self.gather_s = gather_s
         self.clock = clock
         self.last_result = None   # the engine's last FleetResult
@@ -275,7 +292,7 @@ class FrameLoop:
             outcomes[robot.name] = TickOutcome(built, dict(built.problems),
                                                built.stamp_ns if obs is not None else now_ns)
             if obs is not None:
-                observations[robot.name] = obs
+                observations[robot.name] = self._prompted(robot, obs, now_s, outcomes)
         act_start = self.clock()
         if observations:   # 2. act
             continuations = {name: c for name, obs in observations.items()
@@ -290,6 +307,12 @@ class FrameLoop:
                 outcome.act_cpu_share = cpu_share
                 if robot.rtc is not None:   # the chunk the robot now executes
                     robot.rtc.record(action, now_s + outcome.latency_s)
+                if robot.subtask is not None:   # dates the subtasks decoded from this frame
+                    robot.subtask.record_frame(action.frame_index, now_s, outcome.stamp_ns)
+            for name in observations:   # after every action: the subtask that drove them
+                robot = self.robots[name]
+                if robot.subtask is not None and outcomes[name].subtask_changed:
+                    robot.sink.subtask(robot.subtask.driving, outcomes[name].stamp_ns)
             for name, why in act.rejected.items():
                 outcomes[name].problems['observation'] = f'observation rejected: {why}'
                 outcomes[name].stamp_ns = now_ns
@@ -317,11 +340,27 @@ class FrameLoop:
             robot, outcome = self.robots[name], outcomes[name]
             robot.last_result = frame_result
             emit_language(frame_result, robot.sink, outcome, robot.finished, robot.problems)
+            if robot.subtask is not None:   # the action prompt from its next frame on
+                robot.subtask.finished(frame_result.finished)
             if outcome.action is not None:
                 logger.debug('%sframe %d: act %.1f ms, k=%d, %d tokens, %d active',
                              f'{name}: ' if name else '', frame_result.frame_index,
                              frame_result.timings.act_s * 1e3, frame_result.k, outcome.tokens,
                              frame_result.active_requests)
+
+    @staticmethod
+    def _prompted(robot: RobotLoop, obs: Observation, now_s: float,
+                  outcomes: dict[str, TickOutcome]) -> Observation:
+        """Return the observation with this tick's action prompt (its subtask, if fresh)."""
+        outcome = outcomes[robot.name]
+        if robot.subtask is None:
+            outcome.action_prompt = obs.instruction
+            return obs
+        outcome.subtask_changed = robot.subtask.update(now_s)
+        outcome.action_prompt = robot.subtask.action_prompt(obs.instruction)
+        obs = dataclasses.replace(obs, action_prompt=outcome.action_prompt)
+        outcome.inputs = dataclasses.replace(outcome.inputs, observation=obs)   # as acted on
+        return obs
 
     @staticmethod
     def _report_failure(robot: RobotLoop, outcome: TickOutcome, err: Exception) -> None:
@@ -337,8 +376,17 @@ class FrameLoop:
     def engine_summary(self, name: str) -> dict | None:
         """Return the engine part of a robot's diagnostics (None before its first language)."""
         robot = self.robots[name]
-        return engine_summary(robot.last_result, robot.finished,
-                              self.engine.scheduler(name).budget)
+        summary = engine_summary(robot.last_result, robot.finished,
+                                 self.engine.scheduler(name).budget)
+        if summary is not None and robot.subtask is not None:
+            summary['subtask'] = robot.subtask.status()
+        return summary
+
+
+def subtask_loop(tasks) -> SubtaskLoop | None:
+    """Return the SubtaskLoop of a robot's language tasks (None: no task drives the actions)."""
+    driving = [task for task in tasks if task.drives_actions]
+    return SubtaskLoop(driving[0].name, driving[0].max_age_s) if driving else None
 
 
 def act_with_cpu_share(act: Callable, *args) -> tuple:

@@ -38,6 +38,9 @@ from oxygen_ros.model.robot_spec import (BUILTIN_ROBOTS, get_robot, is_robot_pat
                                          shipped_robots)
 from oxygen_ros.model.config import DEFAULT_MAX_GUIDANCE_WEIGHT
 
+NARRATION = 'narration'   # the default language task (engine.workload.NARRATION)
+SUBTASK_MAX_AGE_S = 2.0   # a driving task's subtask stays the action prompt this long
+
 NODE_NAME = 'oxygen_node'
 ROBOTS = BUILTIN_ROBOTS
 DTYPES = ('float32', 'bfloat16')
@@ -258,6 +261,18 @@ def _check_template(value) -> str | None:
 _ROBOT_NAME_RE = re.compile(r'^[A-Za-z][A-Za-z0-9_]*$')
 
 
+def _check_task_names(value) -> str | None:
+    bad = [name for name in value if not _ROBOT_NAME_RE.match(name)]
+    if bad:
+        return f'task names must be identifiers (letters, digits, _), got {bad}'
+    repeated = sorted({name for name in value if list(value).count(name) > 1})
+    if repeated:
+        return f'task names must be unique, {repeated} repeated'
+    if not value:
+        return f"at least one task ([{NARRATION}] with request_every_n_frames 0 for none)"
+    return None
+
+
 def _check_robot_names(value) -> str | None:
     names = list(value)
     if any(not isinstance(n, str) for n in names):
@@ -337,6 +352,15 @@ PARAMS: tuple[ParamSpec, ...] = (
               legacy=_legacy_decode_budget),
     ParamSpec('request_every_n_frames', 1, 'Start a language request every n frames (0 = no '
               'language).', configure_time=False, int_range=(0, 1_000_000)),
+    ParamSpec('language_tasks', [NARRATION], 'Language tasks, in order (docs/language_tasks.md):'
+              ' each has tasks.<name>.prompt, .tokens, .every_n_frames, .priority, .topic and '
+              ".drives_actions; narration's default to language_prompt, tokens_per_request and "
+              'request_every_n_frames. Every task reads the frame\'s one prefill.',
+              check=_check_task_names),
+    ParamSpec('subtask_max_age_s', SUBTASK_MAX_AGE_S, "The subtask of the task that drives the "
+              "actions (tasks.<name>.drives_actions, π0.5's subtask loop) is the action "
+              'prompt until it is older than this (from the frame it was decoded from); '
+              'then the instruction is (docs/language_tasks.md).', float_range=(0.01, 3600.0)),
     ParamSpec('kv_capacity', 0, 'KV pool slots; 0 = sized from N, k and the request rate '
               '(configure refuses a pool larger than half the free memory).',
               int_range=(0, 1024)),
@@ -380,7 +404,8 @@ PARAMS_BY_NAME = {spec.name: spec for spec in PARAMS}
 # the node's and shared by every robot (one model, one device, one control thread).
 ROBOT_PARAMS = ('robot', 'camera_names', 'joint_names', 'frame_id', 'publish_trajectory',
                 'control_rate_hz', 'language_prompt', 'tokens_per_request', 'decode_budget',
-                'request_every_n_frames', 'kv_capacity', 'stale_frame_timeout_s', 'seed',
+                'request_every_n_frames', 'language_tasks', 'subtask_max_age_s', 'kv_capacity',
+                'stale_frame_timeout_s', 'seed',
                 'rtc_mode', 'rtc_schedule', 'rtc_delay', 'rtc_execution_horizon',
                 'rtc_max_guidance_weight')
 
@@ -395,6 +420,120 @@ CAMERA_PARAMS: tuple[ParamSpec, ...] = (
 )
 _CAMERA_PARAMS_BY_FIELD = {spec.name: spec for spec in CAMERA_PARAMS}
 _CAMERA_PARAM_RE = re.compile(r'^cameras\.([^.]+)\.([^.]+)$')
+
+
+# Per-task sub-parameters: tasks.<name>.<field> (narration's default to the legacy parameters).
+TASK_PARAMS: tuple[ParamSpec, ...] = (
+    ParamSpec('prompt', '', "Template fed after the frame's prefix ('' = continue the prefix); "
+              'it must contain {instruction}, replaced by the instruction.',
+              check=_check_template),
+    ParamSpec('tokens', 10, 'N: tokens a request of this task generates at most.',
+              int_range=(1, 512)),
+    ParamSpec('every_n_frames', 1, 'Start a request every n frames (0 = never).',
+              int_range=(0, 1_000_000)),
+    ParamSpec('priority', 0, 'Higher: admitted first and the last to yield decode steps when '
+              'the tick is short (admitted requests of every priority finish).',
+              int_range=(-100, 100)),
+    ParamSpec('topic', '', "LanguageChunk topic of its tokens ('' = language/<name>/tokens; "
+              'narration: language/tokens).'),
+    ParamSpec('drives_actions', False, "Its newest finished text becomes the action prompt "
+              "(π0.5's subtask)."),
+)
+_TASK_PARAMS_BY_FIELD = {spec.name: spec for spec in TASK_PARAMS}
+_TASK_PARAM_RE = re.compile(r'^tasks\.([^.]+)\.([^.]+)$')
+# narration's fields default to the parameters that configured it before tasks existed
+NARRATION_LEGACY = {'prompt': 'language_prompt', 'tokens': 'tokens_per_request',
+                    'every_n_frames': 'request_every_n_frames'}
+
+
+def task_param_name(task: str, field: str) -> str:
+    """Full name of a task sub-parameter, e.g. tasks.subtask.prompt."""
+    return f'tasks.{task}.{field}'
+
+
+def task_param_specs(task: str, values: dict[str, Any] | None = None) -> list[ParamSpec]:
+    """Return the sub-parameter specs of one task, named, with its defaults.
+
+    values: the node's values, where narration's defaults come from (language_prompt, ...).
+    """
+    defaults = {}
+    if task == NARRATION:
+        defaults = {field: (values or {}).get(legacy, PARAMS_BY_NAME[legacy].default)
+                    for field, legacy in NARRATION_LEGACY.items()}
+    return [dataclasses.replace(spec, name=task_param_name(task, spec.name),
+                                default=defaults.get(spec.name, spec.default))
+            for spec in TASK_PARAMS]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """One language task as configured (tasks.<name>.*)."""
+
+    name: str
+    prompt: str            # '' = continue the prefix; else a template of {instruction}
+    tokens: int            # N
+    every_n_frames: int    # 0 = never
+    priority: int          # higher: admitted first, yields last
+    topic: str             # LanguageChunk topic ('' = the default, token_topic)
+    drives_actions: bool   # its newest finished text becomes the action prompt
+
+    @property
+    def token_topic(self) -> str:
+        """The topic its LanguageChunks go to (narration's unchanged: language/tokens)."""
+        if self.topic:
+            return self.topic
+        return 'language/tokens' if self.name == NARRATION else f'language/{self.name}/tokens'
+
+
+def _check_tasks(merged: dict[str, Any], values: dict[str, Any], prefix: str
+                 ) -> tuple[tuple[TaskConfig, ...], list[str]]:
+    """Build the tasks of `language_tasks` from tasks.<name>.*; (tasks, problems)."""
+    names = list(merged['language_tasks'])
+    problems = []
+    for name in sorted(values):
+        match = _TASK_PARAM_RE.match(name)
+        if name.startswith('tasks.') and not match:
+            problems.append(f'{prefix}{name}: not a task parameter; expected tasks.<task>.'
+                            f'<field> with a field of {sorted(_TASK_PARAMS_BY_FIELD)}')
+        elif match and match.group(1) not in names:
+            problems.append(f'{prefix}{name}: unknown task {match.group(1)!r}; language_tasks '
+                            f'is {names}')
+        elif match and match.group(2) not in _TASK_PARAMS_BY_FIELD:
+            problems.append(f'{prefix}{name}: unknown key {match.group(2)!r}; a task has '
+                            f'{", ".join(_TASK_PARAMS_BY_FIELD)}')
+    tasks = []
+    for name in names:
+        fields = {}
+        for spec in task_param_specs(name, merged):
+            value = merged.get(spec.name, spec.default)
+            why = check_value(spec.name, value)
+            if why:
+                problems.append(f'{prefix}{spec.name}: {why}')
+            fields[spec.name.rsplit('.', 1)[1]] = value
+        # narration's legacy language_prompt keeps its old meaning (any text); a task's own
+        # prompt is a template of the instruction.
+        own_prompt = task_param_name(name, 'prompt') in merged or name != NARRATION
+        if fields['prompt'] and own_prompt and '{instruction}' not in fields['prompt']:
+            problems.append(f'{prefix}{task_param_name(name, "prompt")}: template '
+                            f'{fields["prompt"]!r} has no {{instruction}} placeholder')
+        tasks.append(TaskConfig(name, fields['prompt'], int(fields['tokens']),
+                                int(fields['every_n_frames']), int(fields['priority']),
+                                fields['topic'], bool(fields['drives_actions'])))
+    topics = [t.token_topic for t in tasks]
+    if len(set(topics)) != len(topics):
+        problems.append(f'{prefix}tasks: two tasks publish on one topic: {topics}')
+    driving = [t.name for t in tasks if t.drives_actions]
+    if len(driving) > 1:
+        problems.append(f'{prefix}tasks: at most one task drives the actions, got {driving}')
+    for task in tasks:
+        # The prefix's prompt is the active subtask: without the instruction in its own
+        # prompt the task would decode the next subtask from the last one.
+        if task.drives_actions and '{instruction}' not in task.prompt:
+            problems.append(f'{prefix}{task_param_name(task.name, "drives_actions")}: a task '
+                            'that drives the actions needs a prompt with {instruction} (its '
+                            f'prompt is {task.prompt!r}): the frame\'s prefix holds the '
+                            'subtask, the instruction reaches the task through its template')
+    return tuple(tasks), problems
 
 
 def camera_param_name(camera: str, field: str) -> str:
@@ -433,7 +572,7 @@ def split_param_name(name: str) -> tuple[str, str]:
     """
     robot, _, rest = name.partition('.')
     if rest and _ROBOT_NAME_RE.match(robot) and robot not in ('cameras', 'qos_overrides') and (
-            rest in ROBOT_PARAMS or _CAMERA_PARAM_RE.match(rest)):
+            rest in ROBOT_PARAMS or _CAMERA_PARAM_RE.match(rest) or _TASK_PARAM_RE.match(rest)):
         return robot, rest
     return '', name
 
@@ -446,6 +585,8 @@ def param_spec(name: str) -> ParamSpec | None:
         field = _CAMERA_PARAMS_BY_FIELD.get(match.group(2))
         if field is not None:
             spec = field
+    if spec is None and (match := _TASK_PARAM_RE.match(base)):
+        spec = _TASK_PARAMS_BY_FIELD.get(match.group(2))
     if spec is None:
         return None
     return spec if spec.name == name else dataclasses.replace(spec, name=name)
@@ -573,6 +714,12 @@ class Settings:
     rtc_max_guidance_weight: float = DEFAULT_MAX_GUIDANCE_WEIGHT
     compile: str = 'auto'              # torch.compile: auto, max, on, off
     spec: RobotSpec | None = None      # the robot's spec, resolved from `robot` at check
+    tasks: tuple[TaskConfig, ...] = ()   # language_tasks with their tasks.<name>.* values
+    subtask_max_age_s: float = SUBTASK_MAX_AGE_S   # a driving task's subtask, then stale
+
+    def task(self, name: str) -> TaskConfig | None:
+        """Return the configured task called `name` (None: there is none)."""
+        return next((t for t in self.tasks if t.name == name), None)
 
     @property
     def period_s(self) -> float:
@@ -631,6 +778,8 @@ class Settings:
             cameras.append(CameraConfig(name, fields['topic'] or default_camera_topic(name),
                                         bool(fields['compressed']),
                                         bool(fields['check_camera_info'])))
+        tasks, found = _check_tasks(merged, values, prefix)
+        problems += found
         topics = [c.image_topic for c in cameras]
         if len(set(topics)) != len(topics):
             problems.append(f'{prefix}cameras: two cameras subscribe the same topic: {topics}')
@@ -687,6 +836,7 @@ class Settings:
             rtc_delay=int(merged['rtc_delay']),
             rtc_execution_horizon=int(merged['rtc_execution_horizon']),
             rtc_max_guidance_weight=float(merged['rtc_max_guidance_weight']), spec=spec,
+            tasks=tasks, subtask_max_age_s=float(merged['subtask_max_age_s']),
             compile=merged['compile']), []
 
 

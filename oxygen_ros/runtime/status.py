@@ -301,7 +301,8 @@ def build_statuses(node: str, lifecycle: str, model: dict, loop: dict | None,
     """Build the node's diagnostic statuses.
 
     model: what was loaded (preset/checkpoint/robot/device/...); loop: LoopStats.snapshot();
-    engine: {'k', 'active_requests', 'kv_usage', 'finished': {reason: count}, 'budget'};
+    engine: {'k', 'active_requests', 'kv_usage', 'finished': {reason: count}, 'budget'} and,
+    with a task that drives the actions, 'subtask' (SubtaskLoop.status);
     inputs: InputStatus list; instruction: inputs.Instruction or None.
     """
     statuses = []
@@ -354,13 +355,19 @@ def build_statuses(node: str, lifecycle: str, model: dict, loop: dict | None,
             + [(f'requests_{r}_window', str(n)) for r, n in window.items()]
             + [('completed_per_min', _fmt(loop.get('completed_per_min', 0.0)))]
             + [(f'finished_{r}', str(n)) for r, n in sorted(finished.items())]))
+        if engine.get('subtask') is not None:
+            statuses.append(subtask_status(node, engine['subtask']))
         statuses.append(Status(
             OK if kv['slots_in_use'] < kv['slots_total'] else WARN, f'{node}: kv cache',
             f"{kv['slots_in_use']}/{kv['slots_total']} slots, {_mib(kv['bytes_in_use'])} of "
             f"{_mib(kv['bytes_total'])}", [
                 ('slots_used', str(kv['slots_in_use'])), ('slots_total', str(kv['slots_total'])),
                 ('bytes_used', str(kv['bytes_in_use'])), ('bytes_total', str(kv['bytes_total'])),
-                ('peak_slots', str(kv['peak_slots_in_use']))]))
+                ('peak_slots', str(kv['peak_slots_in_use']))]
+            # generation blocks (one per live request; engine.fleet.kv_usage)
+            + [(name, str(kv[key])) for name, key in (
+                ('blocks_used', 'blocks_in_use'), ('blocks_total', 'blocks_total'),
+                ('block_bytes_used', 'block_bytes_in_use')) if key in kv]))
 
     # 4. inputs
     bad = [s for s in inputs if s.state != 'ok']
@@ -383,3 +390,22 @@ def build_statuses(node: str, lifecycle: str, model: dict, loop: dict | None,
         level, message = OK, 'all inputs fresh'
     statuses.append(Status(level, f'{node}: inputs', message, values))
     return statuses
+
+
+def subtask_status(node: str, subtask: dict) -> Status:
+    """Describe the subtask driving the actions (SubtaskLoop.status); WARN when stale."""
+    keys = ('source', 'frame', 'age_s', 'max_age_s', 'adopted', 'empty')
+    values = [(key, _fmt(subtask[key])) for key in keys if key in subtask]
+    values.insert(1, ('text', subtask.get('text', '')[:200]))
+    why = subtask.get('why', '')
+    if subtask['source'] == 'subtask':
+        age = subtask['age_s']
+        message = (f"{subtask['text'][:200]!r} from frame {subtask['frame']}"
+                   + (f', {age:.2f} s old' if age is not None else ''))
+        return Status(OK, f'{node}: subtask', message, values)
+    if why == 'stale':
+        return Status(WARN, f'{node}: subtask', (
+            f"instruction: the subtask of frame {subtask['frame']} is "
+            f"{subtask['age_s']:.2f} s old (> subtask_max_age_s {subtask['max_age_s']:g})"),
+            values)
+    return Status(OK, f'{node}: subtask', f'instruction: {why}', values)

@@ -145,12 +145,20 @@ class _Replies:
         self.worker.deliver(delta.origin_frame, 'deltas', {
             'request_id': delta.request_id, 'frame_index': delta.origin_frame,
             'text': delta.text, 'token_ids': list(delta.token_ids),
-            'done': delta.done, 'finish_reason': str(delta.finish_reason)})
+            'done': delta.done, 'finish_reason': str(delta.finish_reason),
+            'task': delta.task})
 
     def narration(self, request, stamp_ns: int) -> None:
         self.worker.deliver(request.origin_frame, 'finished', {
             'request_id': request.request_id, 'frame_index': request.origin_frame,
-            'text': request.text, 'finish_reason': str(request.finish_reason)})
+            'text': request.text, 'finish_reason': str(request.finish_reason),
+            'task': request.task})
+
+    def subtask(self, subtask, stamp_ns: int) -> None:
+        """Send nothing more: the client got the subtask as a 'finished' item of its task.
+
+        The frame loop already made it the action prompt of the next frames.
+        """
 
 
 class EngineWorker:
