@@ -24,7 +24,6 @@ from oxygen_ros.engine.fleet import (num_blocks_for, ONE_ROBOT, pool_block_bytes
 from oxygen_ros.engine.hardware import choose_dtype
 from oxygen_ros.engine.prepare import (CompilePlan, prepare_model, runner_options, seal,
                                        sealed, warm_up)
-from oxygen_ros.engine.types import Continuation
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
 from oxygen_ros.model.config import get_preset
@@ -35,6 +34,7 @@ from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, re
                                          steady_batch, time_ticks, TIMED_FRAMES)
 from oxygen_ros.runtime.params import FleetSettings, Settings
 from oxygen_ros.runtime.procfs import meminfo_kb
+from oxygen_ros.runtime.rtc import planner_for
 
 logger = logging.getLogger(__name__)
 
@@ -321,16 +321,14 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
                                       for s in fleet.robots.values()],
                 action_rows(len(fleet.robots)))
 
+    planners = {name: planner_for(s) for name, s in fleet.robots.items()}
     chunks: dict[str, np.ndarray] = {}   # robot -> its last chunk [H, A]
 
     def tick(index: int) -> tuple[float, float, int]:
         # With rtc_mode on, every frame continues the robot's last chunk (guided steps cost
         # about twice a plain denoise), so an auto rate holds with the mode the node runs.
-        continuations = {name: Continuation(chunks[name][1:], 1, s.rtc.mode,
-                                            s.rtc.execution_horizon, s.rtc.schedule,
-                                            s.rtc.max_guidance_weight)
-                         for name, s in fleet.robots.items()
-                         if s.rtc.enabled and name in chunks}
+        continuations = {name: cont for name, rows in chunks.items()
+                         if (cont := planners[name].continue_rows(rows[1:], delay=1))}
         act = system.act({name: random_observation(frontends[s.robot].adapter.spec, index,
                                                    s.seed, image_size=image_size)
                           for name, s in fleet.robots.items()}, continuations)
