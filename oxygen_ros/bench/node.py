@@ -644,7 +644,7 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
     act = np.array(engine.act_s)
     row = {'preset': preset, 'robot': opts.robot, 'device': device, 'dtype': dtype,
            'threads': threads,
-           'n_tokens': opts.tokens or node_parameters(opts.robot).get('tokens_per_request'),
+           'n_tokens': opts.tokens,
            'k': 'adaptive' if opts.k is None else opts.k, 'engine_k': engine.k,
            'rtc_mode': opts.rtc_mode,
            'cameras': f'{opts.camera_width}x{opts.camera_height} {opts.camera_format} '
@@ -732,5 +732,7 @@ def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, 
         rate_hz = node_rate(run.monitor['diagnostics'])
         source = f'the node\'s ({opts.robot}.yaml: {yaml.get("control_rate_hz", 0) or "auto"})'
     say(f'node ran at {rate_hz:.3g} Hz ({source})')
-    row = node_row(opts, engine, run, rate_hz, source, preset, device, dtype, threads)
+    # the N the node ran (the YAML's unless given), as the row's
+    row = node_row(dataclasses.replace(opts, tokens=tokens), engine, run, rate_hz, source,
+                   preset, device, dtype, threads)
     return row, tick_records(run, rate_hz), engine
