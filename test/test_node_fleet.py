@@ -163,12 +163,17 @@ def test_a_robot_whose_cameras_stop_never_delays_the_other(fleet):
     feeder_start = feeder.index
     assert wait_for(lambda: robot_left.stats.ticks_total >= ticks + 20, 60)
     feeder_ticks = feeder.index - feeder_start
-    # Every one of arm_left's ticks in that time came on its grid and acted. A loop that
-    # waited on the stale robot (its 0.3 s timeout against a 0.2 s period) would skip about
-    # every tick; one tick may pass unserved when the whole machine stalls (a CI run beside
-    # another test suite did once), which says nothing about arm_right.
+    # arm_left's ticks in that time came on its grid and acted. A loop that waited on the
+    # stale robot (its 0.3 s timeout against a 0.2 s period) would lose about every other
+    # tick and act at a median latency over the period. A machine that stalls the whole
+    # process (CI beside another suite: 0.7 s once, 4 ticks) loses a few ticks in a row but
+    # leaves the median alone, so the median is the measure and the count only a bound.
     lost = robot_left.skipped_ticks - skipped
-    assert lost <= 1, f'arm_left lost {lost} of 20 ticks while arm_right was stale'
+    assert lost <= 5, f'arm_left lost {lost} of 20 ticks while arm_right was stale'
+    latency_p50_ms = robot_left.stats.snapshot()['latency_p50_ms']
+    assert latency_p50_ms < 1e3 / RATE_HZ / 2, (
+        f'arm_left acted {latency_p50_ms:.0f} ms after its ticks (median) while arm_right '
+        'was stale')
     assert robot_left.stats.actions_total - acted >= robot_left.stats.ticks_total - ticks - 1
     assert feeder_ticks < 20 * 20 / RATE_HZ * 1.5, (
         f'20 ticks of arm_left took {feeder_ticks} ticks of a 20 Hz timer')
