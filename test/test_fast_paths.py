@@ -7,6 +7,7 @@ speed (that is the benchmark's). Graph breaks are counted by tracing only (expla
 
 import logging
 import math
+import time
 import weakref
 
 import numpy as np
@@ -281,6 +282,27 @@ def test_dtype_probe_picks_bf16_only_where_it_is_fast(speedup, expected):
     dtype, why = hardware.choose_dtype(get_preset('pi05-cpu'), 'cpu', probe=probe)
     assert dtype == expected
     assert f'{speedup:.1f}x float32' in why and 'GFLOP/s' in why
+
+
+def test_dtype_probe_times_both_dtypes_in_alternation(monkeypatch):
+    """A stall while one dtype is timed must not decide: each is timed in turn, best of each."""
+    calls, stalled = [], {'left': 3}
+    real_mm = torch.mm
+
+    def mm(a, b):
+        calls.append(a.dtype)
+        if a.dtype == torch.float32 and len(calls) > 2 and stalled['left']:
+            stalled['left'] -= 1       # the first three timed float32 runs hit a stall
+            time.sleep(0.01)
+        return real_mm(a, b)
+    monkeypatch.setattr(torch, 'mm', mm)
+    speedup, fp32, bf16 = hardware.bf16_speedup(get_preset('tiny'), 'cpu', rounds=5)
+    assert speedup == pytest.approx(bf16 / fp32)
+    timed = calls[2:]
+    assert timed[:4] == [torch.float32, torch.bfloat16] * 2   # alternating, not one then other
+    assert timed.count(torch.float32) >= 5 and timed.count(torch.bfloat16) >= 5
+    M, K, N = hardware.probe_shape(get_preset('tiny'))
+    assert 2 * M * K * N / fp32 < 0.005, 'the stalled runs are not the best float32 run'
 
 
 @pytest.mark.parametrize('fast', [True, False])

@@ -123,12 +123,47 @@ def probe_shape(config: Pi05Config) -> tuple[int, int, int]:
             min(backbone.mlp_dim, 4096))
 
 
-def bf16_speedup(config: Pi05Config, device: torch.device | str = 'cpu'
-                 ) -> tuple[float, float, float]:
-    """(bf16 / float32 speed, float32 FLOP/s, bf16 FLOP/s) at the model's matmul shape."""
-    shape = probe_shape(config)
-    fp32 = matmul_flops(torch.float32, shape, device, repeats=5)
-    bf16 = matmul_flops(torch.bfloat16, shape, device, repeats=5)
+def bf16_speedup(config: Pi05Config, device: torch.device | str = 'cpu', rounds: int = 5,
+                 min_total_s: float = 0.02) -> tuple[float, float, float]:
+    """(bf16 / float32 speed, float32 FLOP/s, bf16 FLOP/s) at the model's matmul shape.
+
+    The two dtypes are timed in alternation, best of each, so a stall of the machine hits
+    both, not the one timed during it. On the CPU on one thread: the ratio is the ISA's, and
+    a 2-thread matmul beside a busy core waits ~10 ms per call at OpenMP's barrier for its
+    first dozen calls (measured here), which once made a loaded machine's float32 look 40x
+    slower than bf16.
+    """
+    device = torch.device(device)
+    threads = torch.get_num_threads()
+    if device.type == 'cpu':
+        torch.set_num_threads(1)
+    try:
+        return _bf16_speedup(config, device, rounds, min_total_s)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bf16_speedup(config, device, rounds, min_total_s) -> tuple[float, float, float]:
+    M, K, N = probe_shape(config)
+    gen = torch.Generator().manual_seed(0)
+    a32, b32 = torch.randn(M, K, generator=gen), torch.randn(K, N, generator=gen)
+    pairs = {dtype: (a32.to(device, dtype), b32.to(device, dtype))
+             for dtype in (torch.float32, torch.bfloat16)}
+    best = {dtype: float('inf') for dtype in pairs}
+    total = 0.0
+    for dtype, (a, b) in pairs.items():   # warm-up
+        torch.mm(a, b)
+    for run in range(1000):
+        if run >= rounds and total >= min_total_s:
+            break
+        for dtype, (a, b) in pairs.items():
+            _sync(device)
+            start = time.perf_counter()
+            torch.mm(a, b)
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            best[dtype], total = min(best[dtype], elapsed), total + elapsed
+    fp32, bf16 = (2 * M * K * N / best[d] for d in (torch.float32, torch.bfloat16))
     return bf16 / fp32, fp32, bf16
 
 
@@ -149,8 +184,8 @@ def choose_dtype(config: Pi05Config, device: torch.device | str = 'cpu',
     speedup, fp32, bf16 = (probe or bf16_speedup)(config, device)
     M, K, N = probe_shape(config)
     measured = (f'a {M}x{K}x{N} matmul in bfloat16 ran {speedup:.1f}x float32 '
-                f'({bf16 / 1e9:.0f} vs {fp32 / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} '
-                f'threads; CPU flags: {" ".join(cpu_flags()) or "unknown"})')
+                f'({bf16 / 1e9:.0f} vs {fp32 / 1e9:.0f} GFLOP/s on 1 thread; '
+                f'CPU flags: {" ".join(cpu_flags()) or "unknown"})')
     if speedup >= BF16_MIN_SPEEDUP:
         return torch.bfloat16, measured
     return torch.float32, f'{measured}; bfloat16 needs {BF16_MIN_SPEEDUP}x'
