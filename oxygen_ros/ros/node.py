@@ -14,8 +14,9 @@ Two threads:
   executor        a SingleThreadedExecutor serving I/O only: the instruction subscriptions,
                   lifecycle and parameter services, /diagnostics, the `ask` service (a
                   coroutine awaiting its answer in a callback group of its own), and the wake
-                  timer, whose callback only wakes the control thread. Cameras and joint states are polled
-                  by the control thread (ros/polling.py). No callback runs for long, so the
+                  timer, whose callback only wakes the control thread. Cameras and joint
+                  states are polled by the control thread (ros/polling.py). No callback runs
+                  for long (the ask service's awaits without running), so the
                   executor sleeps in rcl_wait instead of spinning against the model for the GIL
                   (a MultiThreadedExecutor next to a long callback: 2.2x slower inference).
   control thread  'oxy_control' (runtime.control.ControlThread): one FrameLoop.tick per
