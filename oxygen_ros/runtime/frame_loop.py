@@ -239,15 +239,18 @@ class FrameLoop:
 
     def tick(self, now_s: float, *, serve_all: bool = False,
              check_inputs: Callable[[ObservationResult], None] | None = None,
-             language: Callable[[], bool] = lambda: True) -> dict[str, TickOutcome]:
+             language: Callable[[], bool] = lambda: True,
+             frames: bool = True) -> dict[str, TickOutcome]:
         """Serve every robot due at `now_s` (the adapter's clock, seconds); return their outcomes.
 
         serve_all: serve every robot now, whatever its grid (a replay's tick times, a server's
         requests; the language then counts against each robot's own period). check_inputs(
         result) may raise to abort the tick before the engine runs (a replay that must stop
         on bad input); language() is asked before the language half (False: skip it, e.g.
-        the node is being deactivated). Exceptions propagate after the tick is recorded in
-        every due robot's statistics and their grids advanced.
+        the node is being deactivated). frames=False: no observation is built, only live
+        language requests advance (a replay's end: its last frames' requests run to their
+        end). Exceptions propagate after the tick is recorded in every due robot's
+        statistics and their grids advanced.
         """
         robots = list(self.robots.values())
         due = robots if serve_all else [r for r in robots if r.due(now_s, self.gather_s)]
@@ -259,7 +262,7 @@ class FrameLoop:
         outcomes: dict[str, TickOutcome] = {}
         error = None
         try:
-            self._tick(now_s, start, due, serve_all, outcomes, check_inputs, language)
+            self._tick(now_s, start, due, serve_all, outcomes, check_inputs, language, frames)
             return outcomes
         except BaseException as err:
             error = err
@@ -286,14 +289,21 @@ class FrameLoop:
                                  late[robot.name] * 1e3, duration * 1e3, robot.period_s * 1e3)
                 robot.advance(now_s)
 
-    def _tick(self, now_s, start, due, serve_all, outcomes, check_inputs, language) -> None:
+    def _tick(self, now_s, start, due, serve_all, outcomes, check_inputs, language,
+              frames) -> None:
         engine = self.engine
         now_ns = round(now_s * 1e9)
         observations = {}
-        for robot in due:   # questions asked since the last tick: admitted with this frame
+        if not frames:   # language only: no inputs read, no action
+            for robot in due:
+                outcomes[robot.name] = TickOutcome(None, {}, now_ns)
+            building = []
+        else:
+            building = due
+        for robot in building:   # questions asked since the last tick: this frame's
             if robot.questions is not None:
                 robot.questions.hand_over(engine.scheduler(robot.name))
-        for robot in due:   # 1. build
+        for robot in building:   # 1. build
             built = robot.last_inputs = robot.inputs.build(now_s)
             if check_inputs is not None:
                 check_inputs(built)
@@ -330,7 +340,7 @@ class FrameLoop:
             for name, err in act.failed.items():
                 self._report_failure(self.robots[name], outcomes[name], err)
                 outcomes[name].stamp_ns = now_ns
-        for robot in due:
+        for robot in building:
             if robot.problems is not None:
                 report_inputs(robot.problems, outcomes[robot.name].problems, robot.last_inputs)
         names = [r.name for r in due]
