@@ -8,6 +8,8 @@ hold the wake timer, no tick would come and no answer either). A node that is no
 empty question, a megabyte and an unknown robot get a reason, and the node goes on.
 """
 
+import time
+
 import pytest
 
 rclpy = pytest.importorskip('rclpy')
@@ -17,7 +19,7 @@ from rclpy.node import Node  # noqa: E402
 
 from oxygen_ros.runtime.params import ASK_PROMPT  # noqa: E402
 from oxygen_ros.srv import Ask  # noqa: E402
-from ros_helpers import NodeHarness, Spinner, wait_for  # noqa: E402
+from ros_helpers import NodeHarness, sent_ns, Spinner, wait_for  # noqa: E402
 
 PARAMS = dict(preset='tiny', decode_budget=1, tokens_per_request=3, control_rate_hz=10.0,
               stale_frame_timeout_s=2.0, ask_tokens=4, max_instruction_chars=300)
@@ -60,11 +62,15 @@ def test_ask_is_answered_while_the_action_timer_keeps_its_ticks(node):
     h.start()
     assert wait_for(lambda: len(h.collector.actions) >= 2, TIMEOUT_S), h.node.problem_history
     with h.collector.lock:
-        before = len(h.collector.actions)
         last_frame = h.collector.actions[-1][0].frame_index
     reply = call(client, QUESTION)
+    replied_ns = time.time_ns()
+    # Every chunk sent before the reply has arrived once one sent after it has (reliable,
+    # in order); the DDS source timestamps say which were sent while the question waited.
+    assert wait_for(lambda: sent_ns(h.collector.actions[-1]) > replied_ns, TIMEOUT_S)
     with h.collector.lock:
-        during = [msg.frame_index for msg, _, _ in h.collector.actions[before:]]
+        during = [item[0].frame_index for item in h.collector.actions
+                  if item[0].frame_index > last_frame and sent_ns(item) <= replied_ns]
     assert reply.ok, reply.reason
     assert reply.answer and reply.finish_reason in ('eos', 'length')
     assert 1 <= reply.tokens <= 4
