@@ -39,6 +39,8 @@ from ..runtime.params import ASK_PROMPT, NODE_NAME
 from ..runtime.procfs import status_kb
 
 SUBTASK_PROMPT = 'Subtask of {instruction}:'
+QUESTIONS = ('what is in the gripper?', 'where is the black bowl?', 'is the plate empty?',
+             'what should the robot do next?')   # asked in turn (node and engine halves)
 RATE_TARGET = 1.05          # action rate and obs-to-action time within this of narration's
 MEMORY_TARGET = 1.2         # resident memory <= this x action-only's
 ASK_PERIODS_TARGET = 3.0    # a question answered within this many frame periods
@@ -81,7 +83,7 @@ def run_overrides(run: str, opts: TasksBenchOptions) -> dict:
 
 def asker_command(out: Path, period_s: float) -> list[str]:
     return [sys.executable, '-m', 'oxygen_ros.ros.asker', '--out', str(out),
-            '--period', f'{period_s:g}']
+            '--period', f'{period_s:g}', '--questions', *QUESTIONS]
 
 
 def run_node_once(node: NodeBenchOptions, opts: TasksBenchOptions, run: str, log_dir: Path,
@@ -100,12 +102,12 @@ def run_node_once(node: NodeBenchOptions, opts: TasksBenchOptions, run: str, log
         children.append(node_proc)
         _wait_event(events, 'lifecycle', node.start_timeout_s, children, state='active')
         children.append(Child('robot', robot_command(node), env, log_dir / 'robot.log'))
-        first = _wait_event(events, 'first_action', node.start_timeout_s, children)
         asker = None
-        if run == 'tasks':
+        if run == 'tasks':   # asks from its start; only questions of the window count
             asker = Child('asker', asker_command(asks, opts.ask_period_s), env,
                           log_dir / 'asker.log')
             children.append(asker)
+        first = _wait_event(events, 'first_action', node.start_timeout_s, children)
         t0 = first['t'] + opts.warmup_s
         say(f'  {run}: first action chunk; recording {opts.warmup_s + opts.duration_s:g} s')
         _sleep_until(t0 + opts.duration_s, children)
@@ -181,7 +183,7 @@ def _engine_run(model, frontend, tasks, opts: TasksBenchOptions, robot: str, *,
                 share_prefix: bool = True) -> tuple[dict, list[float]]:
     """Run the frames; return ({(task, frame): token ids}, frame seconds)."""
     from ..engine import FixedBudget, make_engine, synthetic_frame
-    from ..runtime.questions import ASK, SAMPLE_QUESTIONS as QUESTIONS
+    from ..runtime.questions import ASK
 
     tasks = tuple(tasks)
     # Room for every request (forced template tokens lengthen them past the default sizing).

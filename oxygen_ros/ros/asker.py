@@ -1,9 +1,9 @@
 """Asks a running oxygen_node a question every period and records the replies (the bench).
 
-    python -m oxygen_ros.ros.asker --period 2 --out asks.json
+    python -m oxygen_ros.ros.asker --period 2 --out asks.json [--questions Q ...]
 
-Calls the node's `ask` service (oxygen_ros/srv/Ask) every --period seconds, whatever the
-replies pending, and writes, on Ctrl-C / SIGTERM, one JSON file:
+Calls the node's `ask` service (oxygen_ros/srv/Ask) every --period seconds with the next of
+--questions, whatever the replies pending, and writes, on Ctrl-C / SIGTERM, one JSON file:
 
     asks    one record per question: `sent` and `replied` (time.monotonic() seconds; replied
             None when no reply came), and the reply's `ok`, `reason`, `frame`, `wait_s`
@@ -24,7 +24,6 @@ from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 
 from oxygen_ros.ros.monitor import write_json
-from oxygen_ros.runtime.questions import SAMPLE_QUESTIONS
 from oxygen_ros.srv import Ask
 
 try:
@@ -36,12 +35,12 @@ except ImportError:   # pragma: no cover - older rclpy raise KeyboardInterrupt o
 class Asker(Node):
     """Asks a question every `period_s` and keeps every reply."""
 
-    def __init__(self, period_s: float, service: str = 'ask'):
+    def __init__(self, period_s: float, questions: list[str], service: str = 'ask'):
         super().__init__('oxygen_bench_asker')
         self.client = self.create_client(Ask, service)
         self.lock = threading.Lock()
         self.asks: list[dict] = []
-        self._questions = itertools.cycle(SAMPLE_QUESTIONS)
+        self._questions = itertools.cycle(questions)
         self.timer = self.create_timer(period_s, self._ask)
 
     def _ask(self) -> None:
@@ -67,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split('\n\n')[0])
     parser.add_argument('--period', type=float, default=2.0, help='seconds between questions')
     parser.add_argument('--out', required=True, help='JSON file to write')
+    parser.add_argument('--questions', nargs='+', default=['what is in the gripper?'],
+                        help='asked in turn')
     args, ros_args = parser.parse_known_args(argv)
     rclpy.init(args=ros_args)
-    asker = Asker(args.period)
+    asker = Asker(args.period, args.questions)
     executor = SingleThreadedExecutor()
     executor.add_node(asker)
     try:

@@ -36,9 +36,6 @@ ASK_TOPIC = 'language/ask/tokens'  # LanguageChunks of the answers' tokens
 MAX_OPEN_QUESTIONS = 4             # waiting or being answered at once, per robot
 ADMIT_TIMEOUT_S = 5.0              # a question no frame took by then is answered with why
 FRAMES_KEPT = 1024                 # frame stamps kept to date an answer by its frame
-# Questions the benchmark asks (bench/tasks.py, ros/asker.py).
-SAMPLE_QUESTIONS = ('what is in the gripper?', 'where is the black bowl?',
-                    'is the plate empty?', 'what should the robot do next?')
 
 
 @dataclasses.dataclass(frozen=True)
