@@ -78,6 +78,8 @@ def test_each_run_is_the_shipped_yaml_with_valid_overrides():
                 values[name] = yaml.safe_load(text)
         settings = Settings.from_values(values)
         assert not any('control_rate_hz' in arg for arg in cmd)   # the YAML's: auto
+        pinned = yaml_node_command(NodeBenchOptions(), run_overrides(run, opts, 5.5))
+        assert 'control_rate_hz:=5.500000' in pinned   # the narration run's, for the others
         if run == 'tasks':
             assert [t.name for t in settings.tasks] == ['narration', 'subtask']
             subtask = settings.task('subtask')

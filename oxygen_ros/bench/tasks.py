@@ -5,10 +5,14 @@ Two halves, reported and checked together:
   node     oxygen_node as its own process with config/<robot>.yaml as shipped (auto rate, the
            adaptive budget), a stand-in robot sending raw frames and a monitor (the node
            part's processes), three runs of `duration_s` each:
-             action-only  request_every_n_frames 0, ask_tokens 0: no language (memory base)
-             narration    the YAML as it is: narration N = 10 every frame
+             narration    the YAML as it is: narration N = 10 every frame, the node's auto
+                          rate (90% of what it timed at configure)
              tasks        + a subtask task (N = 16 every 5 frames) + one question every
-                          `ask_period_s` (an asker process calling the `ask` service)
+                          `ask_period_s` (an asker process calling the `ask` service), asked
+                          the rate the narration run resolved (like with like: a second
+                          auto timing would differ by the machine's noise)
+             action-only  request_every_n_frames 0, ask_tokens 0: no language (memory
+                          base), at that rate too
            Figures: the rate held and the chunk's observation-to-action time (its
            inference_time) against the narration run, the node's resident memory at the end of
            the window against action-only, each question's wait in frame periods and the
@@ -68,13 +72,18 @@ class TasksBenchOptions:
                                        engine_ask_every=3), **changes)
 
 
-def run_overrides(run: str, opts: TasksBenchOptions) -> dict:
-    """Node parameters of one run on top of the shipped YAML (ROS -p values)."""
+def run_overrides(run: str, opts: TasksBenchOptions, rate_hz: float | None = None) -> dict:
+    """Node parameters of one run on top of the shipped YAML (ROS -p values).
+
+    rate_hz: the control rate asked (None: the YAML's, auto).
+    """
+    # A decimal point: '-p control_rate_hz:=7' would reach the node as an integer.
+    rate = {} if rate_hz is None else {'control_rate_hz': f'{rate_hz:.6f}'}
     if run == 'action-only':
-        return {'request_every_n_frames': 0, 'ask_tokens': 0}
+        return {'request_every_n_frames': 0, 'ask_tokens': 0, **rate}
     if run == 'narration':
-        return {}
-    return {'language_tasks': '[narration, subtask]',
+        return rate
+    return {**rate, 'language_tasks': '[narration, subtask]',
             'tasks.subtask.prompt': f"'{SUBTASK_PROMPT}'",
             'tasks.subtask.tokens': opts.subtask_tokens,
             'tasks.subtask.every_n_frames': opts.subtask_every,
@@ -87,7 +96,7 @@ def asker_command(out: Path, period_s: float) -> list[str]:
 
 
 def run_node_once(node: NodeBenchOptions, opts: TasksBenchOptions, run: str, log_dir: Path,
-                  say=lambda line: None) -> dict:
+                  rate_hz: float | None = None, say=lambda line: None) -> dict:
     """One node run: monitor, node, robot (and the asker); return the monitor's JSON + more."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = child_environment()
@@ -97,8 +106,8 @@ def run_node_once(node: NodeBenchOptions, opts: TasksBenchOptions, run: str, log
     try:
         monitor = Child('monitor', monitor_command(out), env, log_dir / 'monitor.log', events)
         children.append(monitor)
-        node_proc = Child(NODE_NAME, yaml_node_command(node, run_overrides(run, opts)), env,
-                          log_dir / 'oxygen_node.log')
+        command = yaml_node_command(node, run_overrides(run, opts, rate_hz))
+        node_proc = Child(NODE_NAME, command, env, log_dir / 'oxygen_node.log')
         children.append(node_proc)
         _wait_event(events, 'lifecycle', node.start_timeout_s, children, state='active')
         children.append(Child('robot', robot_command(node), env, log_dir / 'robot.log'))
@@ -153,7 +162,8 @@ def node_figures(data: dict) -> dict:
         'rss_mb': data['rss_mb'],
         'questions': len(asks),
         'answered': len(answered),
-        'no_answer': sorted({a.get('reason') or 'no reply' for a in asks if not a.get('ok')}),
+        'no_answer': sorted({a.get('reason') or 'no reply by the end of the run'
+                             for a in asks if not a.get('ok')}),
         'ask_periods_p50': statistics.median(periods) if periods else math.nan,
         'ask_periods_max': max(periods) if periods else math.nan,
         'ask_wait_ms_p50': (1e3 * statistics.median(a['wait_s'] for a in answered)
@@ -245,10 +255,11 @@ def run_tasks_part(node: NodeBenchOptions, opts: TasksBenchOptions, log_dir: Pat
     """
     say(f'tasks part: oxygen_node with config/{node.robot}.yaml as it is, then narration + '
         f'subtask + a question every {opts.ask_period_s:g} s')
-    rows = []
-    for run in ('action-only', 'narration', 'tasks'):
-        data = run_node_once(node, opts, run, log_dir / run, say)
+    rows, rate_hz = [], None
+    for run in ('narration', 'tasks', 'action-only'):
+        data = run_node_once(node, opts, run, log_dir / run, rate_hz, say)
         rows.append({'run': run, 'robot': node.robot, **node_figures(data)})
+        rate_hz = rows[0]['rate_asked_hz']   # the narration run's auto rate, for the others
         row = rows[-1]
         say(f'  {run}: held {row["rate_held_hz"]:.3g} Hz (asked {row["rate_asked_hz"]:.3g}), '
             f'obs->action p50 {row["obs_to_action_ms_p50"]:.1f} ms, RSS {row["rss_mb"]:.0f} '
