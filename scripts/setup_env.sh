@@ -7,7 +7,8 @@
 #      keyed on both files' hash matches)
 #   3. rewrite the ROS wheels' CMake export files, which hard-code the wheel builder's
 #      /opt/python/cp311-cp311 include dirs, to this venv's Python and numpy include dirs
-#   4. build msg/*.msg with cmake and install into the venv itself, with launch/ and config/
+#   4. build msg/*.msg and srv/*.srv with cmake and install into the venv itself, with launch/
+#      and config/
 #      (skipped while a stamp keyed on the inputs matches)
 #   5. write .venv/.../site-packages/oxygen_ros_dev.pth (source tree + generated messages) and
 #      the commands .venv/bin/oxygen_node and .venv/bin/oxygen-ros (rewritten only on change)
@@ -108,9 +109,9 @@ fi
 # 4. messages: cmake configure + build + install into the venv prefix
 msg_stamp="$venv/.oxygen_ros_msgs.sha256"
 # launch/ and config/ too: the install copies them into share/ (what `ros2 launch` reads)
-msg_hash="$(hash_files CMakeLists.txt package.xml msg/*.msg scripts/setup_env.sh \
+msg_hash="$(hash_files CMakeLists.txt package.xml msg/*.msg srv/*.srv scripts/setup_env.sh \
   requirements.txt $(find launch config -type f | LC_ALL=C sort))"
-generated_msg_init="$venv/$msgs_python_subdir/oxygen_ros/msg/__init__.py"
+generated_msg_init="$venv/$msgs_python_subdir/oxygen_ros/srv/__init__.py"
 if [[ "$(cat "$msg_stamp" 2>/dev/null)" != "$msg_hash" || ! -f "$generated_msg_init" ]]; then
   generator=()
   if command -v ninja >/dev/null; then generator=(-G Ninja); fi
@@ -178,7 +179,8 @@ from ament_index_python.packages import get_package_share_directory
 import oxygen_ros
 import oxygen_ros.msg
 from oxygen_ros.msg import ActionChunk, LanguageChunk
-ActionChunk(), LanguageChunk()
+from oxygen_ros.srv import Ask
+ActionChunk(), LanguageChunk(), Ask.Request(), Ask.Response()
 print("[setup_env] ok: oxygen_ros %s from %s; messages from %s; share %s" % (
     oxygen_ros.__version__, oxygen_ros.__path__[0], oxygen_ros.msg.__path__[0],
     get_package_share_directory("oxygen_ros")))

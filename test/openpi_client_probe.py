@@ -1,10 +1,11 @@
 """Drive a server with openpi's own client (openpi-client, unmodified); print what came back.
 
 Runs in .venv-openpi-client (numpy<2, openpi-client pinned), not in the project's venv:
-    python openpi_client_probe.py PORT ROBOT REQUESTS [API_KEY]
-Observations are built as openpi's example clients build them for each robot. Prints one JSON
-object: the metadata, every response's keys, action shapes/dtypes and language, and the text
-of the error a malformed observation raises.
+    python openpi_client_probe.py PORT ROBOT REQUESTS [API_KEY [QUESTION]]
+Observations are built as openpi's example clients build them for each robot; with QUESTION,
+the first one carries it under 'question'. Prints one JSON object: the metadata, every
+response's keys, action shapes/dtypes, language, question and answers, and the text of the
+error a malformed observation raises.
 """
 
 import json
@@ -39,18 +40,23 @@ def observation(robot, i):
 def main():
     port, robot, requests = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     api_key = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
+    question = sys.argv[5] if len(sys.argv) > 5 else None
     client = websocket_client_policy.WebsocketClientPolicy(host='127.0.0.1', port=port,
                                                            api_key=api_key)
     out = {'metadata': client.get_server_metadata(), 'responses': []}
     for i in range(requests):
-        result = client.infer(observation(robot, i))
+        obs = observation(robot, i)
+        if question is not None and i == 0:
+            obs['question'] = question
+        result = client.infer(obs)
         actions = result['actions']
         out['responses'].append({
             'keys': sorted(result), 'shape': list(actions.shape), 'dtype': str(actions.dtype),
             'finite': bool(np.all(np.isfinite(actions))),
             'frame_index': int(result['frame_index']),
             'server_timing': sorted(result['server_timing']),
-            'language': result['language']})
+            'language': result['language'], 'question': result.get('question'),
+            'answers': result.get('answers', [])})
     bad = observation(robot, 0)
     bad.pop('prompt')
     try:

@@ -157,3 +157,29 @@ def test_unknown_robot_replays_with_a_robot_yaml(tmp_path, unknown_robot, caplog
     assert 'no --robot' not in caplog.text
     chunks = [m for _, m in read_bag(out)[0]['/actions']]
     assert len(chunks) == UNKNOWN_LENGTHS[1] and chunks[0].names[0] == 'r_shoulder_pitch'
+
+
+def test_replay_records_every_language_task_on_its_topic(tmp_path, dataset):
+    """The dataset replay runs the node's sink: each task's LanguageChunks on its own topic."""
+    config = tmp_path / 'tasks.yaml'
+    config.write_text('''
+oxygen_node:
+  ros__parameters:
+    language_tasks: [narration, subtask]
+    kv_capacity: 12
+    tasks:
+      subtask: {prompt: 'Subtask of {instruction}:', tokens: 3, every_n_frames: 2,
+                priority: 1}
+''')
+    out = tmp_path / 'out'
+    assert replay(dataset, out, '--config', str(config)) == 0
+    messages, _ = read_bag(out)
+    narration = [m for _, m in messages['/language/tokens']]
+    subtask = [m for _, m in messages['/language/subtask/tokens']]
+    assert narration and subtask
+    # every subtask request (one every 2 frames) streamed to its end, and every narration
+    frames = {m.origin_frame for m in subtask}
+    done = {m.origin_frame for m in subtask if m.done and m.finish_reason == 'length'}
+    assert frames == done == set(range(0, sum(LENGTHS), 2))
+    done = {m.origin_frame for m in narration if m.done and m.finish_reason == 'length'}
+    assert done == set(range(sum(LENGTHS)))

@@ -6,6 +6,8 @@ per frame; the two-part decode equals the one-slot layout. On the fake runner: p
 under overload (the lower yields, admitted requests finish) and the KV accounting.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -225,9 +227,14 @@ def test_default_is_narration_alone_with_the_legacy_parameters():
     assert (task.name, task.tokens, task.every_n_frames, task.prompt) == (
         'narration', 7, 2, 'Describe:')                 # no placeholder needed: legacy meaning
     assert task.token_topic == 'language/tokens'
-    (built,) = tasks_for(settings, eos_id=1)
+    # questions are one more task, on demand (runtime/questions.py); ask_tokens 0: none
+    built, ask = tasks_for(settings, eos_id=1)
     assert built.policy == LanguagePolicy(max_new_tokens=7, every_n_frames=2, eos_id=1,
                                           prompt_template='Describe:')
+    assert (ask.name, ask.on_demand, ask.policy.max_new_tokens) == ('ask', True, 10)
+    assert ask.policy.requests_per_frame() == 0
+    (built,) = tasks_for(dataclasses.replace(settings, ask_tokens=0), eos_id=1)
+    assert built.name == 'narration'
 
 
 def test_tasks_from_a_parameter_yaml(tmp_path):
@@ -251,7 +258,8 @@ oxygen_node:
         'language/tokens', 'language/subtask/tokens', '/scene_text']
     tasks = tasks_for(settings, eos_id=1)
     assert [(t.priority, t.policy.max_new_tokens, t.policy.every_n_frames) for t in tasks] == [
-        (0, 10, 1), (2, 16, 5), (-1, 10, 1)]
+        (0, 10, 1), (2, 16, 5), (-1, 10, 1), (10, 10, 0)]   # the last: questions, on demand
+    assert [t.on_demand for t in tasks] == [False, False, False, True]
 
 
 @pytest.mark.parametrize('values, reason', [

@@ -92,9 +92,9 @@ def libero_request(i=0, **changes):
 
 
 # ---- openpi's own client ------------------------------------------------------------------------
-def run_probe(client_python, port, robot, requests, api_key=''):
+def run_probe(client_python, port, robot, requests, api_key='', *question):
     return subprocess.run([str(client_python), str(PROBE), str(port), robot, str(requests),
-                           api_key], capture_output=True, text=True, timeout=300)
+                           api_key, *question], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize('robot', ['libero', 'droid', 'aloha'])
@@ -118,6 +118,45 @@ def test_unmodified_openpi_client_gets_actions(robot, client_python):
     assert texts and all(d['frame_index'] < requests for d in texts)
     assert out['error'] is not None and 'prompt' in out['error']
     assert out['after_error_shape'] == [horizon, ROBOT_DIMS[robot]]
+
+
+def test_unmodified_openpi_client_asks_a_question(client_python):
+    engine = build_engine(Settings.from_values({
+        **robot_defaults('libero'), **ENGINE, 'decode_budget': 4, 'ask_tokens': 3}),
+        warmup=False)
+    with PolicyServer(engine.system, ServerConfig(robot='libero', host='127.0.0.1', port=0),
+                      engine.description) as server:
+        run = run_probe(client_python, server.port, 'libero', 14, '', 'is the bowl red?')
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    first, *later = out['responses']
+    assert first['question'] == {'id': 1, 'ok': True, 'reason': ''}
+    assert all(r['question'] is None for r in later)
+    # Its answer rides on a later response, decoded from the first frame's prefix.
+    answers = [a for r in later for a in r['answers']]
+    assert len(answers) == 1, [r['keys'] for r in later]
+    (answer,) = answers
+    assert answer['id'] == 1 and answer['ok'] and answer['answer'], answer
+    assert answer['question'] == 'is the bowl red?'
+    assert answer['frame_index'] == first['frame_index'] and answer['stamp'] > 0
+    assert answer['finish_reason'] in ('eos', 'length') and 1 <= answer['tokens'] <= 3
+    # Responses without an answer to carry have openpi's keys and language only.
+    assert all('answers' not in r['keys'] for r in later if not r['answers'])
+
+
+def test_bad_questions_get_a_reason_and_the_actions_come(libero_server):
+    with connect(libero_server) as ws:
+        ws.send(packb(libero_request(question='  ')))
+        reply = unpackb(ws.recv(timeout=60))
+        assert reply['actions'].shape[1] == 7
+        assert not reply['question']['ok'] and 'empty' in reply['question']['reason']
+        ws.send(packb(libero_request(question=12)))
+        assert ws.recv(timeout=60) == 'bad request: question: expected a string, got int'
+        ws.send(packb(libero_request(question='x' * 1000)))
+        reply = unpackb(ws.recv(timeout=60))
+        assert 'characters' in reply['question']['reason']
+        ws.send(packb(libero_request()))
+        assert 'question' not in unpackb(ws.recv(timeout=60))
 
 
 def test_unmodified_openpi_client_works_with_rtc_on(client_python):

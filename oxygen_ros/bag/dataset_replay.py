@@ -25,7 +25,7 @@ import numpy as np
 from oxygen_ros.bag.config import ReplayParams
 from oxygen_ros.bag.errors import BagError
 from oxygen_ros.bag.replay import (_BagOutputs, _progress_bar, build_engine, check_new_output,
-                                   recorded_run, ReplaySummary, StopOnRequest)
+                                   MAX_DRAIN_TICKS, recorded_run, ReplaySummary, StopOnRequest)
 from oxygen_ros.bag.typestore import make_typestore
 from oxygen_ros.bag.writer import OutputBag
 from oxygen_ros.dataset import ActionErrors, chunk_error, DatasetError, LeRobotDataset
@@ -197,6 +197,16 @@ class DatasetReplay(StopOnRequest):
                 out.write(ERROR_TOPIC, FLOAT_ARRAY, tick_ns, self._error_msg(l1, mse))
                 progress.update(1)
             start_s += recorded.shape[0] / dataset.fps + EPISODE_GAP_S
+        # The last frames' language requests run to their end, every task's (nothing lost),
+        # on ticks without a frame after the last episode.
+        while self.system.num_live_requests:
+            if summary.drain_ticks >= MAX_DRAIN_TICKS:
+                raise BagError(f'language requests still running {MAX_DRAIN_TICKS} ticks '
+                               'after the last frame')
+            now_s = start_s + summary.drain_ticks / dataset.fps
+            sink.tick_ns = round(now_s * 1e9)
+            loop.tick(now_s, serve_all=True, frames=False)
+            summary.drain_ticks += 1
 
     def _error_msg(self, l1: np.ndarray, mse: np.ndarray):
         types = self.store.types

@@ -46,6 +46,7 @@ CAMERA_TYPES = (IMAGE, COMPRESSED_IMAGE)
 COPY_MODES = ('inputs', 'all', 'none')
 DEFAULT_MAX_TICKS = 5_000_000            # ~5.8 days at 10 Hz; idle gaps do not count
 MAX_SKIP_REASONS = 20                    # distinct skip reasons kept in the summary
+MAX_DRAIN_TICKS = 100_000                # after the last frame; a request ends far sooner
 DIAGNOSTICS_TOPIC = '/diagnostics'
 
 
@@ -142,6 +143,7 @@ class ReplaySummary:
     frames: int = 0                      # engine frames (one action chunk each)
     skipped_ticks: int = 0               # ticks without an observation (as the node skips)
     idle_ticks: int = 0                  # ticks jumped over in idle gaps (nothing to do)
+    drain_ticks: int = 0                 # ticks after the last frame finishing its requests
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)   # reason -> ticks
     actions: int = 0
     tokens: int = 0
@@ -169,7 +171,9 @@ class ReplaySummary:
             f'replay {self.status}: {self.bag} -> {self.out}',
             f'  frames {self.frames} of {self.ticks} ticks'
             + (f' ({self.skipped_ticks} skipped: {reasons})' if self.skipped_ticks else '')
-            + (f'; {self.idle_ticks} idle ticks jumped over' if self.idle_ticks else ''),
+            + (f'; {self.idle_ticks} idle ticks jumped over' if self.idle_ticks else '')
+            + (f'; then {self.drain_ticks} ticks finishing the last requests'
+               if self.drain_ticks else ''),
             f'  action chunks {self.actions}; tokens {self.tokens} in {self.token_messages} '
             f'messages; narrations {self.narrations}'
             + (f'; subtask changes {self.subtasks}' if self.subtasks else '')
@@ -425,6 +429,15 @@ class Replay(StopOnRequest):
                 out.write_raw(conn.topic, conn.msgtype, time_ns, raw, msgdef, digest, qos)
                 summary.copied_messages += 1
         run_ticks_before(math.inf)
+        # The last frames' language requests run to their end, every task's (nothing lost),
+        # on ticks without a frame after the bag's end.
+        while self.system.num_live_requests:
+            if summary.drain_ticks >= MAX_DRAIN_TICKS:
+                raise BagError(f'language requests still running {MAX_DRAIN_TICKS} ticks '
+                               'after the bag ended')
+            tick_ns = start_ns + round((n_ticks + summary.drain_ticks) * p.period_ns)
+            self._tick(tick_ns, builder, loop, sink, out, diag, frames=False)
+            summary.drain_ticks += 1
 
     def _pace(self, bag_offset_ns: int, wall_start: float) -> None:
         """Sleep until the wall clock reaches the tick's bag time (scaled by the speed)."""
@@ -435,8 +448,12 @@ class Replay(StopOnRequest):
             time.sleep(delay)
 
     def _tick(self, tick_ns: int, builder: ObservationBuilder, loop: FrameLoop,
-              sink: _BagOutputs, out: OutputBag, diag: _Diagnostics) -> None:
-        """One control tick: the node's frame loop, outputs written at the tick's time."""
+              sink: _BagOutputs, out: OutputBag, diag: _Diagnostics, frames: bool = True
+              ) -> None:
+        """One control tick: the node's frame loop, outputs written at the tick's time.
+
+        frames=False: no observation, only live language requests advance (the drain).
+        """
         p, summary = self.params, self.summary
 
         def check_inputs(built: inputs.ObservationResult) -> None:
@@ -448,14 +465,14 @@ class Replay(StopOnRequest):
 
         diag.now_s = tick_ns * 1e-9
         sink.tick_ns = tick_ns
-        (outcome,) = loop.tick(tick_ns * 1e-9, serve_all=True,
-                               check_inputs=check_inputs).values()
+        (outcome,) = loop.tick(tick_ns * 1e-9, serve_all=True, check_inputs=check_inputs,
+                               frames=frames).values()
         if outcome.error:   # not the input's fault: the replay stops, as the engine failed
             raise BagError(f'engine error at bag time {tick_ns * 1e-9:.3f} s: {outcome.error}')
         if outcome.rejected and p.on_bad_input == 'error':
             raise BagError(f'observation at bag time {tick_ns * 1e-9:.3f} s rejected by the '
                            f'engine: {outcome.rejected.removeprefix("observation rejected: ")}')
-        if outcome.action is None:
+        if outcome.action is None and frames:
             summary.skipped_ticks += 1
             for why in outcome.problems.values():
                 why = _reason_kind(why)

@@ -11,6 +11,7 @@ robots.py    part 'robots': R robots, one FleetEngine vs R engines (worker proce
 node.py      part 'node': oxygen_node as a process (with a stand-in robot and a monitor)
              next to the engine alone; started as processes, so no ROS import here
 overload.py  part 'overload': the node with the shipped YAML, then asked twice its rate
+tasks.py     part 'tasks': narration, a subtask and questions at once (node and engine)
 serve.py     part 'serve': the policy server's per-request overhead
 rtc.py       part 'rtc': real-time chunking off / guided / prefix on one episode
 smooth_policy.py  the rtc part's default policy: a flow-matching fine-tune with smooth chunks

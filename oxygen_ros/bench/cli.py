@@ -19,6 +19,7 @@ examples:
   oxygen-ros bench --preset pi05 --device cuda --dtype bfloat16 --parts nk memory
   oxygen-ros bench --parts node                 # oxygen_node process vs the engine (~2 min)
   oxygen-ros bench --parts overload             # shipped YAML, then 2x overload: narration
+  oxygen-ros bench --parts tasks                # narration + subtask + questions at once
   oxygen-ros bench --parts robots               # R = 1 2 4 8 robots: one engine vs R engines
   oxygen-ros bench --quick --parts robots       # the same in miniature (tiny preset, R = 1 2)
   oxygen-ros bench --parts rtc                  # real-time chunking off / guided / prefix
@@ -179,6 +180,14 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                           help='asked rate of the second run / what the node holds (default 2)')
     overload.add_argument('--overload-duration', type=float, default=None,
                           help='measured seconds of each run (default 60; quick 10)')
+    tasks = bench.add_argument_group(
+        'tasks part', 'oxygen_node with config/<--node-robot>.yaml as shipped: action-only, '
+        'narration, then narration + a subtask + a question every --tasks-ask-period s; the '
+        'three tasks in the engine against each alone')
+    tasks.add_argument('--tasks-duration', type=float, default=None,
+                       help='measured seconds of each node run (default 60; quick 8)')
+    tasks.add_argument('--tasks-ask-period', type=float, default=None,
+                       help='seconds between questions (default 2)')
     bench.set_defaults(func=run_bench_command)
     return bench
 
@@ -249,6 +258,7 @@ def options_from_args(args: argparse.Namespace):
             raise SystemExit(f'--rtc-robot: {err}') from None
     changes['rtc'] = dataclasses.replace(base.rtc, **rtc_changes)
     changes['overload'] = overload_options_from_args(args)
+    changes['tasks'] = tasks_options_from_args(args)
     if args.robots_config:
         from .fleet_timing import FleetTimingOptions, node_values
 
@@ -319,6 +329,19 @@ def overload_options_from_args(args: argparse.Namespace):
                if value is not None}
     if changes.get('factor', 1.0) <= 0 or changes.get('duration_s', 1.0) <= 0:
         raise SystemExit('--overload-factor and --overload-duration must be > 0')
+    return dataclasses.replace(base, **changes)
+
+
+def tasks_options_from_args(args: argparse.Namespace):
+    """Build the TasksBenchOptions of the tasks part's flags."""
+    from .tasks import TasksBenchOptions
+
+    base = TasksBenchOptions.quick() if args.quick else TasksBenchOptions()
+    changes = {name: value for name, value in (('duration_s', args.tasks_duration),
+                                               ('ask_period_s', args.tasks_ask_period))
+               if value is not None}
+    if any(value <= 0 for value in changes.values()):
+        raise SystemExit('--tasks-duration and --tasks-ask-period must be > 0')
     return dataclasses.replace(base, **changes)
 
 

@@ -27,10 +27,12 @@ PARTS = ('floors',) + SWEEPS + ('memory',)   # the default ('all'): runs anywher
 # (oxygen_node, a stand-in robot and a monitor as processes: it needs the ROS install and the
 # built messages), 'serve' (`oxygen-ros serve` over the engine, a client on localhost),
 # 'overload' (the node with the shipped YAML, then asked 2x what it holds: narration figures),
+# 'tasks' (the node with narration, a subtask and questions at once, against narration alone
+# and action-only; each task's tokens against the task alone in the engine),
 # 'rtc' (real-time chunking off / guided / prefix on the same synthetic episode) and 'build'
 # (peak RSS of building / loading a model of --build-preset, pi05 by default: 7 GB of memory
 # and a 7 GB checkpoint written to a temporary folder, minutes) run only when asked for.
-ALL_PARTS = PARTS + ('robots', 'node', 'serve', 'overload', 'rtc', 'build')
+ALL_PARTS = PARTS + ('robots', 'node', 'serve', 'overload', 'tasks', 'rtc', 'build')
 ROBOT_COUNTS = (1, 2, 4, 8)
 PAPER_NS = (5, 10, 15, 20, 30)
 PAPER_STEPS = (5, 10, 15, 20)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .fleet_timing import fleet_timing_section
 from .overload import overload_section
+from .tasks import tasks_section
 from .plots import write_plots
 from .run import BenchResult, save_result
 from .targets import evaluate_targets, fmt, sweep_rows
@@ -67,6 +68,10 @@ def write_report(result: BenchResult, out_dir: str | Path) -> dict[str, Path]:
     if result.overload:
         paths['overload'] = out / 'overload.csv'
         write_csv(result.overload, paths['overload'])
+    for name, rows in (('tasks', result.tasks), ('task_tokens', result.task_tokens)):
+        if rows:
+            paths[name] = out / f'{name}.csv'
+            write_csv(rows, paths[name])
     paths.update(write_plots(result, out))
     paths['summary'].write_text(summary_markdown(result, paths))
     return paths
@@ -330,6 +335,7 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
     parts += node_section(result, paths)
     parts += rtc_section(result, paths)
     parts += overload_section(result.overload)
+    parts += tasks_section(result.tasks, result.task_tokens)
     parts += ['## Files', ''] + [f'- `{p.name}`' for p in paths.values()] + ['']
     return '\n'.join(parts)
 

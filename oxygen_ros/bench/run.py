@@ -41,6 +41,7 @@ from .measure import compare_tokens, max_action_diff, summarize, SystemLog
 from .memory import package_env
 from .node import NodeBenchOptions, run_node_part
 from .overload import OverloadBenchOptions, run_overload_part
+from .tasks import run_tasks_part, TasksBenchOptions
 from .phases import floor_rows, measure_phases, PhaseCosts, PhaseProbe
 from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
 from .robots import run_robots_part
@@ -77,6 +78,7 @@ class BenchOptions:
     rtc: RtcBenchOptions = dataclasses.field(default_factory=RtcBenchOptions)      # part 'rtc'
     overload: OverloadBenchOptions = dataclasses.field(   # part 'overload'
         default_factory=OverloadBenchOptions)
+    tasks: TasksBenchOptions = dataclasses.field(default_factory=TasksBenchOptions)  # 'tasks'
     fleet_timing: FleetTimingOptions | None = None   # part 'robots': a node YAML's fleet
     out_dir: str = 'bench-results'   # where the node part leaves its processes' logs
 
@@ -89,7 +91,8 @@ class BenchOptions:
                                                            period_rows=2,
                                                            policy_preset='small',
                                                            policy_steps=250),
-                                       overload=OverloadBenchOptions.quick()), **changes)
+                                       overload=OverloadBenchOptions.quick(),
+                                       tasks=TasksBenchOptions.quick()), **changes)
 
 
 @dataclasses.dataclass
@@ -112,6 +115,8 @@ class BenchResult:
     rtc: list[dict] = dataclasses.field(default_factory=list)         # part 'rtc': per mode
     rtc_paths: list[dict] = dataclasses.field(default_factory=list)   # its plotted paths
     overload: list[dict] = dataclasses.field(default_factory=list)    # part 'overload': 2 rows
+    tasks: list[dict] = dataclasses.field(default_factory=list)       # part 'tasks': node runs
+    task_tokens: list[dict] = dataclasses.field(default_factory=list)  # its engine half
     fleet_timing: list[dict] = dataclasses.field(default_factory=list)   # part 'robots': per
     #                                                                    robot of the YAML
 
@@ -534,6 +539,15 @@ def _run_benchmark(opts: BenchOptions, checkpoint, dtype_reason: str) -> BenchRe
         result.overload.extend(run_overload_part(opts.node, opts.overload,
                                                  Path(opts.out_dir) / 'overload_logs', say))
         part_seconds['overload'] = time.perf_counter() - start
+    if 'tasks' in opts.plan.parts:
+        start = time.perf_counter()
+        steps = opts.plan.default_steps
+        rows, engine = run_tasks_part(
+            opts.node, opts.tasks, Path(opts.out_dir) / 'tasks_logs',
+            lambda: (models.model(steps), models.frontend(steps, opts.node.robot)), say)
+        result.tasks.extend(rows)
+        result.task_tokens.extend(engine)
+        part_seconds['tasks'] = time.perf_counter() - start
     env['loadavg_end'] = os.getloadavg()[0] if hasattr(os, 'getloadavg') else math.nan
     env['compile'] = {steps: {'passes': plan.describe(), 'warm_up_s': round(plan.seconds, 1)}
                       for steps, plan in models.prepared.items()}
@@ -581,6 +595,8 @@ def load_result(path: str | Path) -> BenchResult:
                                          for key, v in opts['rtc'].items()})
     if isinstance(opts.get('overload'), dict):
         opts['overload'] = OverloadBenchOptions(**opts['overload'])
+    if isinstance(opts.get('tasks'), dict):
+        opts['tasks'] = TasksBenchOptions(**opts['tasks'])
     if isinstance(opts.get('fleet_timing'), dict):
         opts['fleet_timing'] = FleetTimingOptions(**{
             key: tuple(v) if isinstance(v, list) else v

@@ -11,6 +11,7 @@ import math
 
 from .fleet_timing import fleet_timing_targets
 from .overload import overload_targets
+from .tasks import tasks_targets
 from .rtc import rtc_targets
 from .run import BenchResult
 from .serve import serve_targets
@@ -122,6 +123,7 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
     targets += serve_targets(result.serve)
     targets += rtc_targets(result.rtc)
     targets += overload_targets(result.overload)
+    targets += tasks_targets(result.tasks, result.task_tokens)
     targets += robots_targets(result)
     targets += fleet_timing_targets(result.fleet_timing)
     if not result.rows:

@@ -79,6 +79,7 @@ from oxygen_ros.model.rtc import RowPlan
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_FORCED_TOKENS = 32   # storage reserved per slot for a prompt template's tokens
+ON_DEMAND_FORCED_TOKENS = 48     # with an on-demand task: its template and the question
 ONE_ROBOT = ''                   # the member name of a one-robot engine (and a plain node)
 
 
@@ -91,7 +92,11 @@ def forced_token_room(tasks: Tasks, max_forced_tokens: int | None = None) -> int
     """Entries a block reserves for a prompt template's forced tokens (None: the default)."""
     if max_forced_tokens is not None:
         return max_forced_tokens
-    templated = any(t.policy.prompt_template for t in as_tasks(tasks))
+    # several robots' tasks may repeat a name: no as_tasks() check here
+    tasks = as_tasks(tasks) if isinstance(tasks, LanguagePolicy) else tuple(tasks)
+    if any(t.on_demand for t in tasks):
+        return ON_DEMAND_FORCED_TOKENS
+    templated = any(t.policy.prompt_template for t in tasks)
     return DEFAULT_MAX_FORCED_TOKENS if templated else 0
 
 
@@ -501,7 +506,7 @@ class FleetEngine:
         try:
             forced = {}
             for task in scheduler.tasks:
-                if task.policy.prompt_template:
+                if task.policy.prompt_template and not task.on_demand:   # asked: their own
                     with self._frontend_clock():
                         forced[task.name] = robot.frontend.encode_text(
                             task.policy.prompt_text(frame.obs.instruction))
@@ -658,8 +663,7 @@ def make_fleet(model: Pi05Model, robots: list[FleetRobot], *,
                              f', images {adapter.image_size}; the model has {cfg.action_dim}, '
                              f'{cfg.vision.image_size}')
     if max_forced_tokens is None:
-        templated = any(t.policy.prompt_template for r in robots for t in r.tasks)
-        max_forced_tokens = DEFAULT_MAX_FORCED_TOKENS if templated else 0
+        max_forced_tokens = forced_token_room([t for r in robots for t in r.tasks])
     # One block length for every robot: the longest request any of its tasks may write.
     max_gen_len = max(generated_entries(r.policy, max_forced_tokens) for r in robots)
     quotas = {r.name: r.quota() for r in robots}

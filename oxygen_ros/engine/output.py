@@ -47,5 +47,5 @@ class OutputProcessor:
                 req.request_id, req.origin_frame, list(req.token_ids),
                 text if text is not None else self.frontend.decode(req.token_ids),
                 req.finish_reason, last_frame_index - req.origin_frame + 1, req.error,
-                req.task))
+                req.task, req.ticket))
         return deltas, finished

@@ -56,10 +56,17 @@ a block a higher one's live requests will need: `_reserved_blocks`, so when the 
 the lower priority is refused), the budget's token steps (a lower priority's k is chosen with the
 higher priorities' rows counted, and when the tick's time runs out the lower priority stops
 first, down to its minimum), and preemption (the lowest priority's newest request first).
+
+On-demand tasks (questions, `LanguageTask.on_demand`): a caller asks with `ask(task, forced,
+ticket)`, the request's own forced tokens (its template with the question); the next frame's
+admission starts it on that frame's prefix like any task's request (one a frame per task), and
+its FinishedRequest carries the ticket. At most policy.max_queue are waiting or live at once;
+their blocks are kept free for them from lower priorities like any higher task's share.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -122,6 +129,8 @@ class Scheduler:
         self.max_forced_tokens = max_forced_tokens
         self.active: list[RequestState] = []       # live requests, oldest first
         self.queued: dict[str, int] = {t.name: 0 for t in self.tasks}   # arrived, waiting
+        self.asked: dict[str, collections.deque[tuple[int, list[int]]]] = {
+            t.name: collections.deque() for t in self.tasks if t.on_demand}   # (ticket, forced)
         self.num_requests = 0                      # request ids handed out (refused included)
         self.now = -1                              # frames begun so far - 1 (deadlines' clock)
         self.batch_sizes: list[int] = []           # rows of each decode step this frame
@@ -152,11 +161,41 @@ class Scheduler:
         """Use `tasks` for requests that arrive from the next frame on (live ones go on)."""
         self.tasks = as_tasks(tasks)
         self.queued = {t.name: self.queued.get(t.name, 0) for t in self.tasks}
+        self.asked = {t.name: self.asked.get(t.name, collections.deque())
+                      for t in self.tasks if t.on_demand}
 
     @property
     def num_queued(self) -> int:
-        """Arrived requests of every task still waiting for a frame."""
-        return sum(self.queued.values())
+        """Arrived requests of every task still waiting for a frame (asked ones included)."""
+        return sum(self.queued.values()) + sum(len(q) for q in self.asked.values())
+
+    def ask(self, task: str, forced: Sequence[int], ticket: int) -> str:
+        """Queue a request of on-demand `task` for the next frame; '' or why it is refused.
+
+        forced: its prompt token ids (the template with the question); ticket: the caller's
+        id, carried by the request's FinishedRequest (refused at admission included).
+        """
+        spec = next((t for t in self.tasks if t.name == task), None)
+        if spec is None or not spec.on_demand:
+            return f'no on-demand language task {task!r}'
+        if len(forced) > self.max_forced_tokens:
+            return (f'{len(forced)} prompt tokens; at most {self.max_forced_tokens} fit a '
+                    'generation block')
+        waiting = len(self.asked[task]) + sum(r.task == task for r in self.active)
+        if waiting >= spec.policy.max_queue:
+            return (f'{waiting} {task} requests are waiting or running; at most '
+                    f'{spec.policy.max_queue} at once')
+        self.asked[task].append((ticket, list(forced)))
+        return ''
+
+    def withdraw(self, ticket: int) -> bool:
+        """Drop an asked request still waiting for a frame; False when none waits (started)."""
+        for queue in self.asked.values():
+            for item in queue:
+                if item[0] == ticket:
+                    queue.remove(item)
+                    return True
+        return False
 
     def _by_priority(self) -> list[LanguageTask]:
         """Tasks, higher priority first (declaration order among equals)."""
@@ -238,19 +277,26 @@ class Scheduler:
                 for _ in range(arrivals - accepted):
                     self._refuse(frame_index, task, 'request queue full')
             for task in tasks:
-                if self.queued[task.name]:
+                ticket = None
+                if task.on_demand:
+                    if not self.asked[task.name]:
+                        continue
+                    ticket, ids = self.asked[task.name].popleft()
+                elif self.queued[task.name]:
                     self.queued[task.name] -= 1
-                    admission = self._start_request(frame_index, task,
-                                                    list(forced.get(task.name, ())))
-                    if admission is not None:
-                        admissions.append(admission)
+                    ids = list(forced.get(task.name, ()))
+                else:
+                    continue
+                admission = self._start_request(frame_index, task, ids, ticket)
+                if admission is not None:
+                    admissions.append(admission)
         finally:
             self._frame_counted = False
             self.drop_frame()   # whatever failed above, the frame's slot is not leaked
         return admissions
 
-    def _start_request(self, frame_index: int, task: LanguageTask,
-                       forced: list[int]) -> Admission | None:
+    def _start_request(self, frame_index: int, task: LanguageTask, forced: list[int],
+                       ticket: int | None = None) -> Admission | None:
         policy = task.policy
         if len(forced) > self.max_forced_tokens:
             logger.warning('%s: prompt template has %d tokens, keeping the first %d',
@@ -265,11 +311,12 @@ class Scheduler:
             n_tokens = fits
         req = RequestState(request_id=-1, slot=None, origin_frame=frame_index,
                            max_new_tokens=n_tokens, eos_id=policy.eos_id,
-                           forced=list(forced), task=task.name, priority=task.priority)
+                           forced=list(forced), task=task.name, priority=task.priority,
+                           ticket=ticket)
         req.deadline = self.now + math.ceil(req.steps_left / max(self.budget.k_min, 1)) - 1
         why = self._no_room(req)
         if why:
-            self._refuse(frame_index, task, why)
+            self._refuse(frame_index, task, why, ticket=ticket)
             return None
         req.request_id = self._take_request_id()
         holder = f'request {req.request_id}'
@@ -282,7 +329,7 @@ class Scheduler:
             slot, needs_prefill = self.pool.allocate(holder), True
             if slot is None:
                 self._refuse(frame_index, task, f'KV pool full ({self.pool.num_slots} slots)',
-                             req.request_id)
+                             req.request_id, ticket)
                 return None
         req.block = self.blocks.allocate(holder)   # _no_room saw a free one
         req.slot = slot
@@ -326,21 +373,26 @@ class Scheduler:
         """
         reserved = 0
         for task in self.tasks:
-            if task.priority <= priority or not task.policy.requests_per_frame():
+            if task.priority <= priority:
+                continue
+            live = sum(r.task == task.name for r in self.active)
+            if task.on_demand:   # its max_queue, asked or not
+                reserved += max(task.policy.max_queue - live, 0)
+                continue
+            if not task.policy.requests_per_frame():
                 continue
             policy = task.policy
             life = math.ceil(policy.max_request_len / max(self.budget.k_min, 1))
             every = 1 if policy.arrival_rate is not None else policy.every_n_frames
-            live = sum(r.task == task.name for r in self.active)
             reserved += max(math.ceil(life / every) - live, 0)
         return reserved
 
     def _refuse(self, frame_index: int, task: LanguageTask, why: str,
-                request_id: int | None = None) -> None:
+                request_id: int | None = None, ticket: int | None = None) -> None:
         req = RequestState(
             request_id=self._take_request_id() if request_id is None else request_id,
             slot=None, origin_frame=frame_index, max_new_tokens=0, eos_id=task.policy.eos_id,
-            task=task.name, priority=task.priority)
+            task=task.name, priority=task.priority, ticket=ticket)
         logger.warning('frame %d: %s request %d refused: %s', frame_index, task.name,
                        req.request_id, why)
         req.finish(FinishReason.REFUSED, why)

@@ -91,6 +91,7 @@ class FinishedRequest:
     frames: int                     # frames it was alive (1 = finished in its first frame)
     error: str = ''                 # exception text ('error') or refusal reason ('refused')
     task: str = 'narration'         # language task of the request
+    ticket: int | None = None       # the caller's id of an asked request (a question)
 
 
 @dataclasses.dataclass

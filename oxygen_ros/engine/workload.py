@@ -122,6 +122,9 @@ class LanguageTask:
     topic: str = ''                     # LanguageChunk topic ('': the task's default)
     drives_actions: bool = False        # its newest finished text becomes the action prompt
     max_age_s: float = 2.0              # drives_actions: older, the instruction is the prompt
+    on_demand: bool = False             # requests come from Scheduler.ask (questions), each
+    #                                     with its own forced tokens; policy.max_queue of them
+    #                                     may wait or run at once
 
 
 def as_tasks(tasks: LanguagePolicy | Sequence[LanguageTask]) -> tuple[LanguageTask, ...]:
@@ -153,10 +156,14 @@ def tasks_num_blocks(tasks: Sequence[LanguageTask], k: int | None) -> int:
     A task's request lives ceil(N / k) ticks; one starting every n frames has
     ceil(ceil(N / k) / n) live at once when the next is admitted (Poisson arrivals: as if
     n = 1). With one task and n = 1 that is default_num_slots: one block per prefix slot.
+    An on-demand task (questions) has its max_queue.
     """
     total = 0
     for task in tasks:
         policy = task.policy
+        if task.on_demand:   # at most max_queue asked at once, each in a block of its own
+            total += policy.max_queue
+            continue
         if policy.requests_per_frame() == 0:
             continue
         life = 1 if k is None else math.ceil(policy.max_request_len / max(k, 1))

@@ -60,6 +60,7 @@ class RequestState:
     block: int | None = None        # generation block its K/V go to (None: none held)
     task: str = 'narration'         # language task that started it
     priority: int = 0               # its task's priority (higher: admitted first, yields last)
+    ticket: int | None = None       # the caller's id of an asked request (Scheduler.ask)
 
     @property
     def tokens_left(self) -> int:

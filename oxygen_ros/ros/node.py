@@ -12,9 +12,11 @@ spin); this file holds the lifecycle and the tick.
 
 Two threads:
   executor        a SingleThreadedExecutor serving I/O only: the instruction subscriptions,
-                  lifecycle and parameter services, /diagnostics, and the wake timer, whose
-                  callback only wakes the control thread. Cameras and joint states are polled
-                  by the control thread (ros/polling.py). No callback runs for long, so the
+                  lifecycle and parameter services, /diagnostics, the `ask` service (a
+                  coroutine awaiting its answer in a callback group of its own), and the wake
+                  timer, whose callback only wakes the control thread. Cameras and joint
+                  states are polled by the control thread (ros/polling.py). No callback runs
+                  for long (the ask service's awaits without running), so the
                   executor sleeps in rcl_wait instead of spinning against the model for the GIL
                   (a MultiThreadedExecutor next to a long callback: 2.2x slower inference).
   control thread  'oxy_control' (runtime.control.ControlThread): one FrameLoop.tick per
@@ -41,19 +43,24 @@ import time
 import traceback
 from typing import Callable
 
+from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.task import Future
+
+from oxygen_ros.srv import Ask
 
 from oxygen_ros.ros.dds import (default_discovery_to_localhost, make_executor,  # noqa: F401
                                 run_node)
 from oxygen_ros.ros.diagnostics import configured_summary, NodeDiagnostics
 from oxygen_ros.ros.log_bridge import BridgeAttachment, EngineLogBridge
 from oxygen_ros.ros.parameters import NodeParameters, Served
-from oxygen_ros.ros.robot_io import RobotIO
+from oxygen_ros.ros.robot_io import ns_to_stamp, RobotIO
 from oxygen_ros.runtime.changes import apply_to_engine, gather_s, with_change
 from oxygen_ros.runtime.control import ControlThread
 from oxygen_ros.runtime.frame_loop import FrameLoop, RobotLoop
 from oxygen_ros.runtime.params import FleetSettings, NODE_NAME, Settings, split_param_name
+from oxygen_ros.runtime.questions import Answer, refused
 from oxygen_ros.runtime.rtc import planner_for
 from oxygen_ros.runtime.status import ERROR, OK, ProblemLog, WARN
 
@@ -91,6 +98,14 @@ class OxygenNode(LifecycleNode):
         BridgeAttachment.attach(self._bridge)
         self._diagnostics = NodeDiagnostics(self, self._problems,
                                             self._params.value('diagnostics_period_s'))
+        # Questions (the ask service): its callback awaits the answer, so it has a group of its
+        # own (the default group would hold the wake timer until the answer came) and the
+        # control thread wakes the executor with the guard condition once it is ready.
+        self._ask_group = ReentrantCallbackGroup()
+        self._ask_ready = self.create_guard_condition(lambda: None,
+                                                      callback_group=self._ask_group)
+        self._ask_service = self.create_service(Ask, 'ask', self._on_ask,
+                                                callback_group=self._ask_group)
         self._autostart_timer = None
         if self._params.value('autostart'):
             # A timer, not a call: configure runs inside the executor once it spins.
@@ -113,6 +128,8 @@ class OxygenNode(LifecycleNode):
             robot, base = split_param_name(name)
             if base == 'max_instruction_chars':
                 self._max_instruction_chars = value
+                for desk in self._desks():
+                    desk.max_chars = value
             elif base == 'diagnostics_period_s':
                 self._diagnostics.start(value)
             elif base == 'stale_frame_timeout_s' and robot in self._ios:
@@ -212,6 +229,9 @@ class OxygenNode(LifecycleNode):
             robot.stats.reset()
         first_s = min(robot.period_s for robot in loop.robots.values())
         loop.restart(now_s + first_s)   # a fresh grid: every robot's tick 0 at the first wake
+        for desk in self._desks():
+            desk.max_chars = self._max_instruction_chars
+            desk.open()
         node = self._settings.node
         self._control = ControlThread(self._control_tick, nice=node.control_nice,
                                       realtime_priority=node.control_priority)
@@ -252,6 +272,8 @@ class OxygenNode(LifecycleNode):
             self._wake_timer = None
         for io in self._ios.values():
             io.outputs.close()   # from here on nothing is published, whatever still runs
+        for desk in self._desks():   # open questions get their reason, not a hang
+            desk.close('the node was deactivated before the answer was ready')
         control, self._control = self._control, None
         if control is not None and not control.stop(STOP_TIMEOUT_S):
             self._stuck = control   # activate refuses while it lives
@@ -307,6 +329,50 @@ class OxygenNode(LifecycleNode):
                 return   # shutting down (Ctrl-C)
             self._problems.event('tick', ERROR, f'control tick failed: {err!r}')
             self.get_logger().debug(traceback.format_exc())
+
+    # ---- questions (the ask service; executor) -------------------------------------------------
+
+    def _desks(self) -> list:
+        loop = self._loop
+        if loop is None:
+            return []
+        return [r.questions for r in loop.robots.values() if r.questions is not None]
+
+    async def _on_ask(self, request: Ask.Request, response: Ask.Response) -> Ask.Response:
+        """Answer a question from the robot's newest frame; awaits, never blocks the executor."""
+        future = Future()
+        answer = self._ask(request.question, request.robot, future)
+        if answer is None:   # asked: the control thread sets the future once it is answered
+            answer = await future
+        response.ok, response.reason, response.answer = answer.ok, answer.reason, answer.text
+        response.frame_index = answer.frame_index
+        response.stamp = ns_to_stamp(answer.stamp_ns)
+        response.finish_reason = answer.finish_reason
+        response.tokens = answer.tokens
+        response.wait_s = answer.wait_s
+        if not answer.ok:
+            self.get_logger().info(f'ask: no answer: {answer.reason}')
+        return response
+
+    def _ask(self, question: str, robot: str, future: Future) -> Answer | None:
+        """Ask; return the refusal, or None when asked (`future` gets the Answer then)."""
+        loop = self._loop
+        if self._lifecycle != 'active' or loop is None:
+            return refused(f'the node is {self._lifecycle}, not active: questions are answered '
+                           'from the frames of an active node')
+        names = list(loop.robots)
+        if not robot and len(names) == 1:
+            robot = names[0]
+        if robot not in loop.robots:
+            return refused(f'unknown robot {robot!r}; the node serves {names}')
+        desk = loop.robots[robot].questions
+        if desk is None:
+            return refused('questions are off for this robot (ask_tokens 0)')
+
+        def answered(answer: Answer) -> None:   # control thread (or deactivate)
+            future.set_result(answer)
+            self._ask_ready.trigger()
+        return desk.ask(question, answered)
 
     # ---- public state (diagnostics, tests) ----------------------------------------------------
 

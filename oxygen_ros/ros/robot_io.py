@@ -32,6 +32,7 @@ from oxygen_ros.runtime.conversions import (check_frame_size, compressed_to_rgb,
 from oxygen_ros.runtime.dds_profile import profile_path, profile_variable
 from oxygen_ros.runtime.inputs import InputSet, InputSource, sanitize_instruction
 from oxygen_ros.runtime.params import NARRATION, Settings
+from oxygen_ros.runtime.questions import ASK, ASK_TOPIC
 from oxygen_ros.runtime.status import OK, ProblemLog, WARN
 from oxygen_ros.runtime.subtask import SUBTASK_TOPIC
 
@@ -173,7 +174,8 @@ class RobotIO:
         self.outputs = RosOutputs(node, settings.frame_id,
                                   action_layout(settings.spec or settings.robot),
                                   settings.publish_trajectory, namespace,
-                                  {task.name: task.token_topic for task in settings.tasks},
+                                  {**{task.name: task.token_topic for task in settings.tasks},
+                                   **({ASK: ASK_TOPIC} if settings.ask_tokens else {})},
                                   any(task.drives_actions for task in settings.tasks))
         try:
             self.inputs = self._subscribe(settings)

@@ -34,6 +34,7 @@ from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, re
                                          steady_batch, time_ticks, TIMED_FRAMES)
 from oxygen_ros.runtime.params import FleetSettings, Settings
 from oxygen_ros.runtime.procfs import meminfo_kb
+from oxygen_ros.runtime.questions import ASK, ASK_TOPIC, MAX_OPEN_QUESTIONS
 from oxygen_ros.runtime.rtc import planner_for
 
 logger = logging.getLogger(__name__)
@@ -125,14 +126,23 @@ def _check_device(device: str) -> None:
 
 
 def tasks_for(settings: Settings, eos_id: int) -> tuple[LanguageTask, ...]:
-    """Build the language tasks the node's parameters describe (language_tasks, tasks.*)."""
-    return tuple(
+    """Build the language tasks the node's parameters describe (language_tasks, tasks.*).
+
+    Questions (ask_tokens > 0) are one more task, on demand (runtime/questions.py).
+    """
+    tasks = tuple(
         LanguageTask(task.name, LanguagePolicy(
             max_new_tokens=task.tokens, every_n_frames=task.every_n_frames, seed=settings.seed,
             eos_id=eos_id, prompt_template=task.prompt), priority=task.priority,
             topic=task.token_topic, drives_actions=task.drives_actions,
             max_age_s=settings.subtask_max_age_s)
         for task in settings.tasks)
+    if settings.ask_tokens:
+        tasks += (LanguageTask(ASK, LanguagePolicy(
+            max_new_tokens=settings.ask_tokens, every_n_frames=0, eos_id=eos_id,
+            prompt_template=settings.ask_prompt, max_queue=MAX_OPEN_QUESTIONS),
+            priority=settings.ask_priority, topic=ASK_TOPIC, on_demand=True),)
+    return tasks
 
 
 def robot_spec(settings: Settings) -> RobotSpec:

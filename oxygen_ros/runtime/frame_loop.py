@@ -14,7 +14,8 @@ most 19 times a second, not at a 90 Hz common grid. A tick serves the due robots
 
     1. build       each due robot's observation from its newest inputs (or the reasons not);
                    its action prompt: the active subtask of a task that drives the actions
-                   (runtime/subtask.py, never waited for), else the instruction
+                   (runtime/subtask.py, never waited for), else the instruction; questions
+                   asked since the last tick go to the scheduler (runtime/questions.py)
     2. act         engine.act(observations): one prefill + one denoise over the due robots
                    (real-time chunking: each continues its committed chunk, runtime/rtc.py)
     3. emit        each robot's action on its own sink, at once: nothing below delays it
@@ -23,7 +24,8 @@ most 19 times a second, not at a 90 Hz common grid. A tick serves the due robots
                    hiccups), k tokens per robot tick, against ONE deadline: the next tick
                    of any robot (a 10 Hz robot's language stops before a 15 Hz robot is due)
     5. emit        tokens and narrations on each robot's sink; a subtask that completed
-                   becomes the action prompt from the robot's next frame on
+                   becomes the action prompt from the robot's next frame on; a question whose
+                   request ended is answered
 
 A wake-up where no robot is due does nothing (no language round). A tick that raises is still
 recorded in every due robot's statistics and advances their grids.
@@ -46,6 +48,7 @@ from oxygen_ros.engine import FinishReason
 from oxygen_ros.engine.types import (ActionOutput, FinishedRequest, FrameResult, Observation,
                                      TokenDelta)
 from oxygen_ros.runtime.inputs import InputSet, ObservationResult
+from oxygen_ros.runtime.questions import desk_for, QuestionDesk
 from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import ERROR, LoopStats, ProblemLog, WARN
 from oxygen_ros.runtime.subtask import Subtask, SubtaskLoop
@@ -120,6 +123,7 @@ class RobotLoop:
     last_inputs: ObservationResult | None = None   # its inputs at its last tick (diagnostics)
     last_result: FrameResult | None = None         # its last language result (diagnostics)
     subtask: SubtaskLoop | None = None  # its task that drives the actions (set by FrameLoop)
+    questions: QuestionDesk | None = None   # its questions (set by FrameLoop; None: no ASK task)
 
     def __post_init__(self):
         if not self.period_s > 0:
@@ -189,6 +193,8 @@ class FrameLoop:
         for robot in robots:
             if robot.subtask is None:
                 robot.subtask = subtask_loop(engine.scheduler(robot.name).tasks)
+            if robot.questions is None:
+                robot.questions = desk_for(engine, robot.name)
         self.gather_s = gather_s
         self.clock = clock
         self.last_result = None   # the engine's last FleetResult
@@ -233,15 +239,18 @@ class FrameLoop:
 
     def tick(self, now_s: float, *, serve_all: bool = False,
              check_inputs: Callable[[ObservationResult], None] | None = None,
-             language: Callable[[], bool] = lambda: True) -> dict[str, TickOutcome]:
+             language: Callable[[], bool] = lambda: True,
+             frames: bool = True) -> dict[str, TickOutcome]:
         """Serve every robot due at `now_s` (the adapter's clock, seconds); return their outcomes.
 
         serve_all: serve every robot now, whatever its grid (a replay's tick times, a server's
         requests; the language then counts against each robot's own period). check_inputs(
         result) may raise to abort the tick before the engine runs (a replay that must stop
         on bad input); language() is asked before the language half (False: skip it, e.g.
-        the node is being deactivated). Exceptions propagate after the tick is recorded in
-        every due robot's statistics and their grids advanced.
+        the node is being deactivated). frames=False: no observation is built, only live
+        language requests advance (a replay's end: its last frames' requests run to their
+        end). Exceptions propagate after the tick is recorded in every due robot's
+        statistics and their grids advanced.
         """
         robots = list(self.robots.values())
         due = robots if serve_all else [r for r in robots if r.due(now_s, self.gather_s)]
@@ -253,7 +262,7 @@ class FrameLoop:
         outcomes: dict[str, TickOutcome] = {}
         error = None
         try:
-            self._tick(now_s, start, due, serve_all, outcomes, check_inputs, language)
+            self._tick(now_s, start, due, serve_all, outcomes, check_inputs, language, frames)
             return outcomes
         except BaseException as err:
             error = err
@@ -280,11 +289,21 @@ class FrameLoop:
                                  late[robot.name] * 1e3, duration * 1e3, robot.period_s * 1e3)
                 robot.advance(now_s)
 
-    def _tick(self, now_s, start, due, serve_all, outcomes, check_inputs, language) -> None:
+    def _tick(self, now_s, start, due, serve_all, outcomes, check_inputs, language,
+              frames) -> None:
         engine = self.engine
         now_ns = round(now_s * 1e9)
         observations = {}
-        for robot in due:   # 1. build
+        if not frames:   # language only: no inputs read, no action
+            for robot in due:
+                outcomes[robot.name] = TickOutcome(None, {}, now_ns)
+            building = []
+        else:
+            building = due
+        for robot in building:   # questions asked since the last tick: this frame's
+            if robot.questions is not None:
+                robot.questions.hand_over(engine.scheduler(robot.name))
+        for robot in building:   # 1. build
             built = robot.last_inputs = robot.inputs.build(now_s)
             if check_inputs is not None:
                 check_inputs(built)
@@ -309,6 +328,8 @@ class FrameLoop:
                     robot.rtc.record(action, now_s + outcome.latency_s)
                 if robot.subtask is not None:   # dates the subtasks decoded from this frame
                     robot.subtask.record_frame(action.frame_index, now_s, outcome.stamp_ns)
+                if robot.questions is not None:   # dates the answers decoded from it
+                    robot.questions.record_frame(action.frame_index, outcome.stamp_ns)
             for name in observations:   # after every action: the subtask that drove them
                 robot = self.robots[name]
                 if robot.subtask is not None and outcomes[name].subtask_changed:
@@ -319,7 +340,7 @@ class FrameLoop:
             for name, err in act.failed.items():
                 self._report_failure(self.robots[name], outcomes[name], err)
                 outcomes[name].stamp_ns = now_ns
-        for robot in due:
+        for robot in building:
             if robot.problems is not None:
                 report_inputs(robot.problems, outcomes[robot.name].problems, robot.last_inputs)
         names = [r.name for r in due]
@@ -342,6 +363,8 @@ class FrameLoop:
             emit_language(frame_result, robot.sink, outcome, robot.finished, robot.problems)
             if robot.subtask is not None:   # the action prompt from its next frame on
                 robot.subtask.finished(frame_result.finished)
+            if robot.questions is not None:
+                robot.questions.finished(frame_result.finished)
             if outcome.action is not None:
                 logger.debug('%sframe %d: act %.1f ms, k=%d, %d tokens, %d active',
                              f'{name}: ' if name else '', frame_result.frame_index,

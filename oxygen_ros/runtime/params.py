@@ -40,6 +40,8 @@ from oxygen_ros.model.config import DEFAULT_MAX_GUIDANCE_WEIGHT
 
 NARRATION = 'narration'   # the default language task (engine.workload.NARRATION)
 SUBTASK_MAX_AGE_S = 2.0   # a driving task's subtask stays the action prompt this long
+ASK = 'ask'               # the task of questions (runtime.questions.ASK), a reserved name
+ASK_PROMPT = 'Question: {question}\nAnswer:'   # ask_prompt's default
 
 NODE_NAME = 'oxygen_node'
 ROBOTS = BUILTIN_ROBOTS
@@ -261,10 +263,22 @@ def _check_template(value) -> str | None:
 _ROBOT_NAME_RE = re.compile(r'^[A-Za-z][A-Za-z0-9_]*$')
 
 
+def _check_ask_template(value) -> str | None:
+    if '{question}' not in value:
+        return f'template {value!r} has no {{question}} placeholder (the question goes there)'
+    for field in re.findall(r'{([^{}]*)}', value):
+        if field != 'question':
+            return f'unknown placeholder {{{field}}}; only {{question}} is substituted'
+    return None
+
+
 def _check_task_names(value) -> str | None:
     bad = [name for name in value if not _ROBOT_NAME_RE.match(name)]
     if bad:
         return f'task names must be identifiers (letters, digits, _), got {bad}'
+    if ASK in value:
+        return (f'{ASK!r} is the task of questions (the ask service): configure it with '
+                'ask_tokens, ask_prompt and ask_priority')
     repeated = sorted({name for name in value if list(value).count(name) > 1})
     if repeated:
         return f'task names must be unique, {repeated} repeated'
@@ -357,6 +371,13 @@ PARAMS: tuple[ParamSpec, ...] = (
               ".drives_actions; narration's default to language_prompt, tokens_per_request and "
               'request_every_n_frames. Every task reads the frame\'s one prefill.',
               check=_check_task_names),
+    ParamSpec('ask_tokens', 10, "N of an answer to a question (the ask service, serve's "
+              "'question' field; docs/language_tasks.md); 0 = no questions.",
+              int_range=(0, 512)),
+    ParamSpec('ask_prompt', ASK_PROMPT, "Template of a question, fed after the newest frame's "
+              'prefix; {question} is replaced by the question.', check=_check_ask_template),
+    ParamSpec('ask_priority', 10, 'Priority of questions among the language tasks (higher: '
+              'admitted first, the last to yield decode steps).', int_range=(-100, 100)),
     ParamSpec('subtask_max_age_s', SUBTASK_MAX_AGE_S, "The subtask of the task that drives the "
               "actions (tasks.<name>.drives_actions, π0.5's subtask loop) is the action "
               'prompt until it is older than this (from the frame it was decoded from); '
@@ -404,7 +425,8 @@ PARAMS_BY_NAME = {spec.name: spec for spec in PARAMS}
 # the node's and shared by every robot (one model, one device, one control thread).
 ROBOT_PARAMS = ('robot', 'camera_names', 'joint_names', 'frame_id', 'publish_trajectory',
                 'control_rate_hz', 'language_prompt', 'tokens_per_request', 'decode_budget',
-                'request_every_n_frames', 'language_tasks', 'subtask_max_age_s', 'kv_capacity',
+                'request_every_n_frames', 'language_tasks', 'subtask_max_age_s', 'ask_tokens',
+                'ask_prompt', 'ask_priority', 'kv_capacity',
                 'stale_frame_timeout_s', 'seed',
                 'rtc_mode', 'rtc_schedule', 'rtc_delay', 'rtc_execution_horizon',
                 'rtc_max_guidance_weight')
@@ -716,6 +738,9 @@ class Settings:
     spec: RobotSpec | None = None      # the robot's spec, resolved from `robot` at check
     tasks: tuple[TaskConfig, ...] = ()   # language_tasks with their tasks.<name>.* values
     subtask_max_age_s: float = SUBTASK_MAX_AGE_S   # a driving task's subtask, then stale
+    ask_tokens: int = 10               # N of an answer (0: no questions)
+    ask_prompt: str = ASK_PROMPT       # a question's template, with {question}
+    ask_priority: int = 10             # questions' priority among the language tasks
 
     def task(self, name: str) -> TaskConfig | None:
         """Return the configured task called `name` (None: there is none)."""
@@ -837,6 +862,8 @@ class Settings:
             rtc_execution_horizon=int(merged['rtc_execution_horizon']),
             rtc_max_guidance_weight=float(merged['rtc_max_guidance_weight']), spec=spec,
             tasks=tasks, subtask_max_age_s=float(merged['subtask_max_age_s']),
+            ask_tokens=int(merged['ask_tokens']), ask_prompt=merged['ask_prompt'],
+            ask_priority=int(merged['ask_priority']),
             compile=merged['compile']), []
 
 

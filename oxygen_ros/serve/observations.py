@@ -170,7 +170,7 @@ def largest_observation_bytes(keys: ObservationKeys, state_dim: int,
     image = int(np.prod(LARGEST_IMAGE)) * LARGEST_IMAGE_ITEMSIZE + ARRAY_OVERHEAD_BYTES
     state = 8 * state_dim + ARRAY_OVERHEAD_BYTES * len(keys.state)
     prompt = 4 * max_instruction_chars + 64          # UTF-8: at most 4 bytes a character
-    return cameras * image + state + prompt
+    return cameras * image + state + 2 * prompt      # the prompt, and a question as long
 
 
 def max_request_bytes(keys: ObservationKeys, state_dim: int,

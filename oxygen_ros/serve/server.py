@@ -6,10 +6,14 @@ Protocol (what openpi-client's WebsocketClientPolicy expects, unchanged):
     request      client sends a msgpack map: the observation keys of its robot + 'prompt';
                  optional (real-time chunking, docs/rtc.md): 'prev_actions' float [n, A],
                  the rows of the chunk it executes not yet started at this observation, and
-                 'inference_delay' int, the rows that will play while this one is computed
+                 'inference_delay' int, the rows that will play while this one is computed;
+                 optional 'question' str, answered from the newest frame (runtime/questions.py)
     response     msgpack map {'actions': float32 [H, A], 'server_timing': {...},
                  'policy_timing': {...}, 'language': {...}, 'frame_index': int,
-                 'start_row': int (the first row past the delay; 0 without RTC)}
+                 'start_row': int (the first row past the delay; 0 without RTC)}; with a
+                 'question': 'question' {'id', 'ok', 'reason'} (ok: it is being answered);
+                 once answered, a later response of that client has 'answers' [{'id',
+                 'question', 'ok', 'answer', 'reason', 'frame_index', 'stamp', ...}]
     error        a text message (the client raises RuntimeError with it); the connection stays
     GET /healthz 200 'OK' while the engine thread runs, 503 after it died
     too big      a message over the bound (ServerConfig.max_message_bytes; default the robot's
@@ -55,6 +59,7 @@ from oxygen_ros.model.robot_spec import get_robot
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.inputs import ObservationResult, sanitize_instruction
 from oxygen_ros.runtime.params import RtcSettings
+from oxygen_ros.runtime.questions import Answer
 from oxygen_ros.runtime.rtc import RtcPlanner
 from oxygen_ros.runtime.status import LoopStats
 from oxygen_ros.serve.observations import (committed_rows, CommittedRows, keys_for,
@@ -68,6 +73,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = 8000                 # openpi's serve_policy default
 HEALTH_PATH = '/healthz'
 MAX_OWNED_FRAMES = 4096             # frames whose language output still has a known client
+QUESTION_KEY = 'question'           # optional request field: a question about this frame
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +182,8 @@ class EngineWorker:
                                   stats=LoopStats(), rtc=self.rtc)
         self._lock = threading.Lock()             # outboxes and owners: engine + I/O threads
         self._outboxes: dict[int, dict[str, list]] = {}
+        self._answers: dict[int, list[dict]] = {}   # client -> answers not yet sent
+        self._question_ids = itertools.count(1)
         self._owners: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._thread = threading.Thread(target=self._run, name='oxygen-serve-engine',
                                         daemon=True)
@@ -192,6 +200,31 @@ class EngineWorker:
     def connect(self, client: int) -> None:
         with self._lock:
             self._outboxes[client] = {'deltas': [], 'finished': []}
+            self._answers[client] = []
+
+    def ask(self, client: int, question: str) -> dict:
+        """Ask `question` for `client`; return the acknowledgement ({'id', 'ok', 'reason'}).
+
+        The answer rides on a later response of that client under 'answers'.
+        """
+        question_id = next(self._question_ids)
+        desk = self.loop.only.questions
+        if desk is None:
+            return {'id': question_id, 'ok': False,
+                    'reason': 'questions are off on this server (ask_tokens 0)'}
+
+        def answered(answer: Answer) -> None:   # the engine thread
+            item = {'id': question_id, 'question': question[:200], 'ok': answer.ok,
+                    'answer': answer.text, 'reason': answer.reason,
+                    'frame_index': answer.frame_index, 'stamp': answer.stamp_ns * 1e-9,
+                    'finish_reason': answer.finish_reason, 'tokens': answer.tokens,
+                    'wait_s': answer.wait_s}
+            with self._lock:
+                if client in self._answers:
+                    self._answers[client].append(item)
+        refusal = desk.ask(question, answered)
+        return {'id': question_id, 'ok': refusal is None,
+                'reason': refusal.reason if refusal is not None else ''}
 
     def submit(self, client: int, obs: Observation, received_s: float,
                committed: CommittedRows | None = None) -> concurrent.futures.Future:
@@ -210,6 +243,7 @@ class EngineWorker:
             request.future.cancel()
         with self._lock:
             self._outboxes.pop(client, None)
+            self._answers.pop(client, None)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.queue.close()
@@ -253,9 +287,12 @@ class EngineWorker:
             language = {key: list(items) for key, items in outbox.items()}
             for items in outbox.values():
                 items.clear()
+            waiting = self._answers.get(request.client, [])
+            answers = list(waiting)
+            waiting.clear()
         act_ms = action.inference_time_s * 1e3
         self.served += 1
-        request.future.set_result({
+        reply = {
             'actions': action.actions,                              # float32 [H, robot dim]
             'frame_index': action.frame_index,
             'start_row': action.start_row,                          # first row past the delay
@@ -263,7 +300,10 @@ class EngineWorker:
             'server_timing': {'infer_ms': act_ms,
                               'queue_ms': (request.started_s - request.received_s) * 1e3},
             'language': language,
-        })
+        }
+        if answers:   # only then: a client that asks nothing gets openpi's keys and language
+            reply['answers'] = answers
+        request.future.set_result(reply)
 
     def deliver(self, frame_index: int, kind: str, item: dict) -> None:
         """Put language output of `frame_index` into its client's outbox (gone: dropped)."""
@@ -338,6 +378,8 @@ class PolicyServer:
                 'cameras': {cam: '.'.join(path) for cam, path in keys.cameras.items()},
                 'state': ['.'.join(path) for path in keys.state], 'prompt': 'prompt'},
             'language': 'responses carry language output of earlier frames under "language"',
+            'questions': 'optional "question" (text) in a request: acknowledged under '
+                         '"question", answered on a later response under "answers"',
             'rtc': {'mode': self.config.rtc.mode,
                     'request': 'optional prev_actions [n, A] (rows of the executing chunk not '
                                'started at the observation) and inference_delay (rows)',
@@ -456,7 +498,18 @@ class PolicyServer:
                 raise RequestError('prompt: nothing left after removing control characters')
             obs.instruction = instruction.text
             obs.stamp = time.time()
-            return await asyncio.wrap_future(self.worker.submit(client, obs, start, committed))
+            question = request.get(QUESTION_KEY)
+            if isinstance(question, bytes):
+                question = question.decode('utf-8', errors='replace')
+            if question is not None and not isinstance(question, str):
+                raise RequestError(f'{QUESTION_KEY}: expected a string, got '
+                                   f'{type(question).__name__}')
+            # asked before the frame is queued: answered from this frame (or a newer one)
+            ack = self.worker.ask(client, question) if question is not None else None
+            reply = await asyncio.wrap_future(self.worker.submit(client, obs, start, committed))
+            if ack is not None:
+                reply['question'] = ack
+            return reply
         except (WireError, RequestError) as err:
             return f'bad request: {err}'
         except Exception as err:   # noqa: BLE001 - the client gets the reason, the server lives
