@@ -258,8 +258,10 @@ def test_compile_auto_compiles_where_it_pays(monkeypatch):
     assert (plan.vision, plan.prefill, plan.denoise, plan.decode) == (False, True, True, True)
     most = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'max')
     assert (most.vision, most.prefill, most.denoise, most.decode) == (True, True, True, True)
-    # inductor's default mode on the CPU in every dtype (autotuning: minutes, no faster)
-    assert prepare.compile_settings('cpu') == ('default', {})
+    # inductor's default mode on the CPU in every dtype (autotuning: minutes, no faster), the
+    # graph as one C++ call that releases the GIL; no frozen weights (they defeat the cache)
+    assert prepare.compile_settings('cpu') == ('default', {'cpp_wrapper': True})
+    assert prepare.compile_settings('cuda') == ('reduce-overhead', {})
     tiny = prepare.compile_plan(_meta_model('tiny'), 'cpu', 'auto')
     assert not tiny.any and 'denoise 0.' in tiny.reason       # test-sized: not worth it
     pi05 = prepare.compile_plan(_meta_model('pi05'), 'cpu', 'auto')

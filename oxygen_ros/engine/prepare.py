@@ -21,6 +21,8 @@ compile 'auto' compiles a pass where it pays:
     configure of about a minute and a restart of seconds (pi05-cpu, docs/bench/phases.md).
 compile 'max' also compiles the vision tower and the whole denoise loop as one graph: ~13%
 off pi05-cpu's action path (58 vs 67 ms) for ~3 minutes at the first configure (~20 s cached).
+On the CPU every compiled graph runs as one C++ call that releases the GIL (cpp_wrapper,
+see compile_settings).
 """
 
 from __future__ import annotations
@@ -117,16 +119,18 @@ def compile_plan(model: Pi05Model, device: str, setting: str = 'auto') -> Compil
 def compile_settings(device: str) -> tuple[str, dict]:
     """(torch.compile mode, inductor settings while compiling) for a device.
 
-    CUDA: 'reduce-overhead' (CUDA graphs). CPU: inductor's default mode, in float32 and
-    bfloat16. Autotuned GEMM templates with the weights frozen into the graph
-    ('max-autotune-no-cudagraphs', freezing) measured on pi05-cpu bf16, in runs minutes
-    apart on a shared machine: no faster a frame (action path 62.5 vs 65.8 ms, denoise loop
-    18.4 vs 18.8 ms) for a first configure of 220-340 s and a restart of 66-69 s (frozen
-    weights keep AOT's cache out), so they are not used (docs/bench/phases.md).
+    CUDA: 'reduce-overhead' (CUDA graphs). CPU: inductor's default mode with `cpp_wrapper`:
+    the graph's calls run from one C++ function instead of a Python line each (a pi05-cpu
+    denoise step is ~50 kernel and library calls) and that function releases the GIL, so a
+    fleet's row threads run their graphs side by side instead of queueing for the
+    interpreter. Not used (docs/bench/phases.md, measured side by side): `freezing`
+    (weights prepacked for oneDNN: decode steps 0.8x, denoise 0.9x, but prepacked weights
+    do not pickle, so no cache keeps those graphs and every configure compiles them again:
+    ~80 s for auto, ~4.5 min for max) and autotuned GEMM templates (no faster a frame).
     """
     if torch.device(device).type == 'cuda':
         return 'reduce-overhead', {}
-    return 'default', {}
+    return 'default', {'cpp_wrapper': True}
 
 
 def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
