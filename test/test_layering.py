@@ -104,6 +104,16 @@ def test_no_tool_module_at_the_package_root():
                                   'oxygen_ros/tools/)')
 
 
+NODE_MAX_LINES = 400   # issue 23: the node is a thin lifecycle adapter; jobs go in ros/*.py
+
+
+def test_the_node_stays_a_thin_adapter():
+    lines = len((PACKAGE_DIR / 'ros' / 'node.py').read_text().splitlines())
+    assert lines <= NODE_MAX_LINES, (
+        f'ros/node.py has {lines} lines (at most {NODE_MAX_LINES}): move a job into a module of '
+        'its own, as ros/ask_service.py, ros/robot_io.py and ros/parameters.py are')
+
+
 @pytest.mark.parametrize('layer', sorted(ALLOWED))
 def test_layer_exists(layer):
     assert (PACKAGE_DIR / layer).is_dir(), 'oxygen_ros/%s/ is missing' % layer

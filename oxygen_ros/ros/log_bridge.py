@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from oxygen_ros.runtime.status import ERROR, ProblemLog, WARN
+from oxygen_ros.runtime.status import ERROR, OK, ProblemLog, WARN
 
 
 class EngineLogBridge(logging.Handler):
@@ -67,3 +67,14 @@ class BridgeAttachment:
                 logger.removeHandler(bridge)
                 if not cls.attached:
                     logger.propagate = cls.propagate
+
+
+def log_at(logger, level: int, message: str) -> None:
+    """Write `message` to an rclpy logger at a ProblemLog level (OK, WARN, ERROR)."""
+    # One call site per severity: rclpy refuses a call site whose severity changes.
+    if level == OK:
+        logger.info(message)
+    elif level == WARN:
+        logger.warning(message)
+    else:
+        logger.error(message)

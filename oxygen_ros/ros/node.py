@@ -1,38 +1,37 @@
 """`oxygen_node`: a thin lifecycle adapter over the runtime's frame loop.
 
-Cameras, joint states and an instruction in; an action chunk every tick, and language tokens
-on their own topic, out. The work of a tick is oxygen_ros.runtime.frame_loop.FrameLoop, the
-same code the bag replay runs. One robot or several (parameter `robots`), one path: a plain
-node serves a fleet of one (the robot '', its topics in the node's namespace); a fleet's
-robots each have their topics in their namespace (`arm_left/actions`), their own parameters
-(`arm_left.decode_budget`), rate, budget, KV quota and diagnostics, one model serving all.
-Jobs: ros/parameters.py (declare, validate on set, apply after set), ros/robot_io.py (one
-robot's topics), ros/diagnostics.py, ros/log_bridge.py, ros/dds.py (discovery, executor,
-spin); this file holds the lifecycle and the tick.
+Cameras, joint states and an instruction in; an action chunk every tick, and language tokens on
+their own topic, out. The work of a tick is oxygen_ros.runtime.frame_loop.FrameLoop, the same code
+the bag replay runs. One robot or several (parameter `robots`), one path: a plain node serves a
+fleet of one (the robot '', its topics in the node's namespace); a fleet's robots each have their
+topics in their namespace (`arm_left/actions`), their own parameters (`arm_left.decode_budget`),
+rate, budget, KV quota and diagnostics, one model serving all. Jobs: ros/parameters.py (declare,
+validate on set, apply after set), ros/robot_io.py (one robot's topics), ros/ask_service.py
+(questions), ros/diagnostics.py, ros/log_bridge.py, ros/dds.py (discovery, executor, spin); this
+file holds the lifecycle and the tick.
 
 Two threads:
   executor        a SingleThreadedExecutor serving I/O only: the instruction subscriptions,
-                  lifecycle and parameter services, /diagnostics, the `ask` service (a
-                  coroutine awaiting its answer in a callback group of its own), and the wake
-                  timer, whose callback only wakes the control thread. Cameras and joint
-                  states are polled by the control thread (ros/polling.py). No callback runs
-                  for long (the ask service's awaits without running), so the
-                  executor sleeps in rcl_wait instead of spinning against the model for the GIL
-                  (a MultiThreadedExecutor next to a long callback: 2.2x slower inference).
+                  lifecycle and parameter services, /diagnostics, `ask` (a coroutine that
+                  awaits its answer without running), and the wake timer, whose callback only
+                  wakes the control thread. Cameras and joint states are polled by the control
+                  thread (ros/polling.py). No callback runs for long, so the executor sleeps
+                  in rcl_wait instead of spinning against the model for the GIL (a
+                  MultiThreadedExecutor next to a long callback: 2.2x slower inference).
   control thread  'oxy_control' (runtime.control.ControlThread): one FrameLoop.tick per
                   wake-up; the engine is touched by this thread only. The timer wakes it at
                   the robots' own ticks (FrameLoop.next_wake_s: 10 and 15 Hz robots, 25 a
                   second; never a finer common grid).
 
-Lifecycle: configure loads the model and wires topics; activate starts the thread and the
-timer; deactivate stops the timer, closes the outputs (nothing is published once it returns,
-even by a tick still running) and joins the thread. A thread still in a tick STOP_TIMEOUT_S
-later is kept, and activate is refused with the reason until it has ended (never two threads
-on one engine). Cleanup releases everything.
+Lifecycle: configure loads the model and wires topics; activate starts the thread and the timer;
+deactivate stops the timer, closes the outputs (nothing is published once it returns, even by a
+tick still running) and joins the thread. A thread still in a tick STOP_TIMEOUT_S later is kept,
+and activate is refused with the reason until it has ended (never two threads on one engine).
+Cleanup releases everything.
 
 Time: the wake timer, stamps and staleness use the node clock (use_sim_time follows /clock),
-diagnostics and autostart a steady clock. An ActionChunk is stamped with its observation's
-(first camera's) stamp, a LanguageChunk with its tick's (the node clock without a frame).
+diagnostics and autostart a steady clock. An ActionChunk is stamped with its observation's (first
+camera's) stamp, a LanguageChunk with its tick's (the node clock without a frame).
 """
 
 from __future__ import annotations
@@ -43,26 +42,22 @@ import time
 import traceback
 from typing import Callable
 
-from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
-from rclpy.task import Future
-
-from oxygen_ros.srv import Ask
 
 from oxygen_ros.ros.dds import (default_discovery_to_localhost, make_executor,  # noqa: F401
                                 run_node)
+from oxygen_ros.ros.ask_service import AskService
 from oxygen_ros.ros.diagnostics import configured_summary, NodeDiagnostics
-from oxygen_ros.ros.log_bridge import BridgeAttachment, EngineLogBridge
+from oxygen_ros.ros.log_bridge import BridgeAttachment, EngineLogBridge, log_at
 from oxygen_ros.ros.parameters import NodeParameters, Served
-from oxygen_ros.ros.robot_io import ns_to_stamp, RobotIO
+from oxygen_ros.ros.robot_io import RobotIO
 from oxygen_ros.runtime.changes import apply_to_engine, gather_s, with_change
 from oxygen_ros.runtime.control import ControlThread
 from oxygen_ros.runtime.frame_loop import FrameLoop, RobotLoop
 from oxygen_ros.runtime.params import FleetSettings, NODE_NAME, Settings, split_param_name
-from oxygen_ros.runtime.questions import Answer, refused
 from oxygen_ros.runtime.rtc import planner_for
-from oxygen_ros.runtime.status import ERROR, OK, ProblemLog, WARN
+from oxygen_ros.runtime.status import ERROR, ProblemLog, WARN
 
 STOP_TIMEOUT_S = 5.0   # deactivate waits this long for a running tick before giving up on it
 WAKE_TOLERANCE_S = 1e-3   # the wake timer is re-armed when it would fire further off a tick
@@ -81,7 +76,7 @@ class OxygenNode(LifecycleNode):
         self._engine_builder = engine_builder
         self._lifecycle = 'unconfigured'
         self._config_error = ''
-        self._problems = ProblemLog(self._log)
+        self._problems = ProblemLog(lambda level, text: log_at(self.get_logger(), level, text))
         self._engine = None
         self._settings: FleetSettings | None = None   # the robots served, rates resolved
         self._ios: dict[str, RobotIO] = {}            # robot name ('' for one) -> its topics
@@ -98,14 +93,7 @@ class OxygenNode(LifecycleNode):
         BridgeAttachment.attach(self._bridge)
         self._diagnostics = NodeDiagnostics(self, self._problems,
                                             self._params.value('diagnostics_period_s'))
-        # Questions (the ask service): its callback awaits the answer, so it has a group of its
-        # own (the default group would hold the wake timer until the answer came) and the
-        # control thread wakes the executor with the guard condition once it is ready.
-        self._ask_group = ReentrantCallbackGroup()
-        self._ask_ready = self.create_guard_condition(lambda: None,
-                                                      callback_group=self._ask_group)
-        self._ask_service = self.create_service(Ask, 'ask', self._on_ask,
-                                                callback_group=self._ask_group)
+        self._ask = AskService(self, lambda: self._loop, lambda: self._lifecycle)
         self._autostart_timer = None
         if self._params.value('autostart'):
             # A timer, not a call: configure runs inside the executor once it spins.
@@ -128,8 +116,7 @@ class OxygenNode(LifecycleNode):
             robot, base = split_param_name(name)
             if base == 'max_instruction_chars':
                 self._max_instruction_chars = value
-                for desk in self._desks():
-                    desk.max_chars = value
+                self._ask.set_max_chars(value)
             elif base == 'diagnostics_period_s':
                 self._diagnostics.start(value)
             elif base == 'stale_frame_timeout_s' and robot in self._ios:
@@ -229,9 +216,7 @@ class OxygenNode(LifecycleNode):
             robot.stats.reset()
         first_s = min(robot.period_s for robot in loop.robots.values())
         loop.restart(now_s + first_s)   # a fresh grid: every robot's tick 0 at the first wake
-        for desk in self._desks():
-            desk.max_chars = self._max_instruction_chars
-            desk.open()
+        self._ask.open(self._max_instruction_chars)
         node = self._settings.node
         self._control = ControlThread(self._control_tick, nice=node.control_nice,
                                       realtime_priority=node.control_priority)
@@ -272,8 +257,8 @@ class OxygenNode(LifecycleNode):
             self._wake_timer = None
         for io in self._ios.values():
             io.outputs.close()   # from here on nothing is published, whatever still runs
-        for desk in self._desks():   # open questions get their reason, not a hang
-            desk.close('the node was deactivated before the answer was ready')
+        # open questions get their reason, not a hang
+        self._ask.close('the node was deactivated before the answer was ready')
         control, self._control = self._control, None
         if control is not None and not control.stop(STOP_TIMEOUT_S):
             self._stuck = control   # activate refuses while it lives
@@ -329,50 +314,6 @@ class OxygenNode(LifecycleNode):
                 return   # shutting down (Ctrl-C)
             self._problems.event('tick', ERROR, f'control tick failed: {err!r}')
             self.get_logger().debug(traceback.format_exc())
-
-    # ---- questions (the ask service; executor) -------------------------------------------------
-
-    def _desks(self) -> list:
-        loop = self._loop
-        if loop is None:
-            return []
-        return [r.questions for r in loop.robots.values() if r.questions is not None]
-
-    async def _on_ask(self, request: Ask.Request, response: Ask.Response) -> Ask.Response:
-        """Answer a question from the robot's newest frame; awaits, never blocks the executor."""
-        future = Future()
-        answer = self._ask(request.question, request.robot, future)
-        if answer is None:   # asked: the control thread sets the future once it is answered
-            answer = await future
-        response.ok, response.reason, response.answer = answer.ok, answer.reason, answer.text
-        response.frame_index = answer.frame_index
-        response.stamp = ns_to_stamp(answer.stamp_ns)
-        response.finish_reason = answer.finish_reason
-        response.tokens = answer.tokens
-        response.wait_s = answer.wait_s
-        if not answer.ok:
-            self.get_logger().info(f'ask: no answer: {answer.reason}')
-        return response
-
-    def _ask(self, question: str, robot: str, future: Future) -> Answer | None:
-        """Ask; return the refusal, or None when asked (`future` gets the Answer then)."""
-        loop = self._loop
-        if self._lifecycle != 'active' or loop is None:
-            return refused(f'the node is {self._lifecycle}, not active: questions are answered '
-                           'from the frames of an active node')
-        names = list(loop.robots)
-        if not robot and len(names) == 1:
-            robot = names[0]
-        if robot not in loop.robots:
-            return refused(f'unknown robot {robot!r}; the node serves {names}')
-        desk = loop.robots[robot].questions
-        if desk is None:
-            return refused('questions are off for this robot (ask_tokens 0)')
-
-        def answered(answer: Answer) -> None:   # control thread (or deactivate)
-            future.set_result(answer)
-            self._ask_ready.trigger()
-        return desk.ask(question, answered)
 
     # ---- public state (diagnostics, tests) ----------------------------------------------------
 
@@ -441,15 +382,6 @@ class OxygenNode(LifecycleNode):
 
     def _now_s(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
-
-    def _log(self, level: int, message: str) -> None:
-        # One call site per severity: rclpy refuses a call site whose severity changes.
-        if level == OK:
-            self.get_logger().info(message)
-        elif level == WARN:
-            self.get_logger().warning(message)
-        else:
-            self.get_logger().error(message)
 
 
 def main(args=None, *, fast_exit: bool = True,
