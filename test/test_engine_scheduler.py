@@ -360,3 +360,29 @@ def test_scheduler_admission_failure_releases_the_frame_hold():
     with pytest.raises(RuntimeError, match='policy failed'):
         scheduler.admit(0, [])
     assert pool.num_in_use == 0
+
+
+def test_a_pending_extend_pass_is_priced_before_k_and_runs_first():
+    """A new request's template is one extend pass, first in the tick whatever the budget,
+    and the budget gives the decode steps only the time that pass leaves."""
+    def tick(extend_s):
+        budget = AdaptiveBudget(0.100, k_max=16, margin=0.0, prior_extend=(4, extend_s))
+        budget.observe_decode(1, 0.010)
+        budget.observe_decode(2, 0.010)
+        policy = LanguagePolicy(max_new_tokens=6, eos_id=None, prompt_template='x')
+        scheduler = Scheduler(policy, budget, KVPool(8), max_gen_len=12, max_forced_tokens=4)
+        scheduler.allocate_frame_slot(0)
+        scheduler.begin_language()
+        scheduler.admit(0, [5, 6, 7, 8])
+        return scheduler, scheduler.choose_k(elapsed_s=0.020), scheduler.schedule(0.020)
+
+    scheduler, k, plan = tick(0.0)
+    assert k == 8 and plan.extend and plan.prompts == [[5, 6, 7, 8]] and plan.gen_lens == [0]
+    assert scheduler.active[0].steps_left == 6   # N steps: the pass yields the first token
+    scheduler.update(plan, [9], seconds=0.0)
+    req = scheduler.active[0]
+    assert req.token_ids == [9] and req.gen_len == 4 and req.steps_left == 5
+    assert scheduler.schedule(0.020).tokens == [9]   # then decode steps feed what it made
+    # A 50 ms pass leaves 30 ms: three 10 ms decode steps, and the pass still runs first.
+    _, k, plan = tick(0.050)
+    assert k == 3 and plan.extend

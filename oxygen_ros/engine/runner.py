@@ -301,7 +301,7 @@ class ModelRunner:
         logits = self.model.extend_step(
             self.kv, slot_index, s.prefix_valid.index_select(0, slot_index),
             s.n_valid.index_select(0, slot_index), gen_len, tokens, n_tokens, gen=self.gen,
-            blocks=block_index, attend_len=attend_len)                                           # [B, vocab]
+            blocks=block_index, attend_len=attend_len)                       # [B, vocab]
         out = logits.argmax(-1).tolist()                                     # syncs
         self._add('decode', start)
         return out

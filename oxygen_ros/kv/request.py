@@ -11,9 +11,10 @@ language task) and writes its own generation block (storage index, not RoPE posi
 F = len(forced), G = tokens generated so far. `gen_len` = K/V entries written to the block
 = the index the next decode step writes at. A template of F >= 2 tokens is fed in ONE extend
 pass (a chunked prefill of the block: `pending_prompt`, `accept_extend`), whose last logits
-give the first generated token; so every request takes N token steps, template or not. RoPE positions continue from n_valid, so padding
-in the prefix costs no positions. n_valid is per-slot prefix state and lives with the K/V in
-the runner's KVStore; a request is counters and token ids only.
+give the first generated token; so every request takes N token steps, template or not.
+RoPE positions continue from n_valid, so padding in the prefix costs no positions. n_valid is
+per-slot prefix state and lives with the K/V in the runner's KVStore; a request is counters
+and token ids only.
 """
 
 from __future__ import annotations

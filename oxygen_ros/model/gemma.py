@@ -285,8 +285,9 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
     None when all are visible (the denoise step: the queries' own block; a decode step: its
     request's generation block, masked to the entries written). Every query sees the same
     keys, except with bias2 [B, Q, K2]: a mask per query over the second block (an extend
-    pass: causal over its own tokens). Equals `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, mask2)[:, None])`, and is
-    computed so: the heads sharing a K/V head fold into rows (fold_heads) and one fused SDPA
+    pass: causal over its own tokens). Equals
+    `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, mask2)[:, None])`, and is computed
+    so: the heads sharing a K/V head fold into rows (fold_heads) and one fused SDPA
     kernel runs. Why the copy: with a head dim of 32 (pi05-cpu), four separate matmuls and a
     softmax over the two blocks cost ~3x the concatenation plus one SDPA in bfloat16 (1.4x in
     float32). Returns [B, Q, N*D].
