@@ -47,6 +47,9 @@ class Budget(Protocol):
     def extend_estimate(self, tokens: int) -> float:
         """Seconds an extend pass over `tokens` padded query tokens is expected to take."""
 
+    def step_estimate(self, batch_size: int) -> float:
+        """Seconds a token step over `batch_size` rows is expected to take (0: not priced)."""
+
 
 def sizing_k(budget: Budget) -> int | None:
     """Return the k a pool is sized for under `budget`: its k_min (None: no batching)."""
@@ -76,6 +79,9 @@ class UnlimitedBudget:
         """Unused: nothing to plan."""
 
     def extend_estimate(self, tokens: int) -> float:
+        return 0.0
+
+    def step_estimate(self, batch_size: int) -> float:
         return 0.0
 
     def __str__(self) -> str:
@@ -119,6 +125,10 @@ class FixedBudget:
         """Record the time of one extend pass (unused here)."""
 
     def extend_estimate(self, tokens: int) -> float:
+        """Return 0: a fixed budget gives k steps whatever the time."""
+        return 0.0
+
+    def step_estimate(self, batch_size: int) -> float:
         """Return 0: a fixed budget gives k steps whatever the time."""
         return 0.0
 
@@ -258,6 +268,10 @@ class AdaptiveBudget:
 
     def observe_extend(self, tokens: int, seconds: float) -> None:
         self.extend_cost.observe(tokens, seconds)
+
+    def step_estimate(self, batch_size: int) -> float:
+        """Seconds of a token step over `batch_size` rows (0 while nothing is known)."""
+        return self.cost.estimate(max(batch_size, 1)) or 0.0
 
     def extend_estimate(self, tokens: int) -> float:
         """Seconds of an extend pass over `tokens` (nothing known: a one-row decode step)."""

@@ -37,9 +37,11 @@ evicted). Every tick (with a frame or without) each live request then takes at l
 
     minimum = ceil(steps_left / (deadline - now + 1))      (earliest deadline first, spread)
 
-token steps, whatever the budget's k (an adaptive budget gives k = 0 when the action path
-alone fills the frame), and the budget's deadline check never stops a frame below it. So every
-admitted request finishes by its deadline, the next frame always finds a slot, and requests
+token steps (below the highest priority live, only what its deadline forces: steps_left -
+(deadline - now) * k_min, so one ahead of its spread yields to a question), whatever the
+budget's k (an adaptive budget gives k = 0 when the action path alone fills the frame), and
+the budget's deadline check never stops a frame below it. So every admitted request
+finishes by its deadline, the next frame always finds a slot, and requests
 complete at a steady rate under overload: with the pool sized ceil(N / k_min) + 1, one request
 per frame and k_min = 1, one decode step per frame over the live requests. Frames are counted
 here (every act(), and every language-only frame of the parallel baseline), not taken from the
@@ -54,9 +56,10 @@ all on the frame's one prefix slot, each with a generation block of its own (a f
 then lives until its last request ends, so the room above counts distinct prefix slots). The
 task priority orders three things: admission (higher first, and a lower priority never takes
 a block a higher one's live requests will need: `_reserved_blocks`, so when the pool is short
-the lower priority is refused), the budget's token steps (a lower priority's k is chosen with the
-higher priorities' rows counted, and when the tick's time runs out the lower priority stops
-first, down to its minimum), and preemption (the lowest priority's newest request first).
+the lower priority is refused), the budget's token steps (a lower priority's k is chosen with
+the higher priorities' rows counted and after their steps' time, and when the tick's time
+runs out the lower priority stops first, down to its minimum), and preemption (the lowest
+priority's newest request first).
 
 On-demand tasks (questions, `LanguageTask.on_demand`): a caller asks with `ask(task, forced,
 ticket)`, the request's own forced tokens (its template with the question); the next frame's
@@ -439,10 +442,20 @@ class Scheduler:
             elapsed_s += self.budget.extend_estimate(extend.extend_tokens)
         ks = self._priority_ks(elapsed_s, deadline_s, other_rows)
         self._must = {}
+        top = max((r.priority for r in self.active), default=0)
+        k_min = max(self.budget.k_min, 1)
         for req in self.active:
             frames_left = req.deadline - self.now + 1
-            self._must[req.request_id] = (req.steps_left if frames_left < 1
-                                          else -(-req.steps_left // frames_left))
+            if frames_left < 1:
+                must = req.steps_left
+            elif req.priority < top:
+                # Below the top priority, only what its deadline forces now: a request
+                # ahead of its spread (earlier ticks' slack) yields its step to the higher
+                # ones (a question's answer); one on schedule still takes its k_min.
+                must = max(req.steps_left - (frames_left - 1) * k_min, 0)
+            else:
+                must = -(-req.steps_left // frames_left)
+            self._must[req.request_id] = must
         self._quota = {r.request_id: max(ks[r.priority], self._must[r.request_id])
                        for r in self.active}
         if self.budget.unlimited:
@@ -454,14 +467,24 @@ class Scheduler:
         """Return the budget's k of each priority level of the live requests.
 
         The highest level's k is chosen at its own rows, each lower level's with the rows of
-        every level above it counted too: the steps a lower priority adds run beside theirs,
-        so it gets what is left (the same k for all with a single level or a fixed budget).
-        The highest level is asked last, so the budget reports its k.
+        every level above it counted too (the steps a lower priority adds run beside theirs)
+        and after the time the levels above will spend on their own steps (the budget's
+        step_estimate): so it gets what is left (the same k for all with a single level or a
+        fixed budget). The highest level is asked last, so the budget reports its k.
         """
         levels = sorted({r.priority for r in self.active}, reverse=True) or [0]
         rows = {level: sum(r.priority >= level for r in self.active) for level in levels}
-        return {level: self.budget.choose(elapsed_s, rows[level] + other_rows, deadline_s)
-                for level in reversed(levels)}
+        ks, spent_s = {}, 0.0
+        for level in levels:
+            ks[level] = self.budget.choose(elapsed_s + spent_s, rows[level] + other_rows,
+                                           deadline_s)
+            if level != levels[-1]:
+                steps = max(r.steps_left for r in self.active if r.priority == level)
+                step_s = self.budget.step_estimate(rows[level] + other_rows)
+                spent_s += min(ks[level], steps) * step_s
+        if len(levels) > 1:
+            self.budget.choose(elapsed_s, rows[levels[0]] + other_rows, deadline_s)
+        return ks
 
     def schedule(self, elapsed_s: float, deadline_s: float | None = None,
                  other_rows: int = 0) -> StepPlan | None:
