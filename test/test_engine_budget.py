@@ -107,6 +107,21 @@ def test_adaptive_gives_nothing_without_slack():
     assert budget.choose(0.095 - 0.010, 1) == 1
 
 
+def test_adaptive_prices_an_extend_pass_by_its_own_cost():
+    """A pass over a template costs what was timed (configure's prior, then measured), not a
+    decode step; before anything is known it is priced as one one-row step."""
+    budget = AdaptiveBudget(0.100, k_max=16, margin=0.0)
+    assert budget.extend_estimate(40) == 0.0
+    budget.observe_decode(1, 0.002)
+    assert budget.extend_estimate(40) == 0.002
+    primed = AdaptiveBudget(0.100, k_max=16, margin=0.0, prior_extend=(48, 0.012))
+    assert primed.extend_estimate(48) == pytest.approx(0.012)
+    assert primed.extend_estimate(96) == pytest.approx(0.024)   # rows x tokens: pessimistic
+    primed.observe_extend(48, 0.020)   # slower than configure's: believed at once
+    assert primed.extend_estimate(48) == pytest.approx(0.020)
+    assert FixedBudget(2).extend_estimate(48) == 0.0
+
+
 def test_adaptive_rejects_bad_settings():
     with pytest.raises(ValueError):
         AdaptiveBudget(0.0)

@@ -258,16 +258,23 @@ def test_each_robot_equals_its_single_robot_engine(setup, max_prefill_rows):  # 
     robots = [FleetRobot('left', frontends['libero'], LanguagePolicy(max_new_tokens=7,
                                                                      eos_id=eos_id),
                          FixedBudget(2), seed=0),
-              FleetRobot('right', frontends['libero'], LanguagePolicy(max_new_tokens=5,
-                                                                      eos_id=None),
+              # Two robots with templates: their new requests share one extend pass.
+              FleetRobot('right', frontends['libero'],
+                         LanguagePolicy(max_new_tokens=5, eos_id=None,
+                                        prompt_template='Describe: '),
                          FixedBudget(1), seed=1),
-              FleetRobot('droid', frontends['droid'], LanguagePolicy(max_new_tokens=6,
-                                                                     eos_id=None),
+              FleetRobot('droid', frontends['droid'],
+                         LanguagePolicy(max_new_tokens=6, eos_id=None,
+                                        prompt_template='Say what the robot sees: '),
                          FixedBudget(3), seed=2),
               FleetRobot('aloha', frontends['aloha'], LanguagePolicy(max_new_tokens=4,
                                                                      eos_id=None),
                          FixedBudget(4), seed=3)]
     fleet = make_fleet(model, robots, max_prefill_rows=max_prefill_rows, debug=True)
+    extend_rows = []   # rows of every extend pass of the fleet
+    extend = fleet.runner.extend
+    fleet.runner.extend = lambda slots, *rest: extend_rows.append(len(slots)) or extend(
+        slots, *rest)
     singles = {r.name: make_system('oxygen', model, r.frontend, r.policy, k=r.budget.k,
                                    seed=r.seed, debug=True) for r in robots}
     fleet_requests, single_requests, fleet_results = {}, {}, []
@@ -304,6 +311,7 @@ def test_each_robot_equals_its_single_robot_engine(setup, max_prefill_rows):  # 
     assert any(len(tokens) < 7 for tokens in left.values())     # EOS stopped some
     # Batching really happened across robots: 3-4 prefill rows, decode steps over robots.
     assert {r.prefill_rows for r in fleet_results} == {3, 4}
+    assert extend_rows == [2] * 6   # each frame's two templated requests, in one pass
     assert max(r.decode_batch_size for r in fleet_results) > max(
         max(fr.batch_sizes, default=0) for r in fleet_results for fr in r.robots.values())
     assert fleet.pool.num_in_use == 0

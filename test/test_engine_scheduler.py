@@ -360,3 +360,69 @@ def test_scheduler_admission_failure_releases_the_frame_hold():
     with pytest.raises(RuntimeError, match='policy failed'):
         scheduler.admit(0, [])
     assert pool.num_in_use == 0
+
+
+def test_a_pending_extend_pass_is_priced_before_k_and_runs_first():
+    """A new request's template is one extend pass, first in the tick whatever the budget,
+    and the budget gives the decode steps only the time that pass leaves."""
+    def tick(extend_s):
+        budget = AdaptiveBudget(0.100, k_max=16, margin=0.0, prior_extend=(4, extend_s))
+        budget.observe_decode(1, 0.010)
+        budget.observe_decode(2, 0.010)
+        policy = LanguagePolicy(max_new_tokens=6, eos_id=None, prompt_template='x')
+        scheduler = Scheduler(policy, budget, KVPool(8), max_gen_len=12, max_forced_tokens=4)
+        scheduler.allocate_frame_slot(0)
+        scheduler.begin_language()
+        scheduler.admit(0, [5, 6, 7, 8])
+        return scheduler, scheduler.choose_k(elapsed_s=0.020), scheduler.schedule(0.020)
+
+    scheduler, k, plan = tick(0.0)
+    assert k == 8 and plan.extend and plan.prompts == [[5, 6, 7, 8]] and plan.gen_lens == [0]
+    assert scheduler.active[0].steps_left == 6   # N steps: the pass yields the first token
+    scheduler.update(plan, [9], seconds=0.0)
+    req = scheduler.active[0]
+    assert req.token_ids == [9] and req.gen_len == 4 and req.steps_left == 5
+    assert scheduler.schedule(0.020).tokens == [9]   # then decode steps feed what it made
+    # A 50 ms pass leaves 30 ms: three 10 ms decode steps, and the pass still runs first.
+    _, k, plan = tick(0.050)
+    assert k == 3 and plan.extend
+
+
+def test_a_lower_priority_ahead_of_its_spread_yields_its_step_to_a_question():
+    """Narration that earlier slack put ahead of its deadline takes no step while a question
+    is live, and its k comes after the question's steps: the tick's time is the question's."""
+    from oxygen_ros.engine import LanguageTask
+    budget = AdaptiveBudget(0.100, k_max=16, margin=0.0)
+    for rows in (1, 2):
+        budget.observe_decode(rows, 0.010)
+    tasks = (LanguageTask('narration', LanguagePolicy(max_new_tokens=6, every_n_frames=4,
+                                                      eos_id=None)),
+             LanguageTask('ask', LanguagePolicy(max_new_tokens=5, every_n_frames=0, eos_id=None,
+                                                prompt_template='Q: {question}', max_queue=2),
+                          priority=10, on_demand=True))
+    scheduler = Scheduler(tasks, budget, KVPool(8), max_gen_len=12, max_forced_tokens=4,
+                          blocks=KVPool(8))
+    rows_per_step = []
+
+    def tick(frame, elapsed_s):
+        scheduler.allocate_frame_slot(frame)
+        scheduler.begin_language()
+        scheduler.admit(frame)
+        scheduler.choose_k(elapsed_s)
+        while (plan := scheduler.schedule(elapsed_s)) is not None:
+            tasks_of = {r.request_id: r.task for r in scheduler.active}
+            rows_per_step.append((frame, plan.extend, [tasks_of[i] for i in plan.request_ids]))
+            scheduler.update(plan, [2] * plan.size, seconds=0.0)
+        scheduler.end_language()
+
+    tick(0, elapsed_s=0.080)   # 20 ms of slack: narration's first two tokens
+    (narration,) = scheduler.active
+    assert narration.steps_left == 4 and narration.deadline == 5
+    assert scheduler.ask('ask', [7, 8, 9], ticket=1) == ''
+    tick(1, elapsed_s=0.070)   # 30 ms: the question's pass and two steps, nothing else
+    assert [(e, t) for f, e, t in rows_per_step if f == 1] == [
+        (True, ['ask']), (False, ['ask']), (False, ['ask'])]
+    assert narration.steps_left == 4   # still on time: 4 steps, 4 frames to its deadline
+    tick(2, elapsed_s=0.090)   # narration on schedule again: its step, beside the question's
+    assert [t for f, _, t in rows_per_step if f == 2][0] == ['narration', 'ask']
+    assert all(r.task == 'narration' for r in scheduler.active)

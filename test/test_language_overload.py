@@ -63,6 +63,15 @@ class StingyBudget:
     def observe_decode(self, batch_size, seconds):
         pass
 
+    def observe_extend(self, tokens, seconds):
+        pass
+
+    def extend_estimate(self, tokens):
+        return 0.0
+
+    def step_estimate(self, batch_size):
+        return 0.0
+
 
 def overloaded_engine(overload):
     """The node's default language (N = 10, one request a frame, adaptive k) on a slow act."""

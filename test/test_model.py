@@ -490,3 +490,89 @@ def test_one_layer_body_serves_all_passes(model):
         for hook in hooks:
             hook.remove()
     assert calls == ['bb'] + ['ex'] * model.config.num_steps + ['bb']
+
+
+def _feed_one_by_one(model, prefix, b, gen, block, fed, start=0):
+    """Feed tokens `fed` to row b one decode step each (entries start..); last logits [V]."""
+    for j, token in enumerate(fed):
+        logits = model.decode_step(prefix.kv, prefix.slots[b:b + 1], prefix.valid[b:b + 1],
+                                   prefix.n_valid[b:b + 1], torch.tensor([start + j]),
+                                   torch.tensor([token]), gen=gen, blocks=torch.tensor([block]))
+    return logits[0]
+
+
+@torch.no_grad()
+def test_extend_equals_one_by_one_and_uncached(model):
+    """A template fed in one extend pass == fed one token per decode step == recomputed.
+
+    Same logits, same K/V entries, and the same greedy tokens when decoding goes on after it.
+    """
+    cfg = model.config
+    inputs = make_inputs(cfg, B=1, seed=13)
+    prefix = model.prefill(*inputs)
+    prompt = torch.randint(3, cfg.backbone.vocab_size, (9,),
+                           generator=torch.Generator().manual_seed(2)).tolist()
+    stepped, extended = KVTensors.allocate(cfg, 2, 16), KVTensors.allocate(cfg, 2, 16)
+    ref = _feed_one_by_one(model, prefix, 0, stepped, 1, prompt)
+    logits = model.extend_step(prefix.kv, prefix.slots, prefix.valid, prefix.n_valid,
+                               torch.tensor([0]), torch.tensor([prompt]), torch.tensor([9]),
+                               gen=extended, blocks=torch.tensor([1]))[0]
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, recompute_logits(model, *inputs, prompt), atol=1e-4,
+                               rtol=1e-4)
+    torch.testing.assert_close(extended.k[:, 1, :9], stepped.k[:, 1, :9], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(extended.v[:, 1, :9], stepped.v[:, 1, :9], atol=1e-5, rtol=1e-5)
+    assert extended.k[:, 0].abs().sum() == 0   # another block: untouched
+    # Greedy decoding after each: identical ids, and the uncached model's.
+    tokens = {}
+    for name, gen, first in (('stepped', stepped, ref), ('extended', extended, logits)):
+        out = [int(first.argmax())]
+        for j in range(5):
+            out.append(int(_feed_one_by_one(model, prefix, 0, gen, 1, out[-1:], 9 + j).argmax()))
+        tokens[name] = out
+    uncached = []
+    for _ in range(6):
+        uncached.append(int(recompute_logits(model, *inputs, prompt + uncached).argmax()))
+    assert tokens['extended'] == tokens['stepped'] == uncached
+
+
+@torch.no_grad()
+def test_batched_extend_equals_each_row_alone(model):
+    """Ragged rows (prompt lengths, entries already written) in one extend pass == alone.
+
+    One row continues a block that already holds entries (a chunk after a chunk), so the
+    pass also equals feeding a prompt in two chunks; padding tokens touch only the scratch.
+    """
+    cfg = model.config
+    B, E = 3, 20
+    inputs = make_inputs(cfg, B=B, seed=17)
+    prefix = model.prefill(*inputs)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, cfg.backbone.vocab_size, (n,), generator=g).tolist()
+               for n in (4, 11, 7)]
+    offsets = [0, 0, 3]   # row 2: its first 3 tokens fed before, by decode steps
+    batched, alone = KVTensors.allocate(cfg, B, E + 1), KVTensors.allocate(cfg, B, E + 1)
+    for gen in (batched, alone):
+        _feed_one_by_one(model, prefix, 2, gen, 2, prompts[2][:3])
+    rest = [p[off:] for p, off in zip(prompts, offsets)]
+    Q = max(map(len, rest))
+    logits = model.extend_step(
+        prefix.kv, prefix.slots, prefix.valid, prefix.n_valid, torch.tensor(offsets),
+        torch.tensor([p + [0] * (Q - len(p)) for p in rest]), torch.tensor(list(map(len, rest))),
+        gen=batched, blocks=torch.arange(B))
+    for b in range(B):
+        ref = model.extend_step(prefix.kv, prefix.slots[b:b + 1], prefix.valid[b:b + 1],
+                                prefix.n_valid[b:b + 1], torch.tensor([offsets[b]]),
+                                torch.tensor([rest[b]]), torch.tensor([len(rest[b])]),
+                                gen=alone, blocks=torch.tensor([b]))[0]
+        torch.testing.assert_close(logits[b], ref, atol=1e-4, rtol=1e-4)
+        stepped = _feed_one_by_one(model, prefix, b, KVTensors.allocate(cfg, B, E + 1), b,
+                                   prompts[b])
+        assert int(logits[b].argmax()) == int(stepped.argmax())
+        n = len(prompts[b])
+        torch.testing.assert_close(batched.k[:, b, :n], alone.k[:, b, :n], atol=1e-5, rtol=1e-5)
+        assert batched.k[:, b, n:E].abs().sum() == 0   # padding wrote only the scratch entry
+    with pytest.raises(ValueError, match='generated entries'):
+        model.extend_step(prefix.kv, prefix.slots[:1], prefix.valid[:1], prefix.n_valid[:1],
+                          torch.tensor([15]), torch.tensor([[3] * 6]), torch.tensor([6]),
+                          gen=batched, blocks=torch.tensor([0]))

@@ -18,7 +18,7 @@ from oxygen_ros.runtime.inputs import ObservationResult
 from oxygen_ros.runtime.params import ASK_PROMPT, check_value, Settings
 from oxygen_ros.runtime.questions import ASK, MAX_OPEN_QUESTIONS, QuestionDesk
 from test_engine import setup  # noqa: F401 - the model fixture
-from test_subtask import RecordedFrames, Sink
+from test_subtask import INSTRUCTION_TEXT, RecordedFrames, Sink
 
 PERIOD_S = 0.1
 QUESTION = 'what is in the gripper?'
@@ -81,6 +81,36 @@ def test_an_answer_equals_the_question_asked_alone_and_a_template_task(setup):  
              if r.task == ASK]
     assert asked[0].token_ids == request.token_ids
     assert answer.text == request.text.strip()
+
+
+def test_a_question_template_goes_in_one_extend_pass_at_its_admission(setup):  # noqa: F811
+    """The whole prompt (template + question) is one extend pass in the admitting tick, so the
+    answer takes N token steps: with k = 4 and N = 5, done one tick after admission."""
+    model, frontend = setup
+    engine = make_engine('oxygen', model, frontend, OTHERS + (ASK_TASK,), FixedBudget(4),
+                         num_slots=10, num_blocks=16, debug=True)
+    passes, now = [], [0]   # (tick, prompts) of every extend pass; the tick running
+    extend = engine.runner.extend
+    engine.runner.extend = lambda slots, blocks, gen_lens, prompts: (
+        passes.append((now[0], [list(p) for p in prompts])) or
+        extend(slots, blocks, gen_lens, prompts))
+    loop = FrameLoop.one(engine, RecordedFrames(), Sink(), PERIOD_S)
+    answers = []
+    forced = frontend.encode_text(ASK_PROMPT.replace('{question}', QUESTION))
+    assert len(forced) > 8
+    for tick in range(6):
+        if tick == 3:
+            assert loop.only.questions.ask(QUESTION, answers.append) is None
+        now[0] = tick
+        loop.tick(tick * PERIOD_S, serve_all=True)
+        if tick == 4:
+            assert answers and answers[0].ok and answers[0].tokens == 5, answers
+    assert [tick for tick, prompts in passes if forced in prompts] == [3]
+    # The subtask's template too: one pass per request (every 2 frames); nothing else
+    # (narration has no template).
+    subtask = frontend.encode_text(f'Subtask of {INSTRUCTION_TEXT}:')
+    assert [tick for tick, prompts in passes if subtask in prompts] == [0, 2, 4]
+    assert all(prompt in (forced, subtask) for _, prompts in passes for prompt in prompts)
 
 
 class Counting:

@@ -41,6 +41,15 @@ class Budget(Protocol):
     def observe_decode(self, batch_size: int, seconds: float) -> None:
         """Record the time of one token step over `batch_size` rows."""
 
+    def observe_extend(self, tokens: int, seconds: float) -> None:
+        """Record the time of one extend pass over `tokens` padded query tokens."""
+
+    def extend_estimate(self, tokens: int) -> float:
+        """Seconds an extend pass over `tokens` padded query tokens is expected to take."""
+
+    def step_estimate(self, batch_size: int) -> float:
+        """Seconds a token step over `batch_size` rows is expected to take (0: not priced)."""
+
 
 def sizing_k(budget: Budget) -> int | None:
     """Return the k a pool is sized for under `budget`: its k_min (None: no batching)."""
@@ -65,6 +74,15 @@ class UnlimitedBudget:
 
     def observe_decode(self, batch_size: int, seconds: float) -> None:
         """Unused: nothing to plan."""
+
+    def observe_extend(self, tokens: int, seconds: float) -> None:
+        """Unused: nothing to plan."""
+
+    def extend_estimate(self, tokens: int) -> float:
+        return 0.0
+
+    def step_estimate(self, batch_size: int) -> float:
+        return 0.0
 
     def __str__(self) -> str:
         return 'UnlimitedBudget()'
@@ -102,6 +120,17 @@ class FixedBudget:
 
     def observe_decode(self, batch_size: int, seconds: float) -> None:
         """Record the time of one token step over `batch_size` rows (unused here)."""
+
+    def observe_extend(self, tokens: int, seconds: float) -> None:
+        """Record the time of one extend pass (unused here)."""
+
+    def extend_estimate(self, tokens: int) -> float:
+        """Return 0: a fixed budget gives k steps whatever the time."""
+        return 0.0
+
+    def step_estimate(self, batch_size: int) -> float:
+        """Return 0: a fixed budget gives k steps whatever the time."""
+        return 0.0
 
     def __str__(self) -> str:
         return f'FixedBudget(k={self.k})'
@@ -174,12 +203,19 @@ class AdaptiveBudget:
     `allow_more()` re-checks the clock before each further step, so a frame whose steps run
     slower than estimated stops early instead of overrunning by k steps (the scheduler never
     stops below a request's minimum).
+
+    Extend passes (a new request's template in one pass) have a cost model of their own, by
+    padded query tokens: one costs several decode steps (pi05-cpu, eager: a 40-token pass
+    ~2.5x a one-row step). The scheduler adds the estimate of the tick's pending pass to the
+    elapsed time before choosing k. prior_extend: (tokens, seconds) of a pass timed at
+    configure, what the model assumes until it has measured one.
     """
 
     unlimited = False
 
     def __init__(self, frame_period_s: float, k_max: int = 16, margin: float = 0.05,
-                 ema: float = 0.3, prior_step_s: float | None = None, k_min: int = 1):
+                 ema: float = 0.3, prior_step_s: float | None = None, k_min: int = 1,
+                 prior_extend: tuple[int, float] | None = None):
         if frame_period_s <= 0 or not 1 <= k_min <= k_max or not 0 <= margin < 1:
             raise ValueError(f'bad AdaptiveBudget({frame_period_s}, k_min={k_min}, '
                              f'k_max={k_max}, margin={margin})')
@@ -188,6 +224,9 @@ class AdaptiveBudget:
         self.k_min = k_min
         self.margin = margin
         self.cost = StepCostModel(ema, prior_step_s)
+        self.extend_cost = StepCostModel(ema)   # padded query tokens -> seconds of a pass
+        if prior_extend is not None:
+            self.extend_cost.observe(*prior_extend)
         self.action_s: float | None = None   # EMA of the action path (reporting, planning)
         self._ema = ema
         self.last_k = 0
@@ -226,6 +265,20 @@ class AdaptiveBudget:
 
     def observe_decode(self, batch_size: int, seconds: float) -> None:
         self.cost.observe(batch_size, seconds)
+
+    def observe_extend(self, tokens: int, seconds: float) -> None:
+        self.extend_cost.observe(tokens, seconds)
+
+    def step_estimate(self, batch_size: int) -> float:
+        """Seconds of a token step over `batch_size` rows (0 while nothing is known)."""
+        return self.cost.estimate(max(batch_size, 1)) or 0.0
+
+    def extend_estimate(self, tokens: int) -> float:
+        """Seconds of an extend pass over `tokens` (nothing known: a one-row decode step)."""
+        estimate = self.extend_cost.estimate(tokens)
+        if estimate is None:
+            estimate = self.cost.estimate(1)
+        return estimate or 0.0
 
     def __str__(self) -> str:
         known = ', '.join(f'{b}:{s * 1e3:.2f}ms' for b, s in sorted(self.cost.known().items()))

@@ -533,6 +533,9 @@ class FleetEngine:
                 try:
                     if plan.first_token:
                         token_ids = runner.first_tokens(plan.slots)
+                    elif plan.extend:
+                        token_ids = runner.extend(plan.slots, plan.blocks, plan.gen_lens,
+                                                  plan.prompts)
                     else:
                         token_ids = runner.decode(plan.slots, plan.blocks, plan.gen_lens,
                                                   plan.tokens)
@@ -557,7 +560,10 @@ class FleetEngine:
             first = [(r, p) for r, p in plans if p.first_token]
             if first:
                 self._run_plans(first, first_token=True)
-            decode = [(r, p) for r, p in plans if not p.first_token]
+            extend = [(r, p) for r, p in plans if p.extend]
+            if extend:
+                self._run_extend(extend)
+            decode = [(r, p) for r, p in plans if not p.first_token and not p.extend]
             if decode:
                 rows = self._run_plans(decode, first_token=False)
                 own = {r.name: p.size for r, p in decode}
@@ -604,6 +610,25 @@ class FleetEngine:
             robot.scheduler.update(plan, [by_block[b] for b in plan.blocks], seconds,
                                    call_rows=len(slots))
         return len(slots)
+
+    def _run_extend(self, plans: list[tuple[FleetMember, StepPlan]]) -> None:
+        """Run the rows of several robots' extend passes as one model call (rows by block)."""
+        rows = sorted((block, slot, gen_len, prompt) for _, plan in plans
+                      for slot, block, gen_len, prompt
+                      in zip(plan.slots, plan.blocks, plan.gen_lens, plan.prompts))
+        blocks = [row[0] for row in rows]
+        try:
+            token_ids = self.runner.extend([row[1] for row in rows], blocks,
+                                           [row[2] for row in rows], [row[3] for row in rows])
+        except Exception as err:   # a language failure must not reach the action path
+            for robot, plan in plans:
+                robot.scheduler.fail(plan.request_ids, err)
+            return
+        by_block = dict(zip(blocks, token_ids))
+        padded = len(rows) * max(len(row[3]) for row in rows)
+        for robot, plan in plans:
+            robot.scheduler.update(plan, [by_block[b] for b in plan.blocks],
+                                   self.runner.last_call_s, call_rows=padded)
 
     # ---- results -------------------------------------------------------------------------
 

@@ -67,6 +67,10 @@ class Runner(Protocol):
                tokens: list[int]) -> list[int]:
         """Run one batched decode step (row b: prefix slot slots[b], its block blocks[b])."""
 
+    def extend(self, slots: list[int], blocks: list[int], gen_lens: list[int],
+               prompts: list[list[int]]) -> list[int]:
+        """Feed each row's prompts[b] in one pass; return the token after each row's last."""
+
 
 def padded_rows(slots: Sequence[int], num_slots: int, max_holes: int,
                 bucket_sizes: Sequence[int] = ()) -> tuple[list[int], list[int]]:
@@ -274,6 +278,33 @@ class ModelRunner:
         every = logits.argmax(-1).tolist()                                   # syncs
         self._add('decode', start)
         return [every[i] for i in real]
+
+    @torch.no_grad()
+    def extend(self, slots: list[int], blocks: list[int], gen_lens: list[int],
+               prompts: list[list[int]]) -> list[int]:
+        """One extend pass (blocks ascending): row b feeds prompts[b] into block blocks[b].
+
+        Rows are right-padded to the longest prompt (the padding writes the block's scratch
+        entry); returns the greedy token after each row's last prompt token. Eager: its
+        shapes (rows, longest prompt, attend length) change with every prompt. Timed as
+        language ('decode').
+        """
+        start = self.clock()
+        s = self.store
+        Q = max(map(len, prompts))
+        tokens = torch.tensor([p + [0] * (Q - len(p)) for p in prompts], dtype=torch.long)
+        n_tokens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        gen_len = torch.tensor(gen_lens, dtype=torch.long)
+        attend_len = attend_bucket(int((gen_len + n_tokens).max()), s.max_gen_len)
+        slot_index = torch.tensor(slots, dtype=torch.long).to(self.device)
+        block_index = torch.tensor(blocks, dtype=torch.long)
+        logits = self.model.extend_step(
+            self.kv, slot_index, s.prefix_valid.index_select(0, slot_index),
+            s.n_valid.index_select(0, slot_index), gen_len, tokens, n_tokens, gen=self.gen,
+            blocks=block_index, attend_len=attend_len)                       # [B, vocab]
+        out = logits.argmax(-1).tolist()                                     # syncs
+        self._add('decode', start)
+        return out
 
     def _step(self, slots: list[int], blocks: list[int], gen_lens: list[int],
               tokens: list[int], attend_len: int) -> torch.Tensor:

@@ -18,10 +18,11 @@ One frame, as the engine drives it:
                                                    own to prefill; the frame's hold on s_t ends
                    choose_k(elapsed) -> k          k token steps per live request, and at least
                                                    each one's minimum (its pool deadline)
-                   schedule() -> StepPlan | None   first tokens (LM head on the prefix), then
-                   update(plan, token_ids)         ONE batched decode step per token step
-                   fail(plan, error)               over every live request, whatever frame
-                   end_language() -> touched, ended    it started at
+                   schedule() -> StepPlan | None   first tokens (LM head on the prefix), one
+                   update(plan, token_ids)         extend pass over the new requests' templates,
+                   fail(plan, error)               then ONE batched decode step per token step
+                   end_language() -> touched, ended    over every live request, whatever frame
+                                                   it started at
 
 Progress under any overload (how vLLM keeps FCFS progress: admitted requests run to the end,
 new ones wait or are turned away, the newest is preempted first). Every frame's action path
@@ -36,9 +37,11 @@ evicted). Every tick (with a frame or without) each live request then takes at l
 
     minimum = ceil(steps_left / (deadline - now + 1))      (earliest deadline first, spread)
 
-token steps, whatever the budget's k (an adaptive budget gives k = 0 when the action path
-alone fills the frame), and the budget's deadline check never stops a frame below it. So every
-admitted request finishes by its deadline, the next frame always finds a slot, and requests
+token steps (below the highest priority live, only what its deadline forces: steps_left -
+(deadline - now) * k_min, so one ahead of its spread yields to a question), whatever the
+budget's k (an adaptive budget gives k = 0 when the action path alone fills the frame), and
+the budget's deadline check never stops a frame below it. So every admitted request
+finishes by its deadline, the next frame always finds a slot, and requests
 complete at a steady rate under overload: with the pool sized ceil(N / k_min) + 1, one request
 per frame and k_min = 1, one decode step per frame over the live requests. Frames are counted
 here (every act(), and every language-only frame of the parallel baseline), not taken from the
@@ -53,9 +56,10 @@ all on the frame's one prefix slot, each with a generation block of its own (a f
 then lives until its last request ends, so the room above counts distinct prefix slots). The
 task priority orders three things: admission (higher first, and a lower priority never takes
 a block a higher one's live requests will need: `_reserved_blocks`, so when the pool is short
-the lower priority is refused), the budget's token steps (a lower priority's k is chosen with the
-higher priorities' rows counted, and when the tick's time runs out the lower priority stops
-first, down to its minimum), and preemption (the lowest priority's newest request first).
+the lower priority is refused), the budget's token steps (a lower priority's k is chosen with
+the higher priorities' rows counted and after their steps' time, and when the tick's time
+runs out the lower priority stops first, down to its minimum), and preemption (the lowest
+priority's newest request first).
 
 On-demand tasks (questions, `LanguageTask.on_demand`): a caller asks with `ask(task, forced,
 ticket)`, the request's own forced tokens (its template with the question); the next frame's
@@ -91,10 +95,22 @@ class StepPlan:
     tokens: list[int]        # token fed at this step (decode rows)
     blocks: list[int] = dataclasses.field(default_factory=list)   # generation block of each
     #                          decode row, ascending (distinct: a block is one request's)
+    prompts: list[list[int]] = dataclasses.field(default_factory=list)   # an extend pass:
+    #                          the template tokens each row feeds (empty: not an extend)
 
     @property
     def size(self) -> int:
         return len(self.request_ids)
+
+    @property
+    def extend(self) -> bool:
+        """True: one extend pass feeds each row's pending template (runner.extend)."""
+        return bool(self.prompts)
+
+    @property
+    def extend_tokens(self) -> int:
+        """Query tokens of an extend pass as the runner pads it: rows x the longest prompt."""
+        return self.size * max(map(len, self.prompts), default=0)
 
 
 @dataclasses.dataclass
@@ -419,12 +435,27 @@ class Scheduler:
         tick's language must end (None: the budget's own period); other_rows: rows other
         robots add to each decode step (a fleet's), so the budget prices the whole step.
         """
+        # The templates still to feed run first this tick (their requests' first step is
+        # their minimum): the budget prices them before it gives decode steps.
+        extend = self.pending_extend()
+        if extend is not None:
+            elapsed_s += self.budget.extend_estimate(extend.extend_tokens)
         ks = self._priority_ks(elapsed_s, deadline_s, other_rows)
         self._must = {}
+        top = max((r.priority for r in self.active), default=0)
+        k_min = max(self.budget.k_min, 1)
         for req in self.active:
             frames_left = req.deadline - self.now + 1
-            self._must[req.request_id] = (req.steps_left if frames_left < 1
-                                          else -(-req.steps_left // frames_left))
+            if frames_left < 1:
+                must = req.steps_left
+            elif req.priority < top:
+                # Below the top priority, only what its deadline forces now: a request
+                # ahead of its spread (earlier ticks' slack) yields its step to the higher
+                # ones (a question's answer); one on schedule still takes its k_min.
+                must = max(req.steps_left - (frames_left - 1) * k_min, 0)
+            else:
+                must = -(-req.steps_left // frames_left)
+            self._must[req.request_id] = must
         self._quota = {r.request_id: max(ks[r.priority], self._must[r.request_id])
                        for r in self.active}
         if self.budget.unlimited:
@@ -436,14 +467,24 @@ class Scheduler:
         """Return the budget's k of each priority level of the live requests.
 
         The highest level's k is chosen at its own rows, each lower level's with the rows of
-        every level above it counted too: the steps a lower priority adds run beside theirs,
-        so it gets what is left (the same k for all with a single level or a fixed budget).
-        The highest level is asked last, so the budget reports its k.
+        every level above it counted too (the steps a lower priority adds run beside theirs)
+        and after the time the levels above will spend on their own steps (the budget's
+        step_estimate): so it gets what is left (the same k for all with a single level or a
+        fixed budget). The highest level is asked last, so the budget reports its k.
         """
         levels = sorted({r.priority for r in self.active}, reverse=True) or [0]
         rows = {level: sum(r.priority >= level for r in self.active) for level in levels}
-        return {level: self.budget.choose(elapsed_s, rows[level] + other_rows, deadline_s)
-                for level in reversed(levels)}
+        ks, spent_s = {}, 0.0
+        for level in levels:
+            ks[level] = self.budget.choose(elapsed_s + spent_s, rows[level] + other_rows,
+                                           deadline_s)
+            if level != levels[-1]:
+                steps = max(r.steps_left for r in self.active if r.priority == level)
+                step_s = self.budget.step_estimate(rows[level] + other_rows)
+                spent_s += min(ks[level], steps) * step_s
+        if len(levels) > 1:
+            self.budget.choose(elapsed_s, rows[levels[0]] + other_rows, deadline_s)
+        return ks
 
     def schedule(self, elapsed_s: float, deadline_s: float | None = None,
                  other_rows: int = 0) -> StepPlan | None:
@@ -457,6 +498,9 @@ class Scheduler:
         first = [r for r in self.active if r.needs_prefix_token and self._quota[r.request_id]]
         if first:
             return StepPlan(True, [r.request_id for r in first], [r.slot for r in first], [], [])
+        extend = self.pending_extend(self._quota)
+        if extend is not None:
+            return extend
         rows = [r for r in self.active if self._quota[r.request_id]]
         if rows and self.batch_sizes and not self.budget.allow_more(
                 elapsed_s, len(rows) + other_rows, deadline_s):
@@ -472,6 +516,25 @@ class Scheduler:
         return StepPlan(False, [r.request_id for r in rows], [r.slot for r in rows],
                         [r.gen_len for r in rows], [r.next_input_token() for r in rows],
                         [r.block for r in rows])
+
+    def pending_extend(self, quota: Mapping[int, int] | None = None) -> StepPlan | None:
+        """Return the extend pass over every live request with a template to feed, or None.
+
+        Such a request is new this tick (its first step, and so within its minimum: it runs
+        whatever the budget), and its whole template goes in one pass, batched with the
+        other new requests' (rows in block order). quota: only requests with steps left.
+        """
+        rows = sorted((r for r in self.active if r.pending_prompt
+                       and (quota is None or quota[r.request_id])), key=lambda r: r.block)
+        if not rows:
+            return None
+        for req in rows:
+            assert len(req.forced) <= self.max_gen_len, (
+                f'request {req.request_id}: {len(req.forced)} template tokens > '
+                f'{self.max_gen_len} block entries')
+        return StepPlan(False, [r.request_id for r in rows], [r.slot for r in rows],
+                        [r.gen_len for r in rows], [], [r.block for r in rows],
+                        [r.pending_prompt for r in rows])
 
     def _yield_by_priority(self, rows: list[RequestState], elapsed_s: float,
                            deadline_s: float | None, other_rows: int) -> list[RequestState]:
@@ -495,7 +558,8 @@ class Scheduler:
         """Give each row its next token (argmax of its logits); end finished requests.
 
         call_rows: rows of the model call that ran the plan (a fleet's step holds other
-        robots' rows too; None: the plan's own), what the budget learns the step's cost at.
+        robots' rows too; None: the plan's own), what the budget learns the step's cost at;
+        for an extend pass, the call's padded query tokens (None: the plan's extend_tokens).
         """
         assert len(token_ids) == plan.size, f'{len(token_ids)} tokens for {plan.size} rows'
         live = {r.request_id: r for r in self.active}
@@ -503,13 +567,17 @@ class Scheduler:
             req = live[request_id]
             if plan.first_token:
                 req.accept_prefix_token(token)
+            elif plan.extend:
+                req.accept_extend(token)
             else:
                 req.accept_decode_step(token)
             self._quota[request_id] -= 1
             self._must[request_id] = max(self._must[request_id] - 1, 0)
             if req.finished:
                 self._end(req, req.finish_reason)
-        if not plan.first_token:
+        if plan.extend:
+            self.budget.observe_extend(call_rows or plan.extend_tokens, seconds)
+        elif not plan.first_token:
             self.budget.observe_decode(call_rows or plan.size, seconds)
             self.batch_sizes.append(plan.size)
 

@@ -9,9 +9,12 @@ language task) and writes its own generation block (storage index, not RoPE posi
                         (template)   (the last one is never fed)
 
 F = len(forced), G = tokens generated so far. `gen_len` = K/V entries written to the block
-= the index the next decode step writes at. RoPE positions continue from n_valid, so padding
-in the prefix costs no positions. n_valid is per-slot prefix state and lives with the K/V in
-the runner's KVStore; a request is counters and token ids only.
+= the index the next decode step writes at. A template of F >= 2 tokens is fed in ONE extend
+pass (a chunked prefill of the block: `pending_prompt`, `accept_extend`), whose last logits
+give the first generated token; so every request takes N token steps, template or not.
+RoPE positions continue from n_valid, so padding in the prefix costs no positions. n_valid is
+per-slot prefix state and lives with the K/V in the runner's KVStore; a request is counters
+and token ids only.
 """
 
 from __future__ import annotations
@@ -68,14 +71,20 @@ class RequestState:
 
     @property
     def steps_left(self) -> int:
-        """Token steps until done: forced tokens still to feed, then one step per token.
+        """Token steps until done: one per token still to generate.
 
-        The step that feeds the last forced token yields the first generated token, so a
-        request with F forced tokens takes F - 1 + N steps in all (N without any).
+        The first token comes from one step whatever the template: the prefix's logits, the
+        extend pass over the whole template (F >= 2), or the decode step feeding its one
+        token; so a request takes N steps in all.
         """
-        if self.finished:
-            return 0
-        return max(len(self.forced) - self.gen_len - 1, 0) + self.tokens_left
+        return self.tokens_left
+
+    @property
+    def pending_prompt(self) -> list[int]:
+        """Template tokens an extend pass feeds next (empty: none, or one a decode step feeds)."""
+        if self.finished or len(self.forced) - self.gen_len < 2:
+            return []
+        return self.forced[self.gen_len:]
 
     @property
     def kv_entries_needed(self) -> int:
@@ -101,6 +110,12 @@ class RequestState:
     def accept_prefix_token(self, token_id: int) -> None:
         """Record the first token, argmax of the prefix logits (no K/V written)."""
         assert self.needs_prefix_token
+        self._emit(token_id)
+
+    def accept_extend(self, token_id: int) -> None:
+        """Record an extend pass: the pending template's K/V written; `token_id` comes first."""
+        assert self.pending_prompt, 'no template to extend'
+        self.gen_len = len(self.forced)
         self._emit(token_id)
 
     def accept_decode_step(self, token_id: int) -> None:

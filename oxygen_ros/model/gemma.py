@@ -284,8 +284,10 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
     slot's prefix read in place from the pool; k2, v2 [B, K2, G, D] with bias2 [B, K2], or
     None when all are visible (the denoise step: the queries' own block; a decode step: its
     request's generation block, masked to the entries written). Every query sees the same
-    keys. Equals `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, mask2)[:, None])`, and is
-    computed so: the heads sharing a K/V head fold into rows (fold_heads) and one fused SDPA
+    keys, except with bias2 [B, Q, K2]: a mask per query over the second block (an extend
+    pass: causal over its own tokens). Equals
+    `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, mask2)[:, None])`, and is computed
+    so: the heads sharing a K/V head fold into rows (fold_heads) and one fused SDPA
     kernel runs. Why the copy: with a head dim of 32 (pi05-cpu), four separate matmuls and a
     softmax over the two blocks cost ~3x the concatenation plus one SDPA in bfloat16 (1.4x in
     float32). Returns [B, Q, N*D].
@@ -295,7 +297,13 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
     keys = torch.cat([k1, k2], dim=1).transpose(1, 2)                        # [B, G, K, D]
     values = torch.cat([v1, v2], dim=1).transpose(1, 2)
     bias2 = bias1.new_zeros(B, K2, dtype=q.dtype) if bias2 is None else bias2.to(q.dtype)
-    bias = torch.cat([bias1.to(q.dtype), bias2], dim=1)                       # [B, K1+K2]
+    if bias2.dim() == 3:   # per query: [B, Q, K1+K2], repeated for the r folded heads
+        K = k1.shape[1] + K2
+        bias = torch.cat([bias1.to(q.dtype)[:, None].expand(B, Q, -1), bias2], dim=2)
+        mask = bias[:, None, None].expand(B, 1, N // G, Q, K).reshape(B, 1, N // G * Q, K)
+    else:
+        bias = torch.cat([bias1.to(q.dtype), bias2], dim=1)                   # [B, K1+K2]
+        mask = bias[:, None, None, :]                                         # [B, 1, 1, K]
     out = F.scaled_dot_product_attention(fold_heads(q, G), keys, values,
-                                         attn_mask=bias[:, None, None, :])  # [B, G, rQ, D]
+                                         attn_mask=mask)                      # [B, G, rQ, D]
     return unfold_heads(out, Q)                                               # [B, Q, N*D]

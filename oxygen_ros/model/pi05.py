@@ -7,7 +7,7 @@ Letters used in shapes (one per dimension; gemma.py and siglip.py use the same):
   step attends, Q query tokens of a pass, N query heads, G kv heads, D head dim,
   W width (We of the expert), V vocab.
 
-Inference is the three passes the engine schedules separately. All three run the same layer
+Inference is the passes the engine schedules separately. All run the same layer
 body (`GemmaLayer.forward`) and differ only in what they pass: positions, the conditioning,
 and `attend` (where this layer's K/V go and which keys, under which mask, the queries see).
   prefill        images + prompt -> per-layer K (after RoPE) / V of the prefix, written into
@@ -22,6 +22,9 @@ and `attend` (where this layer's K/V go and which keys, under which mask, the qu
                  entries under a mask, one softmax over both. Rows are independent, so
                  requests of different frames, and several of one frame sharing its prefix
                  slot (language tasks), batch by slot and block id.
+  extend_step    up to Q tokens per row in one pass (a request's prompt template: a chunked
+                 prefill of its generation block), causal among themselves; the last one's
+                 logits give the first generated token, as decode steps one by one would.
 
 Static shapes: with `attend_len` and ids on the model's device a decode step reads no tensor
 value on the host, and its shapes depend only on (B, attend_len), so `compile_decode` compiles
@@ -701,6 +704,79 @@ class Pi05Model(nn.Module):
                     generated_bias)                                             # [B, 1, N*D]
             x = layer(x, cos, sin, attend)
         h, _ = self.backbone.norm(x)
+        return self.lm_logits(h[:, 0])
+
+    @torch.no_grad()
+    def extend_step(self, kv: KVTensors, slots: torch.Tensor, prefix_valid: torch.Tensor,
+                    n_valid: torch.Tensor, gen_len: torch.Tensor, tokens: torch.Tensor,
+                    n_tokens: torch.Tensor, *, gen: KVTensors, blocks: torch.Tensor,
+                    attend_len: int | None = None) -> torch.Tensor:
+        """Feed up to Q tokens per row in one pass (a chunked prefill of the block) -> [B, V].
+
+        tokens long [B, Q], right-padded; row b feeds tokens[b, :n_tokens[b]] (1 <= n <= Q).
+        Its token j writes its K/V at entry gen_len[b] + j of generation block blocks[b] of
+        `gen` and sits at RoPE position n_valid[b] + gen_len[b] + j; it attends to the valid
+        prefix of slots[b] and to the block's entries [0, gen_len[b] + j] (the ones before it
+        and itself: causal). Returns the logits of each row's last fed token, which equal a
+        decode_step's after feeding the same tokens one by one. Padding tokens (j >= n_tokens)
+        write the block's scratch entry (its last, never read by a real row) and are dropped.
+
+        attend_len (J): generated entries read, >= max(gen_len + n_tokens) and at most the
+        block's max_len - 1 (None: exactly that max, from host ints). Other inputs as
+        decode_step's; runs eager (its (B, Q, J) vary with every prompt).
+        """
+        P = prefix_valid.shape[1]
+        room = gen.max_len - 1   # the last entry is the scratch
+        if attend_len is None:
+            attend_len = int((gen_len + n_tokens).max())
+        if not 0 < attend_len <= room:
+            raise ValueError(f'extend needs {attend_len} generated entries, a block has {room}')
+        device = kv.k.device
+        cos, sin = self.rope_tables(P + gen.max_len, device)
+        return self._extend_layers(kv.k, kv.v, gen.k, gen.v, cos, sin, slots, blocks,
+                                   prefix_valid.to(device), n_valid.to(device),
+                                   gen_len.to(device), tokens.to(device), n_tokens.to(device),
+                                   attend_len)
+
+    def _extend_layers(self, k_store: torch.Tensor, v_store: torch.Tensor,
+                       k_gen: torch.Tensor, v_gen: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor,
+                       prefix_valid: torch.Tensor, n_valid: torch.Tensor, gen_len: torch.Tensor,
+                       tokens: torch.Tensor, n_tokens: torch.Tensor, J: int) -> torch.Tensor:
+        """Tensor work of extend_step; the storage as _decode_layers' (gen_offset 0)."""
+        B, Q = tokens.shape
+        P = prefix_valid.shape[1]
+        device = k_store.device
+        run, block_run = host_run(slots), host_run(blocks)
+        block_index = blocks.to(device)[:, None].expand(B, Q)                   # [B, Q]
+        x = self.backbone.embed_tokens(tokens).to(self.compute_dtype)
+        x = x * math.sqrt(self.config.backbone.width)                           # [B, Q, W]
+        offset = torch.arange(Q, device=device)[None]                           # [1, Q]
+        fed = offset < n_tokens[:, None]                                        # [B, Q]
+        entry = gen_len[:, None] + offset                                       # [B, Q]
+        # Padding tokens: the row's first position (inside the RoPE table), scratch entry.
+        positions = n_valid[:, None] + torch.where(fed, entry, gen_len[:, None])
+        cos, sin = cos[positions], sin[positions]                               # [B, Q, D]
+        write_index = torch.where(fed, entry, k_gen.shape[2] - 1)               # [B, Q]
+        layer_index = torch.zeros_like(write_index)
+        visible = torch.arange(J, device=device)[None, None] <= entry[:, :, None]  # [B, Q, J]
+        dtype = self.compute_dtype
+        prefix_bias = key_bias(prefix_valid, dtype)                             # [B, P]
+        generated_bias = key_bias(visible, dtype)                               # [B, Q, J]
+        for i, layer in enumerate(self.backbone.layers):
+            def attend(q, k, v, i=i):   # write the Q tokens' K/V, attend prefix + block
+                where = (layer_index + i, block_index, write_index)
+                k_gen.index_put_(where, k.to(k_gen.dtype))                      # k [B, Q, G, D]
+                v_gen.index_put_(where, v.to(v_gen.dtype))
+                return attention_two_blocks(
+                    q, slot_rows(k_store[i], slots, run, 0, P).to(q.dtype),         # [B, P, G, D]
+                    slot_rows(v_store[i], slots, run, 0, P).to(q.dtype), prefix_bias,
+                    slot_rows(k_gen[i], blocks, block_run, 0, J).to(q.dtype),      # [B, J, G, D]
+                    slot_rows(v_gen[i], blocks, block_run, 0, J).to(q.dtype),
+                    generated_bias)                                             # [B, Q, N*D]
+            x = layer(x, cos, sin, attend)
+        last = x[torch.arange(B, device=device), n_tokens - 1]                 # [B, W]
+        h, _ = self.backbone.norm(last[:, None])
         return self.lm_logits(h[:, 0])
 
     def compile_decode(self, mode: str | None = 'default', kv: KVTensors | None = None,

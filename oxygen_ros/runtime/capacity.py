@@ -13,6 +13,11 @@
             batch B* = the requests live at once, ceil(ceil(N / k_min) / n) for one request
             every n frames (0 without language).
 
+  extend    not part of the tick: one extend pass over the longest prompt a request may
+            feed (a question's template, a task's), timed after the frames. It seeds the
+            adaptive budget's cost model of such passes (engine/budget.py), so the first
+            question's pass is priced before one was ever run.
+
 The timed frames run on a throwaway engine with the node's model, robot, language policy and
 threads, on random observations of the model's image size (larger camera frames add their
 resizing to act()). The first frame is not timed (torch's first calls allocate). With
@@ -50,6 +55,8 @@ class Capacity:
     steady_batch: int       # B*: requests live at once in the steady state
     frames: int             # timed frames behind the figures
     label: str              # what was timed, e.g. 'preset pi05-cpu'
+    extend: tuple[int, float] | None = None   # (tokens, seconds) of one extend pass over the
+    #                         longest prompt a request feeds (None: no task has a template)
 
     @property
     def tick_s(self) -> float:
@@ -84,8 +91,11 @@ class Capacity:
 
     def values(self) -> dict:
         """Return the figures for diagnostics (numbers)."""
-        return {'capacity_hz': self.rate_hz, 'capacity_act_ms': 1e3 * self.act_s,
-                'capacity_language_ms': 1e3 * self.language_s}
+        values = {'capacity_hz': self.rate_hz, 'capacity_act_ms': 1e3 * self.act_s,
+                  'capacity_language_ms': 1e3 * self.language_s}
+        if self.extend is not None:
+            values['capacity_extend_ms'] = 1e3 * self.extend[1]
+        return values
 
 
 def resolve_rate(asked_hz: float, capacity: Capacity | None) -> float:
@@ -141,8 +151,24 @@ def time_ticks(tick: Callable[[int], tuple[float, float, int]], *,
     return timed
 
 
-def capacity_from(timed: list[tuple[float, float, int]], batch: int, label: str) -> Capacity:
+def capacity_from(timed: list[tuple[float, float, int]], batch: int, label: str,
+                  extend: tuple[int, float] | None = None) -> Capacity:
     """Return the Capacity of timed frames (time_ticks) at the steady batch `batch`."""
     act_s = statistics.median(act for act, _, _ in timed)
     a, b = fit_line([(float(n), max(frame - act, 0.0)) for act, frame, n in timed])
-    return Capacity(act_s, max(a + b * batch, 0.0), batch, len(timed), label)
+    return Capacity(act_s, max(a + b * batch, 0.0), batch, len(timed), label, extend)
+
+
+def time_extend(extend: Callable[[int], None], tokens: int, repeats: int = 3,
+                clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
+    """Time extend(tokens) (one pass feeding `tokens`): (tokens, median of `repeats` seconds).
+
+    One untimed call first (the first call of a shape allocates).
+    """
+    extend(tokens)
+    seconds = []
+    for _ in range(repeats):
+        start = clock()
+        extend(tokens)
+        seconds.append(clock() - start)
+    return tokens, statistics.median(seconds)

@@ -19,8 +19,8 @@ import torch
 from oxygen_ros.engine import (AdaptiveBudget, Budget, Engine as EngineView, FixedBudget,
                                FleetRobot, Frontend, identity_norm_stats, LanguagePolicy,
                                LanguageTask, make_fleet, random_observation, random_setup)
-from oxygen_ros.engine.fleet import (num_blocks_for, ONE_ROBOT, pool_block_bytes,
-                                     pool_slot_bytes)
+from oxygen_ros.engine.fleet import (forced_token_room, num_blocks_for, ONE_ROBOT,
+                                     pool_block_bytes, pool_slot_bytes)
 from oxygen_ros.engine.hardware import choose_dtype
 from oxygen_ros.engine.prepare import (CompilePlan, prepare_model, runner_options, seal,
                                        sealed, warm_up)
@@ -31,7 +31,8 @@ from oxygen_ros.model.robot_spec import (check_fits_model, check_norm_stats, get
                                          RobotSpec, RobotSpecError)
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer
 from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, resolve_rate,
-                                         steady_batch, time_ticks, TIMED_FRAMES)
+                                         steady_batch, time_extend, time_ticks,
+                                         TIMED_FRAMES)
 from oxygen_ros.runtime.params import FleetSettings, Settings
 from oxygen_ros.runtime.procfs import meminfo_kb
 from oxygen_ros.runtime.questions import ASK, ASK_TOPIC, MAX_OPEN_QUESTIONS
@@ -349,10 +350,16 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
     label = _timing_label(node)
     if len(robots) > 1:
         label += f' with {len(robots)} robots ticking together'
+    # The longest prompt a request of these robots feeds in one extend pass (0: none).
+    tokens = min(forced_token_room([t for r in robots for t in r.tasks]),
+                 system.runner.store.max_gen_len)
     try:
         with sealed(model):   # the timed frames run the compiled passes, never a compile
             timed = time_ticks(tick, clock=clock)
-        return capacity_from(timed, batch, label)
+            # Into block 0 of this throwaway engine, on slot 0's prefix of a timed frame.
+            extend = (time_extend(lambda n: system.runner.extend([0], [0], [0], [[2] * n]),
+                                  tokens, clock=clock) if tokens >= 2 else None)
+        return capacity_from(timed, batch, label, extend)
     finally:
         system.close()
 
@@ -443,12 +450,17 @@ def build_engine(settings: Settings, warmup: bool = True) -> Engine:
                                settings=engine.settings.robots[ONE_ROBOT])
 
 
-def budget_for(settings: Settings) -> Budget:
-    """Return the decode budget a robot's settings ask for: fixed k, or adaptive to its period."""
+def budget_for(settings: Settings, capacity: Capacity | None = None) -> Budget:
+    """Return the decode budget a robot's settings ask for: fixed k, or adaptive to its period.
+
+    capacity: what configure timed; its extend pass is the adaptive budget's first estimate of
+    one (a question's template in one pass).
+    """
     k = settings.decode_budget
     if k is not None:
         return FixedBudget(k)
-    return AdaptiveBudget(settings.period_s, k_max=settings.tokens_per_request)
+    return AdaptiveBudget(settings.period_s, k_max=settings.tokens_per_request,
+                          prior_extend=capacity.extend if capacity is not None else None)
 
 
 def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
@@ -500,7 +512,7 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     fleet = dataclasses.replace(
         fleet, node=with_rate(node, capacity),
         robots={name: with_rate(s, capacity) for name, s in fleet.robots.items()})
-    robots = [FleetRobot(name, frontends[s.robot], policies[name], budget_for(s),
+    robots = [FleetRobot(name, frontends[s.robot], policies[name], budget_for(s, capacity),
                          kv_quota=s.kv_capacity or None, seed=s.seed)
               for name, s in fleet.robots.items()]
     system = make_fleet(model, robots, kv_dtype=kv_dtype, max_prefill_rows=max_prefill_rows,
