@@ -31,7 +31,7 @@ class AskService:
                                             callback_group=self._group)
 
     def desks(self) -> list:
-        """The question desks of the loop's robots (questions on)."""
+        """Return the question desks of the loop's robots (those with questions on)."""
         loop = self._loop()
         if loop is None:
             return []
