@@ -181,17 +181,11 @@ class QuestionDesk:
             found = [(self._open.pop(r.ticket), r) for r in ended if r.ticket in self._open]
         for question, request in found:
             reason = FinishReason(request.finish_reason)
-            if reason.completed:
-                answer = Answer(True, request.text.strip(), '', request.origin_frame,
-                                self._frames.get(request.origin_frame, 0), str(reason),
-                                len(request.token_ids))
-            else:
-                answer = Answer(False, request.text.strip(),
-                                f'the answer was {reason}' + (f': {request.error}'
-                                                              if request.error else ''),
-                                request.origin_frame, self._frames.get(request.origin_frame, 0),
-                                str(reason), len(request.token_ids))
-            self._answer(question, answer)
+            why = '' if reason.completed else (
+                f'the answer was {reason}' + (f': {request.error}' if request.error else ''))
+            self._answer(question, Answer(
+                reason.completed, request.text.strip(), why, request.origin_frame,
+                self._frames.get(request.origin_frame, 0), str(reason), len(request.token_ids)))
 
     def _answer(self, question: _Question, answer: Answer) -> None:
         answer = dataclasses.replace(answer, wait_s=self.clock() - question.asked_s)
