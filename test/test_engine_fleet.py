@@ -337,7 +337,8 @@ def test_batched_rows_equal_rows_alone(setup):  # noqa: F811 - the fixture
 
 
 def test_rows_side_by_side_equal_rows_in_turn(setup):  # noqa: F811 - the fixture
-    """row_threads: each robot's prefill and denoise on its own thread, same outputs."""
+    """row_threads: each robot's prefill, denoise and token steps on its own thread, same
+    outputs as the rows in turn and one batched decode step over every robot's rows."""
     model, libero = setup
     policy = LanguagePolicy(max_new_tokens=3, eos_id=None)
 
@@ -345,6 +346,17 @@ def test_rows_side_by_side_equal_rows_in_turn(setup):  # noqa: F811 - the fixtur
         return [FleetRobot(f'r{i}', libero, policy, FixedBudget(1), seed=i) for i in range(3)]
     threaded = make_fleet(model, robots(), max_prefill_rows=1, row_threads=2, debug=True)
     in_turn = make_fleet(model, robots(), max_prefill_rows=1, debug=True)
+    decoding_threads, batched_rows = set(), []
+    threaded_decode, in_turn_decode = threaded.runner.decode, in_turn.runner.decode
+
+    def on_row_thread(slots, *args):
+        decoding_threads.add(threading.current_thread().name)
+        return threaded_decode(slots, *args)
+
+    def batched(slots, *args):
+        batched_rows.append(len(slots))
+        return in_turn_decode(slots, *args)
+    threaded.runner.decode, in_turn.runner.decode = on_row_thread, batched
     try:
         for frame in range(3):
             observations = {f'r{i}': robot_obs('libero', 3 * frame + i) for i in range(3)}
@@ -354,8 +366,11 @@ def test_rows_side_by_side_equal_rows_in_turn(setup):  # noqa: F811 - the fixtur
                                            b.robots[name].action.actions, atol=1e-5, rtol=0)
                 assert ([d.token_ids for d in a.robots[name].deltas]
                         == [d.token_ids for d in b.robots[name].deltas])
-        # The rows ran on the engine's row threads.
+        # The rows ran on the engine's row threads, the decode steps too (each robot's own
+        # rows); without row threads one step held several robots' rows.
         assert any(t.name.startswith('oxy_rows') for t in threading.enumerate())
+        assert decoding_threads and all(n.startswith('oxy_rows') for n in decoding_threads)
+        assert max(batched_rows) > 1
     finally:
         threaded.close()
     with pytest.raises(ValueError, match='row_threads'):

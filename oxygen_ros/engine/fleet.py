@@ -35,7 +35,9 @@ process's torch threads divided among them. On a CPU that is what R separate pro
 from their cores, without their R copies of the weights; one batched call with all torch
 threads on one row loses to it (measured on 2 cores, 2 robots: 1.6 rows/s side by side with
 one torch thread each, 1.5 rows/s from 2 processes, 0.3-1.0 rows/s from one call with 2
-threads while other work ran). The decode steps stay batched, on the calling thread.
+threads while other work ran). The token steps follow the rows: each robot's steps (its own
+requests batched across its frames) on its row thread, side by side, so no core idles while
+one thread decodes every robot's rows.
 
 KV quotas: the store's slots are partitioned (KVPool.partition); a robot's scheduler sees a
 QuotaPool of its quota and admits only what its quota holds to the end (scheduler.py), and the
@@ -465,8 +467,10 @@ class FleetEngine:
                 frames[robot.name] = frame
                 self._admit(frame)
             working.append(robot)
-        # A robot's budget prices a decode step by all its rows: the others' live requests too.
-        live = sum(len(r.scheduler.active) for r in working) if len(working) > 1 else 0
+        # A robot's budget prices a decode step by all its rows: the others' live requests too
+        # (with row threads each robot's steps hold only its own).
+        live = (sum(len(r.scheduler.active) for r in working)
+                if len(working) > 1 and self._rows is None else 0)
         ks = {r.name: r.scheduler.choose_k(self.clock() - tick_start, deadline_s,
                                            max(live - len(r.scheduler.active), 0))
               for r in working}
@@ -526,25 +530,15 @@ class FleetEngine:
     def _token_steps(self, working: list[FleetMember], tick_start: float,
                      deadline_s: float | None) -> list[int]:
         """Run rounds of every robot's next step together; return rows of each decode step."""
-        batch_sizes = []
         if len(working) == 1:   # one robot: its plans one after another, nothing to merge
-            scheduler, runner = working[0].scheduler, self.runner
-            while (plan := scheduler.schedule(self.clock() - tick_start, deadline_s)) is not None:
-                try:
-                    if plan.first_token:
-                        token_ids = runner.first_tokens(plan.slots)
-                    elif plan.extend:
-                        token_ids = runner.extend(plan.slots, plan.blocks, plan.gen_lens,
-                                                  plan.prompts)
-                    else:
-                        token_ids = runner.decode(plan.slots, plan.blocks, plan.gen_lens,
-                                                  plan.tokens)
-                except Exception as err:   # a language failure must not reach the action path
-                    scheduler.fail(plan.request_ids, err)
-                    continue
-                scheduler.update(plan, token_ids, runner.last_call_s)
-            return list(scheduler.batch_sizes)
-        open_robots = list(working)
+            return self._robot_steps(working[0], tick_start, deadline_s)
+        if self._rows is not None:
+            # Row threads: each robot's steps on its own thread, side by side, as its rows
+            # of the action path (one core idles while the other decodes every robot's rows).
+            per_robot = self._rows.map(
+                lambda robot: self._robot_steps(robot, tick_start, deadline_s), working)
+            return [rows for sizes in per_robot for rows in sizes]
+        batch_sizes, open_robots = [], list(working)
         # A robot's budget judges a step by all its rows: the other robots' rows of the round
         # before are added to its own.
         rows, own = 0, {}
@@ -569,6 +563,26 @@ class FleetEngine:
                 own = {r.name: p.size for r, p in decode}
                 batch_sizes.append(rows)
         return batch_sizes
+
+    def _robot_steps(self, robot: FleetMember, tick_start: float,
+                     deadline_s: float | None) -> list[int]:
+        """Run one robot's plans one after another; return the rows of its decode steps."""
+        scheduler, runner = robot.scheduler, self.runner
+        while (plan := scheduler.schedule(self.clock() - tick_start, deadline_s)) is not None:
+            try:
+                if plan.first_token:
+                    token_ids = runner.first_tokens(plan.slots)
+                elif plan.extend:
+                    token_ids = runner.extend(plan.slots, plan.blocks, plan.gen_lens,
+                                              plan.prompts)
+                else:
+                    token_ids = runner.decode(plan.slots, plan.blocks, plan.gen_lens,
+                                              plan.tokens)
+            except Exception as err:   # a language failure must not reach the action path
+                scheduler.fail(plan.request_ids, err)
+                continue
+            scheduler.update(plan, token_ids, runner.last_call_s)
+        return list(scheduler.batch_sizes)
 
     def _run_plans(self, plans: list[tuple[FleetMember, StepPlan]], first_token: bool) -> int:
         """Run the rows of several robots' plans as one model call; return the row count."""

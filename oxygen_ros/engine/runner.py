@@ -23,6 +23,7 @@ width, H action rows, A action width (storage letters as in kv/store.py).
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -139,7 +140,9 @@ class ModelRunner:
         max_rows = max((self.store.num_blocks,) + self.bucket_sizes)
         self._step_inputs = torch.zeros(4, max_rows, dtype=torch.long, device=device)
         self.seconds = dict.fromkeys(MODEL_CALLS, 0.0)   # model time since reset_times()
-        self.last_call_s = 0.0                            # duration of the latest call
+        # A fleet's row threads call the runner at once: each reads its own latest call.
+        self._calls = threading.local()
+        self._seconds_lock = threading.Lock()
 
     @property
     def action_shape(self) -> tuple[int, int]:
@@ -154,9 +157,15 @@ class ModelRunner:
     def model_seconds(self) -> float:
         return sum(self.seconds.values())
 
+    @property
+    def last_call_s(self) -> float:
+        """Duration of this thread's latest model call."""
+        return getattr(self._calls, 'seconds', 0.0)
+
     def _add(self, call: str, start: float) -> None:
-        self.last_call_s = self.clock() - start
-        self.seconds[call] += self.last_call_s
+        seconds = self._calls.seconds = self.clock() - start
+        with self._seconds_lock:
+            self.seconds[call] += seconds
 
     def _sync(self) -> None:
         if self.device.type == 'cuda':

@@ -18,6 +18,7 @@ quotas add up to at most the pool, so no robot's requests can take another robot
 from __future__ import annotations
 
 import heapq
+import threading
 
 
 class SlotError(RuntimeError):
@@ -64,6 +65,8 @@ class KVPool(_SlotBytes):
         self.num_allocations = 0     # successful allocate() calls, for accounting
         self.num_refusals = 0        # allocate() calls that found the pool full
         self.shares: dict[str, QuotaPool] = {}   # set once by partition()
+        # A fleet's robots may finish requests on their row threads at once (fleet.py).
+        self._lock = threading.Lock()
 
     # ---- sizes -----------------------------------------------------------------------------
 
@@ -79,6 +82,10 @@ class KVPool(_SlotBytes):
 
     def allocate(self, holder: str) -> int | None:
         """Take the lowest free slot for `holder`; None (and no change at all) when full."""
+        with self._lock:
+            return self._allocate(holder)
+
+    def _allocate(self, holder: str) -> int | None:
         if not self._free:
             self.num_refusals += 1
             return None
@@ -90,6 +97,10 @@ class KVPool(_SlotBytes):
 
     def retain(self, slot: int, holder: str) -> None:
         """Add `holder` to a slot that is already in use (e.g. a request adopting a frame)."""
+        with self._lock:
+            self._retain(slot, holder)
+
+    def _retain(self, slot: int, holder: str) -> None:
         holders = self._holders_of(slot)
         # Raised, not asserted: a wrong retain or release must stop the caller under -O too,
         # before the accounting drifts (a double release would hand one slot out twice).
@@ -101,6 +112,10 @@ class KVPool(_SlotBytes):
 
     def release(self, slot: int, holder: str) -> bool:
         """Drop `holder` from `slot`; return True when that freed the slot."""
+        with self._lock:
+            return self._release(slot, holder)
+
+    def _release(self, slot: int, holder: str) -> bool:
         holders = self._holders_of(slot)
         if holder not in holders:
             raise SlotError(f'{holder!r} does not hold slot {slot} (holders {holders})')
