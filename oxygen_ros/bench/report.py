@@ -141,8 +141,9 @@ def robots_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
              f'S={first["steps"]}, {first["frames"]} measured ticks)', '',
              'fleet = one process, one model, one FleetEngine (prefills of the R frames: '
              f'{chunk_text}; one denoise over the R frames, decode steps over every robot\'s '
-             'requests; on the CPU each robot\'s prefill and denoise on its own thread, the '
-             'torch threads divided among them); separate = R '
+             'requests; on the CPU each robot\'s prefill, denoise and token steps on its own '
+             'thread, the torch threads divided among them, so it may beat the serial ideal '
+             'below); separate = R '
              'processes with a single-robot engine each, side by side; sequential = one model, '
              'R single-robot engines served in turn. Robot Hz = H / mean frame time (fleet, '
              'sequential: the tick); latency = observation to actions (sequential: from the '

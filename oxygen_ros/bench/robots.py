@@ -9,7 +9,8 @@ fixed k), each in fresh worker processes so their memory peaks are their own:
                 gains nothing and costs activations; all R on an accelerator), ONE denoise over
                 the R frames, decode steps over every robot's live requests. On the CPU with
                 R >= 2 the rows run side by side instead (the node's row_threads: each robot's
-                prefill and denoise on its own thread, the torch threads divided among them),
+                prefill, denoise and token steps on its own thread, the torch threads
+                divided among them),
                 what R separate processes get from their cores
     separate    R processes, one single-robot oxygen engine each (its own weights), running
                 side by side on the same cores (max(1, threads // R) torch threads each)
