@@ -72,8 +72,8 @@ class CompilePlan:
     def describe(self) -> str:
         denoise = 'denoise loop' if self.whole_loop else 'denoise step'
         passes = [name for name, on in (('vision', self.vision), ('prefill', self.prefill),
-                                        (denoise, self.denoise), ('decode step', self.decode))
-                  if on]
+                                        (denoise, self.denoise),
+                                        ('decode step and extend pass', self.decode)) if on]
         what = f'compiled: {", ".join(passes)} ({self.mode})' if passes else 'eager'
         return f'{what}: {self.reason}'
 
@@ -162,6 +162,9 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
     else:
         model.compile_actions(None)
     model.compile_decode(mode, kv, config) if plan.decode else model.compile_decode(None)
+    # An extend pass (a new request's template) has the decode step's weights; its prompt
+    # length varies, so no CUDA graphs (as the prefill).
+    model.compile_extend(prefill_mode, config) if plan.decode else model.compile_extend(None)
     logger.info('model passes %s', plan.describe())
     if plan.denoise:
         logger.info('real-time chunking (rtc_mode guided or prefix) runs its denoise steps '

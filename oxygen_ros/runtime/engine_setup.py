@@ -27,6 +27,7 @@ from oxygen_ros.engine.prepare import (CompilePlan, prepare_model, runner_option
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
 from oxygen_ros.model.config import get_preset
+from oxygen_ros.model.pi05 import extend_bucket
 from oxygen_ros.model.robot_spec import (check_fits_model, check_norm_stats, get_robot,
                                          RobotSpec, RobotSpecError)
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer
@@ -350,15 +351,20 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
     label = _timing_label(node)
     if len(robots) > 1:
         label += f' with {len(robots)} robots ticking together'
-    # The longest prompt a request of these robots feeds in one extend pass (0: none).
+    # The longest prompt a request of these robots feeds in one extend pass (0: none), as
+    # the runner pads it (the budget's cost model of passes counts padded tokens).
     tokens = min(forced_token_room([t for r in robots for t in r.tasks]),
                  system.runner.store.max_gen_len)
     try:
         with sealed(model):   # the timed frames run the compiled passes, never a compile
             timed = time_ticks(tick, clock=clock)
             # Into block 0 of this throwaway engine, on slot 0's prefix of a timed frame.
-            extend = (time_extend(lambda n: system.runner.extend([0], [0], [0], [[2] * n]),
-                                  tokens, clock=clock) if tokens >= 2 else None)
+            extend = None
+            if tokens >= 2:
+                _, seconds = time_extend(
+                    lambda n: system.runner.extend([0], [0], [0], [[2] * n]), tokens,
+                    clock=clock)
+                extend = (extend_bucket(tokens), seconds)
         return capacity_from(timed, batch, label, extend)
     finally:
         system.close()
