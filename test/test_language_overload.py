@@ -57,6 +57,9 @@ class StingyBudget:
     def allow_more(self, elapsed_s, batch_size, deadline_s=None):
         return False
 
+    def time_left(self, elapsed_s, deadline_s=None):
+        return 0.0
+
     def observe_action(self, seconds):
         pass
 
@@ -67,6 +70,12 @@ class StingyBudget:
         pass
 
     def extend_estimate(self, tokens):
+        return 0.0
+
+    def observe_first(self, rows, seconds):
+        pass
+
+    def first_estimate(self, rows):
         return 0.0
 
     def step_estimate(self, batch_size):

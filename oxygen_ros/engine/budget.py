@@ -14,6 +14,7 @@ stands for (the pool is sized ceil(N / k_min) + 1 with it).
 from __future__ import annotations
 
 import bisect
+import math
 import sys
 from typing import Protocol
 
@@ -35,6 +36,9 @@ class Budget(Protocol):
                    deadline_s: float | None = None) -> bool:
         """Whether another step at `batch_size` rows still fits in this frame."""
 
+    def time_left(self, elapsed_s: float, deadline_s: float | None = None) -> float:
+        """Seconds from elapsed_s to the frame's deadline (math.inf: not bound by time)."""
+
     def observe_action(self, seconds: float) -> None:
         """Record the action path time of a frame."""
 
@@ -46,6 +50,12 @@ class Budget(Protocol):
 
     def extend_estimate(self, tokens: int) -> float:
         """Seconds an extend pass over `tokens` padded query tokens is expected to take."""
+
+    def observe_first(self, rows: int, seconds: float) -> None:
+        """Record the time of one first-token call (the LM head over `rows` prefixes)."""
+
+    def first_estimate(self, rows: int) -> float:
+        """Seconds a first-token call over `rows` prefixes is expected to take (0: unknown)."""
 
     def step_estimate(self, batch_size: int) -> float:
         """Seconds a token step over `batch_size` rows is expected to take (0: not priced)."""
@@ -69,6 +79,9 @@ class UnlimitedBudget:
                    deadline_s: float | None = None) -> bool:
         return True
 
+    def time_left(self, elapsed_s: float, deadline_s: float | None = None) -> float:
+        return math.inf
+
     def observe_action(self, seconds: float) -> None:
         """Unused: nothing to plan."""
 
@@ -79,6 +92,12 @@ class UnlimitedBudget:
         """Unused: nothing to plan."""
 
     def extend_estimate(self, tokens: int) -> float:
+        return 0.0
+
+    def observe_first(self, rows: int, seconds: float) -> None:
+        """Unused: nothing to plan."""
+
+    def first_estimate(self, rows: int) -> float:
         return 0.0
 
     def step_estimate(self, batch_size: int) -> float:
@@ -115,6 +134,10 @@ class FixedBudget:
         """Whether another step fits in this frame (a fixed budget never cuts a frame short)."""
         return True
 
+    def time_left(self, elapsed_s: float, deadline_s: float | None = None) -> float:
+        """Return math.inf: a fixed budget is not bound by time (nothing waits for one)."""
+        return math.inf
+
     def observe_action(self, seconds: float) -> None:
         """Record the action path time of a frame (unused by a fixed budget)."""
 
@@ -125,6 +148,13 @@ class FixedBudget:
         """Record the time of one extend pass (unused here)."""
 
     def extend_estimate(self, tokens: int) -> float:
+        """Return 0: a fixed budget gives k steps whatever the time."""
+        return 0.0
+
+    def observe_first(self, rows: int, seconds: float) -> None:
+        """Record the time of one first-token call (unused here)."""
+
+    def first_estimate(self, rows: int) -> float:
         """Return 0: a fixed budget gives k steps whatever the time."""
         return 0.0
 
@@ -208,7 +238,8 @@ class AdaptiveBudget:
     padded query tokens: one costs several decode steps (pi05-cpu, eager: a 40-token pass
     ~2.5x a one-row step). The scheduler adds the estimate of the tick's pending pass to the
     elapsed time before choosing k. prior_extend: (tokens, seconds) of a pass timed at
-    configure, what the model assumes until it has measured one.
+    configure, what the model assumes until it has measured one. First-token calls (the LM
+    head on new requests' prefixes, ~1.5 ms on pi05-cpu) have a third model, by rows.
     """
 
     unlimited = False
@@ -225,6 +256,7 @@ class AdaptiveBudget:
         self.margin = margin
         self.cost = StepCostModel(ema, prior_step_s)
         self.extend_cost = StepCostModel(ema)   # padded query tokens -> seconds of a pass
+        self.first_cost = StepCostModel(ema)    # rows -> seconds of a first-token call
         if prior_extend is not None:
             self.extend_cost.observe(*prior_extend)
         self.action_s: float | None = None   # EMA of the action path (reporting, planning)
@@ -259,6 +291,10 @@ class AdaptiveBudget:
         step = self.cost.estimate(max(batch_size, 1)) or 0.0
         return elapsed_s + step <= self._deadline(deadline_s)
 
+    def time_left(self, elapsed_s: float, deadline_s: float | None = None) -> float:
+        """Seconds from elapsed_s to the frame's deadline (negative: past it)."""
+        return self._deadline(deadline_s) - elapsed_s
+
     def observe_action(self, seconds: float) -> None:
         old = self.action_s
         self.action_s = seconds if old is None else old + self._ema * (seconds - old)
@@ -268,6 +304,15 @@ class AdaptiveBudget:
 
     def observe_extend(self, tokens: int, seconds: float) -> None:
         self.extend_cost.observe(tokens, seconds)
+
+    def observe_first(self, rows: int, seconds: float) -> None:
+        self.first_cost.observe(rows, seconds)
+
+    def first_estimate(self, rows: int) -> float:
+        """Seconds of a first-token call over `rows` prefixes (0 while none was timed)."""
+        if not rows:
+            return 0.0
+        return self.first_cost.estimate(rows) or 0.0
 
     def step_estimate(self, batch_size: int) -> float:
         """Seconds of a token step over `batch_size` rows (0 while nothing is known)."""

@@ -65,9 +65,9 @@ from oxygen_ros.engine.budget import Budget, sizing_k, UnlimitedBudget
 from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
-from oxygen_ros.engine.scheduler import Scheduler, StepPlan
-from oxygen_ros.engine.types import (ActionOutput, Continuation, FrameResult, Observation,
-                                     ObservationError, Timings)
+from oxygen_ros.engine.scheduler import extend_tokens, Scheduler, StepPlan
+from oxygen_ros.engine.types import (ActionOutput, Continuation, FinishedRequest, FrameResult,
+                                     Observation, ObservationError, Timings)
 from oxygen_ros.engine.workload import (as_tasks, frame_noise, LanguagePolicy, LanguageTask,
                                         tasks_num_blocks, tasks_num_slots)
 from oxygen_ros.kv import KVPool, QuotaPool
@@ -86,6 +86,8 @@ ONE_ROBOT = ''                   # the member name of a one-robot engine (and a 
 # ---- slot sizing ------------------------------------------------------------------------------
 
 Tasks = LanguagePolicy | Sequence[LanguageTask]   # a bare policy: the one narration task
+# advance_language's hook between steps: robot -> its on-demand requests that just ended
+Poll = Callable[[Mapping[str, list[FinishedRequest]]], None]
 
 
 def forced_token_room(tasks: Tasks, max_forced_tokens: int | None = None) -> int:
@@ -438,13 +440,19 @@ class FleetEngine:
     # ---- 2. the language path of every robot, in shared decode steps -------------------------
 
     def advance_language(self, robots: Collection[str] | None = None,
-                         deadline_s: float | None = None) -> FleetResult:
+                         deadline_s: float | None = None,
+                         poll: Poll | None = None) -> FleetResult:
         """Admit each framed robot's request, run the tick's token steps for all robots at once.
 
         robots: whose live requests advance this tick (None: every robot's); a robot with a
         frame from act() always takes part. deadline_s: when this tick's language must end,
         seconds after act() began (the next robot's tick; None: each robot's budget counts
-        against its own period). Without a preceding act() only live requests advance (no
+        against its own period). poll(answered): called on this thread before the
+        admissions and before every step with the on-demand requests that ended since its
+        last call (robot -> FinishedRequests: the frame loop answers its questions at once,
+        not at the round's end; the FleetResult has them too), and hands over requests asked
+        meanwhile (Scheduler.ask); one asked during the steps starts on the tick's frame when
+        its first step fits. Without a preceding act() only live requests advance (no
         new request). Returns the tick's FleetResult (also kept in `self.last_result`).
         """
         start = self.clock()
@@ -454,6 +462,8 @@ class FleetEngine:
         if act is None:
             self.runner.reset_times()
             self._frontend_s = 0.0
+        if poll is not None:
+            poll({})
         frames, working = {}, []
         for robot in self.robots.values():
             frame, robot.frame = robot.frame, None
@@ -463,14 +473,23 @@ class FleetEngine:
             robot.scheduler.begin_language()
             if frame is not None:
                 frames[robot.name] = frame
-                self._admit(frame)
             working.append(robot)
         # A robot's budget prices a decode step by all its rows: the others' live requests too.
+        live = sum(len(r.scheduler.active) for r in working) if len(working) > 1 else 0
+        for robot in working:
+            if robot.name in frames:
+                self._admit(frames[robot.name], self.clock() - tick_start, deadline_s,
+                            max(live - len(robot.scheduler.active), 0))
         live = sum(len(r.scheduler.active) for r in working) if len(working) > 1 else 0
         ks = {r.name: r.scheduler.choose_k(self.clock() - tick_start, deadline_s,
                                            max(live - len(r.scheduler.active), 0))
               for r in working}
-        batch_sizes = self._token_steps(working, tick_start, deadline_s)
+        try:
+            batch_sizes = self._token_steps(working, tick_start, deadline_s, poll)
+        except BaseException:
+            for robot in working:   # the frames' holds end with the round, whatever failed
+                robot.scheduler.drop_frame()
+            raise
         reports = {}
         for robot in working:
             touched, ended = robot.scheduler.end_language()
@@ -500,7 +519,9 @@ class FleetEngine:
             self.check()
         return self.last_result
 
-    def _admit(self, frame: _Frame) -> None:
+    def _admit(self, frame: _Frame, elapsed_s: float, deadline_s: float | None,
+               other_rows: int) -> None:
+        """Start the frame's requests (by time: Scheduler.admit); prefill isolated ones."""
         robot = frame.robot
         scheduler = robot.scheduler
         try:
@@ -510,7 +531,8 @@ class FleetEngine:
                     with self._frontend_clock():
                         forced[task.name] = robot.frontend.encode_text(
                             task.policy.prompt_text(frame.obs.instruction))
-            admissions = scheduler.admit(frame.index, forced)
+            admissions = scheduler.admit(frame.index, forced, elapsed_s, deadline_s,
+                                         other_rows)
         except Exception as err:   # noqa: BLE001 - a language failure must not leak a slot
             logger.error('%sframe %d: no language request started: %r', _who(robot),
                          frame.index, err)
@@ -524,12 +546,22 @@ class FleetEngine:
                     scheduler.fail([admission.request_id], err)
 
     def _token_steps(self, working: list[FleetMember], tick_start: float,
-                     deadline_s: float | None) -> list[int]:
-        """Run rounds of every robot's next step together; return rows of each decode step."""
+                     deadline_s: float | None, poll: Poll | None) -> list[int]:
+        """Run rounds of every robot's next step together; return rows of each decode step.
+
+        poll (if any) runs before every round of plans (advance_language).
+        """
+        def between_steps():
+            if poll is not None:
+                poll(self._answered(working))
         batch_sizes = []
         if len(working) == 1:   # one robot: its plans one after another, nothing to merge
             scheduler, runner = working[0].scheduler, self.runner
-            while (plan := scheduler.schedule(self.clock() - tick_start, deadline_s)) is not None:
+            while True:
+                between_steps()
+                plan = scheduler.schedule(self.clock() - tick_start, deadline_s)
+                if plan is None:
+                    break
                 try:
                     if plan.first_token:
                         token_ids = runner.first_tokens(plan.slots)
@@ -549,6 +581,7 @@ class FleetEngine:
         # before are added to its own.
         rows, own = 0, {}
         while open_robots:
+            between_steps()
             plans: list[tuple[FleetMember, StepPlan]] = []
             for robot in list(open_robots):
                 plan = robot.scheduler.schedule(self.clock() - tick_start, deadline_s,
@@ -569,6 +602,17 @@ class FleetEngine:
                 own = {r.name: p.size for r, p in decode}
                 batch_sizes.append(rows)
         return batch_sizes
+
+    def _answered(self, working: list[FleetMember]) -> dict[str, list[FinishedRequest]]:
+        """Robot -> its on-demand requests that ended since the last call (Scheduler)."""
+        answered = {}
+        for robot in working:
+            ended = robot.scheduler.take_answered()
+            if ended:
+                with self._frontend_clock():
+                    answered[robot.name] = [robot.output.finished(r, robot.last_frame_index)
+                                            for r in ended]
+        return answered
 
     def _run_plans(self, plans: list[tuple[FleetMember, StepPlan]], first_token: bool) -> int:
         """Run the rows of several robots' plans as one model call; return the row count."""
@@ -625,7 +669,7 @@ class FleetEngine:
                 robot.scheduler.fail(plan.request_ids, err)
             return
         by_block = dict(zip(blocks, token_ids))
-        padded = len(rows) * max(len(row[3]) for row in rows)
+        padded = extend_tokens([row[3] for row in rows])
         for robot, plan in plans:
             robot.scheduler.update(plan, [by_block[b] for b in plan.blocks],
                                    self.runner.last_call_s, call_rows=padded)
