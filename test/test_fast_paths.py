@@ -82,7 +82,8 @@ def test_compiled_passes_equal_eager_and_never_compile_in_a_tick():
     def engine(model):
         return make_engine('oxygen', model, frontend, tasks, FixedBudget(2))
     system = engine(model)
-    system.runner.warm_up_compiled(frames=[frontend.prepare(observation(99)).tensors])
+    system.runner.warm_up_compiled(frames=[frontend.prepare(observation(99)).tensors],
+                                   prompt_len=system.scheduler.max_forced_tokens)
     prepare.seal(model, plan, 0.0)
     extend_rows = []
     extend = system.runner.extend

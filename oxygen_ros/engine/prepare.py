@@ -181,15 +181,17 @@ def runner_options(plan: CompilePlan, device: str) -> dict:
 
 
 def warm_up(runner, plan: CompilePlan, frames: Sequence[dict],
-            action_rows: Sequence[int] = (1,)) -> None:
+            action_rows: Sequence[int] = (1,), prompt_len: int = 0) -> None:
     """Compile `plan`'s passes for every shape `runner` uses (ModelRunner.warm_up_compiled).
+
+    prompt_len: the longest prompt template a request feeds (0: no extend pass).
 
     Adds the time it took to plan.seconds; nothing to do when nothing is compiled.
     """
     if not plan.any:
         return
     start = time.perf_counter()
-    runner.warm_up_compiled(action_rows=action_rows, frames=frames)
+    runner.warm_up_compiled(action_rows=action_rows, frames=frames, prompt_len=prompt_len)
     plan.seconds += time.perf_counter() - start
 
 

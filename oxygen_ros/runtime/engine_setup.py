@@ -310,6 +310,12 @@ def row_threads(device: str, robots: int, threads: int) -> int:
     return min(robots, threads) if device == 'cpu' and robots > 1 else 1
 
 
+def longest_prompt(robots: Sequence[FleetRobot], system) -> int:
+    """Return the longest prompt a request of `robots` feeds in one extend pass (0: none)."""
+    return min(forced_token_room([t for r in robots for t in r.tasks]),
+               system.runner.store.max_gen_len)
+
+
 def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSettings,
                         max_prefill_rows: int | None = 1, *, rows: int = 1,
                         clock: Callable[[], float] = time.perf_counter,
@@ -328,10 +334,11 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
                         max_prefill_rows=max_prefill_rows, row_threads=rows, clock=clock,
                         **options)
     image_size = model.config.vision.image_size
+    tokens = longest_prompt(robots, system)
     if plan:
         warm_up(system.runner, plan, [warm_up_frame(frontends[s.robot], s, image_size)
                                       for s in fleet.robots.values()],
-                action_rows(len(fleet.robots)))
+                action_rows(len(fleet.robots)), tokens)
 
     planners = {name: planner_for(s) for name, s in fleet.robots.items()}
     chunks: dict[str, np.ndarray] = {}   # robot -> its last chunk [H, A]
@@ -351,10 +358,6 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
     label = _timing_label(node)
     if len(robots) > 1:
         label += f' with {len(robots)} robots ticking together'
-    # The longest prompt a request of these robots feeds in one extend pass (0: none), as
-    # the runner pads it (the budget's cost model of passes counts padded tokens).
-    tokens = min(forced_token_room([t for r in robots for t in r.tasks]),
-                 system.runner.store.max_gen_len)
     try:
         with sealed(model):   # the timed frames run the compiled passes, never a compile
             timed = time_ticks(tick, clock=clock)
@@ -364,7 +367,7 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
                 _, seconds = time_extend(
                     lambda n: system.runner.extend([0], [0], [0], [[2] * n]), tokens,
                     clock=clock)
-                extend = (extend_bucket(tokens), seconds)
+                extend = (extend_bucket(tokens), seconds)   # the tokens the runner pads to
         return capacity_from(timed, batch, label, extend)
     finally:
         system.close()
@@ -524,7 +527,8 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     system = make_fleet(model, robots, kv_dtype=kv_dtype, max_prefill_rows=max_prefill_rows,
                         row_threads=rows, **runner_options(plan, node.device))
     if warmup:
-        warm_up(system.runner, plan, frames, action_rows(len(fleet.robots)))
+        warm_up(system.runner, plan, frames, action_rows(len(fleet.robots)),
+                longest_prompt(robots, system))
         seal(model, plan)
     if one:
         settings = fleet.robots[ONE_ROBOT]
