@@ -427,3 +427,32 @@ def test_a_lower_priority_ahead_of_its_spread_yields_its_step_to_a_question():
     tick(2, elapsed_s=0.090)   # narration on schedule again: its step, beside the question's
     assert [t for f, _, t in rows_per_step if f == 2][0] == ['narration', 'ask']
     assert all(r.task == 'narration' for r in scheduler.active)
+
+
+def test_a_question_steps_before_a_lower_priority_starts():
+    """The highest priority's steps come first in a tick: a live question's pass and decode
+    step run before the first token of the frame's new narration request."""
+    from oxygen_ros.engine import LanguageTask
+    tasks = (LanguageTask('narration', LanguagePolicy(max_new_tokens=6, eos_id=None)),
+             LanguageTask('ask', LanguagePolicy(max_new_tokens=5, every_n_frames=0, eos_id=None,
+                                                prompt_template='Q: {question}', max_queue=2),
+                          priority=10, on_demand=True))
+    scheduler = Scheduler(tasks, FixedBudget(2), KVPool(8), max_gen_len=12, max_forced_tokens=4,
+                          blocks=KVPool(8))
+    plans = []
+    for frame in range(2):
+        if frame == 1:
+            assert scheduler.ask('ask', [7, 8, 9], ticket=1) == ''
+        scheduler.allocate_frame_slot(frame)
+        scheduler.begin_language()
+        scheduler.admit(frame)
+        scheduler.choose_k(0.0)
+        while (plan := scheduler.schedule(0.0)) is not None:
+            of = {r.request_id: (r.task, r.origin_frame) for r in scheduler.active}
+            kind = 'first' if plan.first_token else 'extend' if plan.extend else 'decode'
+            plans.append((frame, kind, sorted(of[i] for i in plan.request_ids)))
+            scheduler.update(plan, [2] * plan.size, seconds=0.0)
+        scheduler.end_language()
+    assert [p[1:] for p in plans if p[0] == 1][:3] == [
+        ('extend', [('ask', 1)]), ('decode', [('ask', 1), ('narration', 0)]),
+        ('first', [('narration', 1)])]

@@ -596,26 +596,34 @@ class Scheduler:
 
     def schedule(self, elapsed_s: float, deadline_s: float | None = None,
                  other_rows: int = 0) -> StepPlan | None:
-        """Next step of this frame: first tokens, then decode steps; None when done.
+        """Next step of this frame: first steps, then decode steps; None when done.
 
-        A request's first token comes from its prefix (LM head only) and counts as one of its
-        steps; every other token is one row of a batched decode step. Before every decode step
-        but the first, the budget may stop the frame (an adaptive deadline; deadline_s and
-        other_rows as in choose_k): then only rows still short of their minimum go on.
+        A request's first token comes from its prefix (LM head only) or from the extend pass
+        over its template, and counts as one of its steps; every other token is one row of a
+        batched decode step. Before every decode step but the first, the budget may stop the
+        frame (an adaptive deadline; deadline_s and other_rows as in choose_k): then only
+        rows still short of their minimum go on. Order: the highest priority with steps left
+        starts its new requests first; a lower priority's new requests take their first step
+        once the levels above have no decode step left this tick (a question's tokens come
+        before a narration's first token), the time that first step needs kept for it.
         """
         self._start_waiting(elapsed_s, deadline_s, other_rows)
-        first = [r for r in self.active if r.needs_prefix_token and self._quota[r.request_id]]
-        if first:
-            return StepPlan(True, [r.request_id for r in first], [r.slot for r in first], [], [])
-        extend = self.pending_extend(self._quota)
-        if extend is not None:
-            return extend
-        rows = [r for r in self.active if self._quota[r.request_id]]
-        if not rows:
-            rows = self._more_for_asked(elapsed_s, deadline_s, other_rows)
+        quota = self._quota
+        lead = max((r.priority for r in self.active if quota[r.request_id]), default=0)
+        plan = self._first_steps(lead)
+        if plan is not None:
+            return plan
+        later = [r for r in self.active if quota[r.request_id] and not r.started]
+        reserve = self._first_steps_s(later)   # their first steps: after the decode steps
+        rows = [r for r in self.active if quota[r.request_id] and r.started]
         if rows and self.batch_sizes and not self.budget.allow_more(
-                elapsed_s, len(rows) + other_rows, deadline_s):
-            rows = self._yield_by_priority(rows, elapsed_s, deadline_s, other_rows)
+                elapsed_s + reserve, len(rows) + other_rows, deadline_s):
+            rows = self._yield_by_priority(rows, elapsed_s + reserve, deadline_s, other_rows)
+        if not rows:
+            plan = self._first_steps(None)
+            if plan is not None:
+                return plan
+            rows = self._more_for_asked(elapsed_s, deadline_s, other_rows)
         if not rows:
             return None
         # Block order: a run of blocks (and, with one task, of prefix slots) is read as a view.
@@ -627,6 +635,24 @@ class Scheduler:
         return StepPlan(False, [r.request_id for r in rows], [r.slot for r in rows],
                         [r.gen_len for r in rows], [r.next_input_token() for r in rows],
                         [r.block for r in rows])
+
+    def _first_steps(self, lead: int | None) -> StepPlan | None:
+        """Return the next first-step plan of new requests at priority >= lead (None: any).
+
+        First tokens (one LM head call over their prefixes) before the extend pass.
+        """
+        new = [r for r in self.active if self._quota[r.request_id] and not r.started
+               and (lead is None or r.priority >= lead)]
+        first = [r for r in new if r.needs_prefix_token]
+        if first:
+            return StepPlan(True, [r.request_id for r in first], [r.slot for r in first], [], [])
+        return self._extend_plan([r for r in new if r.pending_prompt])
+
+    def _first_steps_s(self, requests: list[RequestState]) -> float:
+        """Seconds the first steps of these new requests are expected to take."""
+        prompts = [r.pending_prompt for r in requests if r.pending_prompt]
+        seconds = self.budget.extend_estimate(extend_tokens(prompts)) if prompts else 0.0
+        return seconds + self.budget.first_estimate(sum(r.needs_prefix_token for r in requests))
 
     def _start_waiting(self, elapsed_s: float, deadline_s: float | None,
                        other_rows: int) -> None:
@@ -698,15 +724,18 @@ class Scheduler:
             self._quota[req.request_id] += 1
         return rows
 
-    def pending_extend(self, quota: Mapping[int, int] | None = None) -> StepPlan | None:
+    def pending_extend(self) -> StepPlan | None:
         """Return the extend pass over every live request with a template to feed, or None.
 
         Such a request is new this tick (its first step, and so within its minimum: it runs
         whatever the budget), and its whole template goes in one pass, batched with the
-        other new requests' (rows in block order). quota: only requests with steps left.
+        other new requests' (rows in block order).
         """
-        rows = sorted((r for r in self.active if r.pending_prompt
-                       and (quota is None or quota[r.request_id])), key=lambda r: r.block)
+        return self._extend_plan([r for r in self.active if r.pending_prompt])
+
+    def _extend_plan(self, requests: list[RequestState]) -> StepPlan | None:
+        """Return one extend pass over these requests' pending templates (None: none)."""
+        rows = sorted(requests, key=lambda r: r.block)
         if not rows:
             return None
         for req in rows:
