@@ -148,6 +148,7 @@ def test_a_question_is_answered_within_three_periods_and_no_tick_overruns(phase_
     assert max(waits.values()) <= 3.0, waits
     snapshot = stats.snapshot()
     assert snapshot['deadline_misses_total'] == 0 and snapshot['ticks_total'] == 220
+    assert engine.budget.tail.estimate(1) is not None   # the loop reported the ticks' tails
     ended = loop.only.finished
     assert set(ended) == {'length'}                      # nothing refused or evicted
     # The lower tasks kept going: narrations and subtasks completed all along; the frames

@@ -83,6 +83,9 @@ class StubSystem:
                              self.pool.usage())
         return FleetResult({'': result}, {}, {}, 1, [], Timings(), self.pool.usage())
 
+    def observe_tail(self, robots, seconds) -> None:
+        pass
+
     def set_budget(self, robot, budget) -> None:
         self.budget = budget
 

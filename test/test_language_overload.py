@@ -63,6 +63,9 @@ class StingyBudget:
     def observe_action(self, seconds):
         pass
 
+    def observe_tail(self, seconds):
+        pass
+
     def observe_decode(self, batch_size, seconds):
         pass
 

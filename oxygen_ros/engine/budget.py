@@ -42,6 +42,9 @@ class Budget(Protocol):
     def observe_action(self, seconds: float) -> None:
         """Record the action path time of a frame."""
 
+    def observe_tail(self, seconds: float) -> None:
+        """Record a tick's time after its last language step (detokenising, publishing)."""
+
     def observe_decode(self, batch_size: int, seconds: float) -> None:
         """Record the time of one token step over `batch_size` rows."""
 
@@ -59,6 +62,9 @@ class Budget(Protocol):
 
     def step_estimate(self, batch_size: int) -> float:
         """Seconds a token step over `batch_size` rows is expected to take (0: not priced)."""
+
+
+TAIL_GUARD = 0.02   # share of the period kept beyond a tick's measured tail (AdaptiveBudget)
 
 
 def sizing_k(budget: Budget) -> int | None:
@@ -83,6 +89,9 @@ class UnlimitedBudget:
         return math.inf
 
     def observe_action(self, seconds: float) -> None:
+        """Unused: nothing to plan."""
+
+    def observe_tail(self, seconds: float) -> None:
         """Unused: nothing to plan."""
 
     def observe_decode(self, batch_size: int, seconds: float) -> None:
@@ -140,6 +149,9 @@ class FixedBudget:
 
     def observe_action(self, seconds: float) -> None:
         """Record the action path time of a frame (unused by a fixed budget)."""
+
+    def observe_tail(self, seconds: float) -> None:
+        """Record a tick's time after its language steps (unused by a fixed budget)."""
 
     def observe_decode(self, batch_size: int, seconds: float) -> None:
         """Record the time of one token step over `batch_size` rows (unused here)."""
@@ -220,11 +232,16 @@ class AdaptiveBudget:
     """Choose k each frame so the frame ends by its deadline.
 
     Per frame, after the action path:  k = floor((deadline - elapsed) / d(B)),  clamped to
-    [0, k_max], where deadline = frame_period_s · (1 - margin) and d(B) comes from the online
+    [0, k_max], where deadline = frame_period_s - reserve and d(B) comes from the online
     cost model at the current number of live requests B (an upper bound on every step's batch
     this frame). In a fleet the frame's deadline is the next robot's tick when that comes
-    first (min(period, deadline_s) · (1 - margin)), and B counts every robot's rows of a
-    step. Guarantees:
+    first (min(period, deadline_s) - reserve), and B counts every robot's rows of a step.
+
+    reserve: what the tick needs after its last language step. Until a tick's tail is
+    measured, `margin` of the period (5%); then the measured tail (detokenising, publishing:
+    max(EMA, latest), as a step's cost) plus TAIL_GUARD of the period for a step that runs
+    past its estimate, never more than the margin (measured on pi05-cpu: a tail of ~1-1.5 ms
+    at 10 Hz, so ~3 ms of a 100 ms tick's 5 go back to the language steps). Guarantees:
       * slack ≥ one step  ->  k ≥ 1 (follows from the floor);
       * no slack          ->  k = 0: the budget adds nothing, and the scheduler's per-request
         minimum (each request's pool deadline, planned at k_min steps per frame) is all the
@@ -259,19 +276,25 @@ class AdaptiveBudget:
         self.first_cost = StepCostModel(ema)    # rows -> seconds of a first-token call
         if prior_extend is not None:
             self.extend_cost.observe(*prior_extend)
+        self.tail = StepCostModel(ema)          # (key 1) -> seconds after the last step
         self.action_s: float | None = None   # EMA of the action path (reporting, planning)
         self._ema = ema
         self.last_k = 0
 
     @property
     def deadline_s(self) -> float:
-        return self.frame_period_s * (1.0 - self.margin)
+        return self._deadline(None)
 
     def _deadline(self, deadline_s: float | None) -> float:
-        """Return the frame's deadline: its period's or an earlier one given, less the margin."""
-        if deadline_s is None:
-            return self.deadline_s
-        return min(self.frame_period_s, deadline_s) * (1.0 - self.margin)
+        """Return the frame's deadline: its period's or an earlier one given, less the reserve."""
+        end = self.frame_period_s
+        if deadline_s is not None:
+            end = min(end, deadline_s)
+        reserve = self.margin * end
+        tail = self.tail.estimate(1)
+        if tail is not None:
+            reserve = min(reserve, tail + TAIL_GUARD * end)
+        return end - reserve
 
     def choose(self, elapsed_s: float, batch_size: int, deadline_s: float | None = None) -> int:
         """Return k for this frame; elapsed_s = frame time so far (action path included)."""
@@ -294,6 +317,9 @@ class AdaptiveBudget:
     def time_left(self, elapsed_s: float, deadline_s: float | None = None) -> float:
         """Seconds from elapsed_s to the frame's deadline (negative: past it)."""
         return self._deadline(deadline_s) - elapsed_s
+
+    def observe_tail(self, seconds: float) -> None:
+        self.tail.observe(1, seconds)
 
     def observe_action(self, seconds: float) -> None:
         old = self.action_s

@@ -255,6 +255,7 @@ class FleetEngine:
         self._act: FleetActions | None = None     # the tick's act(), until advance_language()
         self._tick_start: float | None = None
         self._frontend_s = 0.0                    # frontend time since the tick began
+        self._after_steps_s = 0.0                 # last advance_language after its last step
 
     # ---- state and controls ------------------------------------------------------------------
 
@@ -490,6 +491,7 @@ class FleetEngine:
             for robot in working:   # the frames' holds end with the round, whatever failed
                 robot.scheduler.drop_frame()
             raise
+        steps_end = self.clock()
         reports = {}
         for robot in working:
             touched, ended = robot.scheduler.end_language()
@@ -517,7 +519,17 @@ class FleetEngine:
                                        usage)
         if self.debug:
             self.check()
+        self._after_steps_s = self.clock() - steps_end
         return self.last_result
+
+    def observe_tail(self, robots: Collection[str], seconds: float) -> None:
+        """Tell these robots' budgets how long their tick ran after advance_language returned.
+
+        Added to the time advance_language itself took after its last step (its report), it
+        is the tick's tail, what the adaptive budget keeps free after the language steps.
+        """
+        for name in robots:
+            self._robot(name).scheduler.budget.observe_tail(self._after_steps_s + seconds)
 
     def _admit(self, frame: _Frame, elapsed_s: float, deadline_s: float | None,
                other_rows: int) -> None:

@@ -363,6 +363,7 @@ class FrameLoop:
             deadline_s = next_s - now_s - (began - start)
         self.last_result = result = engine.advance_language(names, deadline_s,
                                                             poll=poll if desks else None)
+        returned = self.clock()
         for name, frame_result in result.robots.items():   # 5. emit
             robot, outcome = self.robots[name], outcomes[name]
             robot.last_result = frame_result
@@ -376,6 +377,8 @@ class FrameLoop:
                              f'{name}: ' if name else '', frame_result.frame_index,
                              frame_result.timings.act_s * 1e3, frame_result.k, outcome.tokens,
                              frame_result.active_requests)
+        # The tick's tail after the language steps: what their budget keeps free of them.
+        engine.observe_tail(list(result.robots), self.clock() - returned)
 
     @staticmethod
     def _prompted(robot: RobotLoop, obs: Observation, now_s: float,
