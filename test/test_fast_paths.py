@@ -77,7 +77,8 @@ def test_compiled_passes_equal_eager_and_never_compile_in_a_tick():
                                                     eos_id=None, prompt_template='{instruction}:'),
                           priority=1),
              LanguageTask('scene', LanguagePolicy(max_new_tokens=2, eos_id=None,
-                                                  prompt_template='Describe {instruction}')))
+                                                  prompt_template='Describe {instruction}'),
+                          priority=1))   # the subtask's level: their passes share a call
 
     def engine(model):
         return make_engine('oxygen', model, frontend, tasks, FixedBudget(2))

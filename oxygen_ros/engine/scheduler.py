@@ -371,19 +371,24 @@ class Scheduler:
         return admissions
 
     def _new_request(self, frame_index: int, task: LanguageTask, forced: list[int],
-                     ticket: int | None = None) -> RequestState:
-        """Return the request `task` would start at this frame (no id, slot or block yet)."""
+                     ticket: int | None = None, warn: bool = True) -> RequestState:
+        """Return the request `task` would start at this frame (no id, slot or block yet).
+
+        warn: log what had to be cut to fit a block (False: a retry, logged before).
+        """
         policy = task.policy
         if len(forced) > self.max_forced_tokens:
-            logger.warning('%s: prompt template has %d tokens, keeping the first %d',
-                           task.name, len(forced), self.max_forced_tokens)
+            if warn:
+                logger.warning('%s: prompt template has %d tokens, keeping the first %d',
+                               task.name, len(forced), self.max_forced_tokens)
             forced = forced[:self.max_forced_tokens]
         n_tokens = policy.request_len(frame_index)
         # Storage bound (a policy set later may ask more than the blocks were sized for).
         fits = self.max_gen_len - len(forced) + 1
         if n_tokens > fits:
-            logger.warning('%s: request of %d tokens shortened to %d (generation block length)',
-                           task.name, n_tokens, fits)
+            if warn:
+                logger.warning('%s: request of %d tokens shortened to %d (generation block '
+                               'length)', task.name, n_tokens, fits)
             n_tokens = fits
         req = RequestState(request_id=-1, slot=None, origin_frame=frame_index,
                            max_new_tokens=n_tokens, eos_id=policy.eos_id,
@@ -679,7 +684,8 @@ class Scheduler:
                 ticket, ids = None, self._deferred_forced[task.name]
             else:
                 continue
-            req = self._new_request(frame_index, task, ids, ticket)
+            req = self._new_request(frame_index, task, ids, ticket,
+                                    warn=task.name not in self._deferred_forced)
             if not self._fits(req, elapsed_s, deadline_s, other_rows):
                 continue   # a later step or the next frame starts it
             if task.on_demand:
