@@ -78,10 +78,13 @@ class StubSystem:
                               np.zeros((4, 32), np.float32), seconds, obs.stamp)
         return FleetActions({'': action}, {}, {}, 1, seconds)
 
-    def advance_language(self, robots=None, deadline_s=None) -> FleetResult:
+    def advance_language(self, robots=None, deadline_s=None, poll=None) -> FleetResult:
         result = FrameResult(self.frames - 1, None, [], [], 0, 0, [], 0, Timings(),
                              self.pool.usage())
         return FleetResult({'': result}, {}, {}, 1, [], Timings(), self.pool.usage())
+
+    def observe_tail(self, robots, seconds) -> None:
+        pass
 
     def set_budget(self, robot, budget) -> None:
         self.budget = budget

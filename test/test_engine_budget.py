@@ -122,6 +122,26 @@ def test_adaptive_prices_an_extend_pass_by_its_own_cost():
     assert FixedBudget(2).extend_estimate(48) == 0.0
 
 
+def test_adaptive_keeps_the_measured_tail_free_not_a_flat_margin():
+    """Until a tick's tail (its time after the last language step) is measured, the margin
+    (5%) is kept free; then the tail plus 2% of the period, never more than the margin; a
+    fleet's earlier deadline is reserved the same way. A first-token call is priced by its
+    own model; a fixed budget is not bound by time."""
+    budget = AdaptiveBudget(0.100, k_max=16)
+    assert budget.deadline_s == pytest.approx(0.095)
+    budget.observe_tail(0.001)
+    assert budget.deadline_s == pytest.approx(0.097)           # 1 ms tail + 2 ms guard
+    assert budget.time_left(0.090) == pytest.approx(0.007)
+    assert budget.time_left(0.030, deadline_s=0.050) == pytest.approx(0.050 - 0.002 - 0.030)
+    budget.observe_tail(0.020)                                 # a slow tick: at most 5%
+    assert budget.deadline_s == pytest.approx(0.095)
+    assert budget.first_estimate(2) == 0.0                     # nothing timed yet
+    budget.observe_first(1, 0.0015)
+    assert budget.first_estimate(1) == pytest.approx(0.0015)
+    assert budget.first_estimate(0) == 0.0
+    assert FixedBudget(2).time_left(0.5) == math.inf
+
+
 def test_adaptive_rejects_bad_settings():
     with pytest.raises(ValueError):
         AdaptiveBudget(0.0)

@@ -241,9 +241,9 @@ def test_preemption_takes_the_newest_request():
     scheduler = engine.scheduler
     slot = scheduler.allocate_frame_slot(2)
     assert [r.origin_frame for r in scheduler.active] == [0]       # frame 1's request gave way
+    assert engine.pool.holders(slot) == ('frame 2',)
     ended = scheduler.end_language()[1]
     assert [(r.origin_frame, r.finish_reason) for r in ended] == [(1, 'evicted')]
-    assert engine.pool.holders(slot) == ('frame 2',)
 
 
 def test_queue_overflow_is_refused_and_every_request_reported():
@@ -366,7 +366,7 @@ def test_a_pending_extend_pass_is_priced_before_k_and_runs_first():
     """A new request's template is one extend pass, first in the tick whatever the budget,
     and the budget gives the decode steps only the time that pass leaves."""
     def tick(extend_s):
-        budget = AdaptiveBudget(0.100, k_max=16, margin=0.0, prior_extend=(4, extend_s))
+        budget = AdaptiveBudget(0.100, k_max=16, margin=0.0, prior_extend=(8, extend_s))
         budget.observe_decode(1, 0.010)
         budget.observe_decode(2, 0.010)
         policy = LanguagePolicy(max_new_tokens=6, eos_id=None, prompt_template='x')
@@ -404,7 +404,7 @@ def test_a_lower_priority_ahead_of_its_spread_yields_its_step_to_a_question():
                           blocks=KVPool(8))
     rows_per_step = []
 
-    def tick(frame, elapsed_s):
+    def tick(frame, elapsed_s):   # every step (pass or decode) takes 10 ms
         scheduler.allocate_frame_slot(frame)
         scheduler.begin_language()
         scheduler.admit(frame)
@@ -413,6 +413,7 @@ def test_a_lower_priority_ahead_of_its_spread_yields_its_step_to_a_question():
             tasks_of = {r.request_id: r.task for r in scheduler.active}
             rows_per_step.append((frame, plan.extend, [tasks_of[i] for i in plan.request_ids]))
             scheduler.update(plan, [2] * plan.size, seconds=0.0)
+            elapsed_s += 0.010
         scheduler.end_language()
 
     tick(0, elapsed_s=0.080)   # 20 ms of slack: narration's first two tokens
@@ -426,3 +427,32 @@ def test_a_lower_priority_ahead_of_its_spread_yields_its_step_to_a_question():
     tick(2, elapsed_s=0.090)   # narration on schedule again: its step, beside the question's
     assert [t for f, _, t in rows_per_step if f == 2][0] == ['narration', 'ask']
     assert all(r.task == 'narration' for r in scheduler.active)
+
+
+def test_a_question_steps_before_a_lower_priority_starts():
+    """The highest priority's steps come first in a tick: a live question's pass and decode
+    step run before the first token of the frame's new narration request."""
+    from oxygen_ros.engine import LanguageTask
+    tasks = (LanguageTask('narration', LanguagePolicy(max_new_tokens=6, eos_id=None)),
+             LanguageTask('ask', LanguagePolicy(max_new_tokens=5, every_n_frames=0, eos_id=None,
+                                                prompt_template='Q: {question}', max_queue=2),
+                          priority=10, on_demand=True))
+    scheduler = Scheduler(tasks, FixedBudget(2), KVPool(8), max_gen_len=12, max_forced_tokens=4,
+                          blocks=KVPool(8))
+    plans = []
+    for frame in range(2):
+        if frame == 1:
+            assert scheduler.ask('ask', [7, 8, 9], ticket=1) == ''
+        scheduler.allocate_frame_slot(frame)
+        scheduler.begin_language()
+        scheduler.admit(frame)
+        scheduler.choose_k(0.0)
+        while (plan := scheduler.schedule(0.0)) is not None:
+            of = {r.request_id: (r.task, r.origin_frame) for r in scheduler.active}
+            kind = 'first' if plan.first_token else 'extend' if plan.extend else 'decode'
+            plans.append((frame, kind, sorted(of[i] for i in plan.request_ids)))
+            scheduler.update(plan, [2] * plan.size, seconds=0.0)
+        scheduler.end_language()
+    assert [p[1:] for p in plans if p[0] == 1][:3] == [
+        ('extend', [('ask', 1)]), ('decode', [('ask', 1), ('narration', 0)]),
+        ('first', [('narration', 1)])]

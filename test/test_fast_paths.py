@@ -58,11 +58,14 @@ def run_frames(system, frames):
 
 
 @pytest.mark.usefixtures('one_torch_thread')
-def test_compiled_denoise_and_decode_equal_eager_and_never_compile_in_a_tick():
+def test_compiled_passes_equal_eager_and_never_compile_in_a_tick():
     """compile 'on' (inductor): after the runner's warm-up, frames of every shape the engine
     uses run compiled (no eager fallback), tokens equal eager's and actions agree closely.
 
-    Two language tasks: decode rows on one prefix slot, each in its own generation block.
+    Three language tasks: decode rows on one prefix slot, each in its own generation block;
+    two templates of instructions of three lengths, so extend passes of one and two rows
+    and several prompt lengths (buckets) run compiled. Then extend passes themselves,
+    compiled against eager: the same logits up to float rounding, the same K/V written.
     """
     model, frontend = random_setup(MICRO, 'libero', seed=1)
     reference, _ = random_setup(MICRO, 'libero', seed=1)   # same weights, eager, unfused
@@ -72,23 +75,47 @@ def test_compiled_denoise_and_decode_equal_eager_and_never_compile_in_a_tick():
     tasks = (LanguageTask('narration', LanguagePolicy(max_new_tokens=5, eos_id=None)),
              LanguageTask('subtask', LanguagePolicy(max_new_tokens=3, every_n_frames=2,
                                                     eos_id=None, prompt_template='{instruction}:'),
-                          priority=1))
+                          priority=1),
+             LanguageTask('scene', LanguagePolicy(max_new_tokens=2, eos_id=None,
+                                                  prompt_template='Describe {instruction}'),
+                          priority=1))   # the subtask's level: their passes share a call
 
     def engine(model):
         return make_engine('oxygen', model, frontend, tasks, FixedBudget(2))
     system = engine(model)
-    system.runner.warm_up_compiled(frames=[frontend.prepare(observation(99)).tensors])
+    system.runner.warm_up_compiled(frames=[frontend.prepare(observation(99)).tensors],
+                                   prompt_len=system.scheduler.max_forced_tokens)
     prepare.seal(model, plan, 0.0)
+    extend_rows = []
+    extend = system.runner.extend
+    system.runner.extend = lambda slots, *rest: extend_rows.append(len(slots)) or extend(
+        slots, *rest)
     actions, tokens = run_frames(system, range(5))   # prompts of other lengths than frame 99
     ref_actions, ref_tokens = run_frames(engine(reference), range(5))
-    assert {task for task, _ in tokens} == {'narration', 'subtask'}
+    assert {task for task, _ in tokens} == {'narration', 'subtask', 'scene'}
+    assert set(extend_rows) == {1, 2}
     compiled = model.compiled_functions
     assert [fn.name for fn in compiled] == ['vision tower', 'prefill layers', 'denoise step',
-                                            'decode step']
-    assert [(fn.fallbacks, fn.failed) for fn in compiled] == [(0, False)] * 4
+                                            'decode step', 'extend pass']
+    assert [(fn.fallbacks, fn.failed) for fn in compiled] == [(0, False)] * 5
     assert tokens and tokens == ref_tokens
     for got, want in zip(actions, ref_actions):
         np.testing.assert_allclose(got, want, atol=COMPILED_ACTION_ATOL, rtol=0)
+    # An extend pass compiled == eager: logits and the K/V written into the blocks.
+    runner, store = system.runner, system.runner.store
+    slots, blocks = torch.tensor([0, 1]), torch.tensor([0, 1])
+    gen_len, n_tokens = torch.tensor([0, 3]), torch.tensor([7, 4])
+    tokens = torch.randint(2, MICRO.backbone.vocab_size, (2, 8))
+    outputs = []
+    for compiled_fn in (model._extend_fn, None):
+        model._extend_fn = compiled_fn
+        logits = model.extend_step(runner.kv, slots, store.prefix_valid[:2], store.n_valid[:2],
+                                   gen_len, tokens, n_tokens, gen=runner.gen, blocks=blocks,
+                                   attend_len=8)
+        outputs.append((logits, store.gen_k[:, :2, :7].clone()))
+    (logits, written), (eager_logits, eager_written) = outputs
+    torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(written, eager_written, atol=1e-5, rtol=1e-5)
 
 
 def rtc_chunks(model, frontend, mode: str, frames: int = 4):
@@ -130,7 +157,7 @@ def test_rtc_chunks_of_a_compiled_model_equal_eager_and_frozen_rows_stay_exact()
         if mode == 'prefix':   # the frozen row is the committed one, exactly
             for before, after in zip(chunks, chunks[1:]):
                 np.testing.assert_array_equal(after.actions[0], before.actions[2])
-    assert [(fn.fallbacks, fn.failed) for fn in model.compiled_functions] == [(0, False)] * 4
+    assert [(fn.fallbacks, fn.failed) for fn in model.compiled_functions] == [(0, False)] * 5
 
 
 @pytest.mark.usefixtures('one_torch_thread')
@@ -153,8 +180,8 @@ def test_capacity_times_the_warmed_up_compiled_passes(monkeypatch):
     monkeypatch.setattr(engine_setup, 'time_ticks', time_ticks)
     settings = Settings.from_values({'preset': 'tiny', 'control_rate_hz': 0.0})
     capacity = engine_setup.time_capacity(model, frontend, settings, plan=plan)
-    assert capacity.frames >= 2 and seen == {'sealed': [True] * 4, 'compiled while timed': 0}
-    assert [(fn.sealed, fn.fallbacks) for fn in model.compiled_functions] == [(False, 0)] * 4
+    assert capacity.frames >= 2 and seen == {'sealed': [True] * 5, 'compiled while timed': 0}
+    assert [(fn.sealed, fn.fallbacks) for fn in model.compiled_functions] == [(False, 0)] * 5
 
 
 @pytest.mark.usefixtures('one_torch_thread')
@@ -176,7 +203,7 @@ def test_compiled_denoise_step_serves_every_batch_of_rows_with_one_graph():
         for slot, tensors in enumerate(frames):
             runner.prefill(tensors, slot)
         actions.append(runner.sample_actions_rows([0, 1, 2], noise.astype(np.float32)))
-    assert [(fn.fallbacks, fn.failed) for fn in model.compiled_functions] == [(0, False)] * 4
+    assert [(fn.fallbacks, fn.failed) for fn in model.compiled_functions] == [(0, False)] * 5
     np.testing.assert_allclose(actions[0], actions[1], atol=COMPILED_ACTION_ATOL, rtol=0)
 
 
@@ -200,7 +227,7 @@ def test_a_fleet_of_two_runs_its_ticks_compiled_after_the_warm_up():
         acted = fleet.act({'a': observation(frame), 'b': observation(frame + 1)})
         assert set(acted.actions) == {'a', 'b'} and not acted.failed
         fleet.advance_language()
-    assert [(fn.fallbacks, fn.failed) for fn in model.compiled_functions] == [(0, False)] * 4
+    assert [(fn.fallbacks, fn.failed) for fn in model.compiled_functions] == [(0, False)] * 5
     # The row threads' sealed calls overlapped; dynamo's process-wide stance is back.
     assert torch._dynamo.eval_frame._stance.stance == 'default'
 

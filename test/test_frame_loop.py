@@ -172,9 +172,9 @@ def test_a_mixed_rate_fleet_serves_no_robot_late():
     rounds = []
     advance = fleet.advance_language
 
-    def counted(robots=None, deadline_s=None):
+    def counted(robots=None, deadline_s=None, poll=None):
         rounds.append((sorted(robots), deadline_s))
-        return advance(robots, deadline_s)
+        return advance(robots, deadline_s, poll)
     fleet.advance_language = counted
     wakes, served = run_timed(loop, fleet, 3.0)
     # The wake-ups are the robots' own ticks: 10 + 15 a second, 5 of which coincide.
@@ -203,7 +203,7 @@ def test_without_the_shared_deadline_the_slow_robot_would_be_late():
     loop, fleet = make_loop(periods, prefill_s=0.01, budgets=budgets, n_tokens=16,
                             step_s=lambda rows: 0.004)
     advance = fleet.advance_language
-    fleet.advance_language = lambda robots=None, deadline_s=None: advance(robots, None)
+    fleet.advance_language = lambda robots=None, deadline_s=None, poll=None: advance(robots)
     _, served = run_timed(loop, fleet, 3.0)
     assert [s for s in served if s[0] == 'droid' and s[2] > s[1] + 1e-9]
 

@@ -57,7 +57,13 @@ class StingyBudget:
     def allow_more(self, elapsed_s, batch_size, deadline_s=None):
         return False
 
+    def time_left(self, elapsed_s, deadline_s=None):
+        return 0.0
+
     def observe_action(self, seconds):
+        pass
+
+    def observe_tail(self, seconds):
         pass
 
     def observe_decode(self, batch_size, seconds):
@@ -67,6 +73,12 @@ class StingyBudget:
         pass
 
     def extend_estimate(self, tokens):
+        return 0.0
+
+    def observe_first(self, rows, seconds):
+        pass
+
+    def first_estimate(self, rows):
         return 0.0
 
     def step_estimate(self, batch_size):

@@ -14,6 +14,7 @@ stands for (the pool is sized ceil(N / k_min) + 1 with it).
 from __future__ import annotations
 
 import bisect
+import math
 import sys
 from typing import Protocol
 
@@ -35,8 +36,14 @@ class Budget(Protocol):
                    deadline_s: float | None = None) -> bool:
         """Whether another step at `batch_size` rows still fits in this frame."""
 
+    def time_left(self, elapsed_s: float, deadline_s: float | None = None) -> float:
+        """Seconds from elapsed_s to the frame's deadline (math.inf: not bound by time)."""
+
     def observe_action(self, seconds: float) -> None:
         """Record the action path time of a frame."""
+
+    def observe_tail(self, seconds: float) -> None:
+        """Record a tick's time after its last language step (detokenising, publishing)."""
 
     def observe_decode(self, batch_size: int, seconds: float) -> None:
         """Record the time of one token step over `batch_size` rows."""
@@ -47,8 +54,17 @@ class Budget(Protocol):
     def extend_estimate(self, tokens: int) -> float:
         """Seconds an extend pass over `tokens` padded query tokens is expected to take."""
 
+    def observe_first(self, rows: int, seconds: float) -> None:
+        """Record the time of one first-token call (the LM head over `rows` prefixes)."""
+
+    def first_estimate(self, rows: int) -> float:
+        """Seconds a first-token call over `rows` prefixes is expected to take (0: unknown)."""
+
     def step_estimate(self, batch_size: int) -> float:
         """Seconds a token step over `batch_size` rows is expected to take (0: not priced)."""
+
+
+TAIL_GUARD = 0.02   # share of the period kept beyond a tick's measured tail (AdaptiveBudget)
 
 
 def sizing_k(budget: Budget) -> int | None:
@@ -69,7 +85,13 @@ class UnlimitedBudget:
                    deadline_s: float | None = None) -> bool:
         return True
 
+    def time_left(self, elapsed_s: float, deadline_s: float | None = None) -> float:
+        return math.inf
+
     def observe_action(self, seconds: float) -> None:
+        """Unused: nothing to plan."""
+
+    def observe_tail(self, seconds: float) -> None:
         """Unused: nothing to plan."""
 
     def observe_decode(self, batch_size: int, seconds: float) -> None:
@@ -79,6 +101,12 @@ class UnlimitedBudget:
         """Unused: nothing to plan."""
 
     def extend_estimate(self, tokens: int) -> float:
+        return 0.0
+
+    def observe_first(self, rows: int, seconds: float) -> None:
+        """Unused: nothing to plan."""
+
+    def first_estimate(self, rows: int) -> float:
         return 0.0
 
     def step_estimate(self, batch_size: int) -> float:
@@ -115,8 +143,15 @@ class FixedBudget:
         """Whether another step fits in this frame (a fixed budget never cuts a frame short)."""
         return True
 
+    def time_left(self, elapsed_s: float, deadline_s: float | None = None) -> float:
+        """Return math.inf: a fixed budget is not bound by time (nothing waits for one)."""
+        return math.inf
+
     def observe_action(self, seconds: float) -> None:
         """Record the action path time of a frame (unused by a fixed budget)."""
+
+    def observe_tail(self, seconds: float) -> None:
+        """Record a tick's time after its language steps (unused by a fixed budget)."""
 
     def observe_decode(self, batch_size: int, seconds: float) -> None:
         """Record the time of one token step over `batch_size` rows (unused here)."""
@@ -125,6 +160,13 @@ class FixedBudget:
         """Record the time of one extend pass (unused here)."""
 
     def extend_estimate(self, tokens: int) -> float:
+        """Return 0: a fixed budget gives k steps whatever the time."""
+        return 0.0
+
+    def observe_first(self, rows: int, seconds: float) -> None:
+        """Record the time of one first-token call (unused here)."""
+
+    def first_estimate(self, rows: int) -> float:
         """Return 0: a fixed budget gives k steps whatever the time."""
         return 0.0
 
@@ -190,11 +232,16 @@ class AdaptiveBudget:
     """Choose k each frame so the frame ends by its deadline.
 
     Per frame, after the action path:  k = floor((deadline - elapsed) / d(B)),  clamped to
-    [0, k_max], where deadline = frame_period_s · (1 - margin) and d(B) comes from the online
+    [0, k_max], where deadline = frame_period_s - reserve and d(B) comes from the online
     cost model at the current number of live requests B (an upper bound on every step's batch
     this frame). In a fleet the frame's deadline is the next robot's tick when that comes
-    first (min(period, deadline_s) · (1 - margin)), and B counts every robot's rows of a
-    step. Guarantees:
+    first (min(period, deadline_s) - reserve), and B counts every robot's rows of a step.
+
+    reserve: what the tick needs after its last language step. Until a tick's tail is
+    measured, `margin` of the period (5%); then the measured tail (detokenising, publishing:
+    max(EMA, latest), as a step's cost) plus TAIL_GUARD of the period for a step that runs
+    past its estimate, never more than the margin (measured on pi05-cpu: a tail of ~1-1.5 ms
+    at 10 Hz, so ~3 ms of a 100 ms tick's 5 go back to the language steps). Guarantees:
       * slack ≥ one step  ->  k ≥ 1 (follows from the floor);
       * no slack          ->  k = 0: the budget adds nothing, and the scheduler's per-request
         minimum (each request's pool deadline, planned at k_min steps per frame) is all the
@@ -208,7 +255,8 @@ class AdaptiveBudget:
     padded query tokens: one costs several decode steps (pi05-cpu, eager: a 40-token pass
     ~2.5x a one-row step). The scheduler adds the estimate of the tick's pending pass to the
     elapsed time before choosing k. prior_extend: (tokens, seconds) of a pass timed at
-    configure, what the model assumes until it has measured one.
+    configure, what the model assumes until it has measured one. First-token calls (the LM
+    head on new requests' prefixes, ~1.5 ms on pi05-cpu) have a third model, by rows.
     """
 
     unlimited = False
@@ -225,21 +273,28 @@ class AdaptiveBudget:
         self.margin = margin
         self.cost = StepCostModel(ema, prior_step_s)
         self.extend_cost = StepCostModel(ema)   # padded query tokens -> seconds of a pass
+        self.first_cost = StepCostModel(ema)    # rows -> seconds of a first-token call
         if prior_extend is not None:
             self.extend_cost.observe(*prior_extend)
+        self.tail = StepCostModel(ema)          # (key 1) -> seconds after the last step
         self.action_s: float | None = None   # EMA of the action path (reporting, planning)
         self._ema = ema
         self.last_k = 0
 
     @property
     def deadline_s(self) -> float:
-        return self.frame_period_s * (1.0 - self.margin)
+        return self._deadline(None)
 
     def _deadline(self, deadline_s: float | None) -> float:
-        """Return the frame's deadline: its period's or an earlier one given, less the margin."""
-        if deadline_s is None:
-            return self.deadline_s
-        return min(self.frame_period_s, deadline_s) * (1.0 - self.margin)
+        """Return the frame's deadline: its period's or an earlier one given, less the reserve."""
+        end = self.frame_period_s
+        if deadline_s is not None:
+            end = min(end, deadline_s)
+        reserve = self.margin * end
+        tail = self.tail.estimate(1)
+        if tail is not None:
+            reserve = min(reserve, tail + TAIL_GUARD * end)
+        return end - reserve
 
     def choose(self, elapsed_s: float, batch_size: int, deadline_s: float | None = None) -> int:
         """Return k for this frame; elapsed_s = frame time so far (action path included)."""
@@ -259,6 +314,13 @@ class AdaptiveBudget:
         step = self.cost.estimate(max(batch_size, 1)) or 0.0
         return elapsed_s + step <= self._deadline(deadline_s)
 
+    def time_left(self, elapsed_s: float, deadline_s: float | None = None) -> float:
+        """Seconds from elapsed_s to the frame's deadline (negative: past it)."""
+        return self._deadline(deadline_s) - elapsed_s
+
+    def observe_tail(self, seconds: float) -> None:
+        self.tail.observe(1, seconds)
+
     def observe_action(self, seconds: float) -> None:
         old = self.action_s
         self.action_s = seconds if old is None else old + self._ema * (seconds - old)
@@ -268,6 +330,15 @@ class AdaptiveBudget:
 
     def observe_extend(self, tokens: int, seconds: float) -> None:
         self.extend_cost.observe(tokens, seconds)
+
+    def observe_first(self, rows: int, seconds: float) -> None:
+        self.first_cost.observe(rows, seconds)
+
+    def first_estimate(self, rows: int) -> float:
+        """Seconds of a first-token call over `rows` prefixes (0 while none was timed)."""
+        if not rows:
+            return 0.0
+        return self.first_cost.estimate(rows) or 0.0
 
     def step_estimate(self, batch_size: int) -> float:
         """Seconds of a token step over `batch_size` rows (0 while nothing is known)."""

@@ -67,9 +67,9 @@ from oxygen_ros.engine.budget import Budget, sizing_k, UnlimitedBudget
 from oxygen_ros.engine.frontend import Frontend, held_rows, PreparedObservation
 from oxygen_ros.engine.output import OutputProcessor
 from oxygen_ros.engine.runner import ModelRunner, Runner
-from oxygen_ros.engine.scheduler import Scheduler, StepPlan
-from oxygen_ros.engine.types import (ActionOutput, Continuation, FrameResult, Observation,
-                                     ObservationError, Timings)
+from oxygen_ros.engine.scheduler import extend_tokens, Scheduler, StepPlan
+from oxygen_ros.engine.types import (ActionOutput, Continuation, FinishedRequest, FrameResult,
+                                     Observation, ObservationError, Timings)
 from oxygen_ros.engine.workload import (as_tasks, frame_noise, LanguagePolicy, LanguageTask,
                                         tasks_num_blocks, tasks_num_slots)
 from oxygen_ros.kv import KVPool, QuotaPool
@@ -88,6 +88,8 @@ ONE_ROBOT = ''                   # the member name of a one-robot engine (and a 
 # ---- slot sizing ------------------------------------------------------------------------------
 
 Tasks = LanguagePolicy | Sequence[LanguageTask]   # a bare policy: the one narration task
+# advance_language's hook between steps: robot -> its on-demand requests that just ended
+Poll = Callable[[Mapping[str, list[FinishedRequest]]], None]
 
 
 def forced_token_room(tasks: Tasks, max_forced_tokens: int | None = None) -> int:
@@ -255,6 +257,7 @@ class FleetEngine:
         self._act: FleetActions | None = None     # the tick's act(), until advance_language()
         self._tick_start: float | None = None
         self._frontend_s = 0.0                    # frontend time since the tick began
+        self._after_steps_s = 0.0                 # last advance_language after its last step
 
     # ---- state and controls ------------------------------------------------------------------
 
@@ -440,13 +443,19 @@ class FleetEngine:
     # ---- 2. the language path of every robot, in shared decode steps -------------------------
 
     def advance_language(self, robots: Collection[str] | None = None,
-                         deadline_s: float | None = None) -> FleetResult:
+                         deadline_s: float | None = None,
+                         poll: Poll | None = None) -> FleetResult:
         """Admit each framed robot's request, run the tick's token steps for all robots at once.
 
         robots: whose live requests advance this tick (None: every robot's); a robot with a
         frame from act() always takes part. deadline_s: when this tick's language must end,
         seconds after act() began (the next robot's tick; None: each robot's budget counts
-        against its own period). Without a preceding act() only live requests advance (no
+        against its own period). poll(answered): called on this thread before the
+        admissions and before every step with the on-demand requests that ended since its
+        last call (robot -> FinishedRequests: the frame loop answers its questions at once,
+        not at the round's end; the FleetResult has them too), and hands over requests asked
+        meanwhile (Scheduler.ask); one asked during the steps starts on the tick's frame when
+        its first step fits. Without a preceding act() only live requests advance (no
         new request). Returns the tick's FleetResult (also kept in `self.last_result`).
         """
         start = self.clock()
@@ -456,6 +465,8 @@ class FleetEngine:
         if act is None:
             self.runner.reset_times()
             self._frontend_s = 0.0
+        if poll is not None:
+            poll({})
         frames, working = {}, []
         for robot in self.robots.values():
             frame, robot.frame = robot.frame, None
@@ -465,16 +476,29 @@ class FleetEngine:
             robot.scheduler.begin_language()
             if frame is not None:
                 frames[robot.name] = frame
-                self._admit(frame)
             working.append(robot)
         # A robot's budget prices a decode step by all its rows: the others' live requests too
         # (with row threads each robot's steps hold only its own).
-        live = (sum(len(r.scheduler.active) for r in working)
-                if len(working) > 1 and self._rows is None else 0)
+
+        def others() -> int:
+            return (sum(len(r.scheduler.active) for r in working)
+                    if len(working) > 1 and self._rows is None else 0)
+        live = others()
+        for robot in working:
+            if robot.name in frames:
+                self._admit(frames[robot.name], self.clock() - tick_start, deadline_s,
+                            max(live - len(robot.scheduler.active), 0))
+        live = others()
         ks = {r.name: r.scheduler.choose_k(self.clock() - tick_start, deadline_s,
                                            max(live - len(r.scheduler.active), 0))
               for r in working}
-        batch_sizes = self._token_steps(working, tick_start, deadline_s)
+        try:
+            batch_sizes = self._token_steps(working, tick_start, deadline_s, poll)
+        except BaseException:
+            for robot in working:   # the frames' holds end with the round, whatever failed
+                robot.scheduler.drop_frame()
+            raise
+        steps_end = self.clock()
         reports = {}
         for robot in working:
             touched, ended = robot.scheduler.end_language()
@@ -502,9 +526,21 @@ class FleetEngine:
                                        usage)
         if self.debug:
             self.check()
+        self._after_steps_s = self.clock() - steps_end
         return self.last_result
 
-    def _admit(self, frame: _Frame) -> None:
+    def observe_tail(self, robots: Collection[str], seconds: float) -> None:
+        """Tell these robots' budgets how long their tick ran after advance_language returned.
+
+        Added to the time advance_language itself took after its last step (its report), it
+        is the tick's tail, what the adaptive budget keeps free after the language steps.
+        """
+        for name in robots:
+            self._robot(name).scheduler.budget.observe_tail(self._after_steps_s + seconds)
+
+    def _admit(self, frame: _Frame, elapsed_s: float, deadline_s: float | None,
+               other_rows: int) -> None:
+        """Start the frame's requests (by time: Scheduler.admit); prefill isolated ones."""
         robot = frame.robot
         scheduler = robot.scheduler
         try:
@@ -514,7 +550,8 @@ class FleetEngine:
                     with self._frontend_clock():
                         forced[task.name] = robot.frontend.encode_text(
                             task.policy.prompt_text(frame.obs.instruction))
-            admissions = scheduler.admit(frame.index, forced)
+            admissions = scheduler.admit(frame.index, forced, elapsed_s, deadline_s,
+                                         other_rows)
         except Exception as err:   # noqa: BLE001 - a language failure must not leak a slot
             logger.error('%sframe %d: no language request started: %r', _who(robot),
                          frame.index, err)
@@ -528,21 +565,31 @@ class FleetEngine:
                     scheduler.fail([admission.request_id], err)
 
     def _token_steps(self, working: list[FleetMember], tick_start: float,
-                     deadline_s: float | None) -> list[int]:
-        """Run rounds of every robot's next step together; return rows of each decode step."""
+                     deadline_s: float | None, poll: Poll | None) -> list[int]:
+        """Run rounds of every robot's next step together; return rows of each decode step.
+
+        poll (if any) runs on this thread before every round of plans (advance_language);
+        with row threads, before and after the robots' steps.
+        """
+        def between_steps():
+            if poll is not None:
+                poll(self._answered(working))
         if len(working) == 1:   # one robot: its plans one after another, nothing to merge
-            return self._robot_steps(working[0], tick_start, deadline_s)
+            return self._robot_steps(working[0], tick_start, deadline_s, between_steps)
         if self._rows is not None:
             # Row threads: each robot's steps on its own thread, side by side, as its rows
             # of the action path (one core idles while the other decodes every robot's rows).
-            per_robot = self._rows.map(
-                lambda robot: self._robot_steps(robot, tick_start, deadline_s), working)
+            between_steps()
+            per_robot = list(self._rows.map(
+                lambda robot: self._robot_steps(robot, tick_start, deadline_s), working))
+            between_steps()
             return [rows for sizes in per_robot for rows in sizes]
         batch_sizes, open_robots = [], list(working)
         # A robot's budget judges a step by all its rows: the other robots' rows of the round
         # before are added to its own.
         rows, own = 0, {}
         while open_robots:
+            between_steps()
             plans: list[tuple[FleetMember, StepPlan]] = []
             for robot in list(open_robots):
                 plan = robot.scheduler.schedule(self.clock() - tick_start, deadline_s,
@@ -564,11 +611,16 @@ class FleetEngine:
                 batch_sizes.append(rows)
         return batch_sizes
 
-    def _robot_steps(self, robot: FleetMember, tick_start: float,
-                     deadline_s: float | None) -> list[int]:
+    def _robot_steps(self, robot: FleetMember, tick_start: float, deadline_s: float | None,
+                     between_steps: Callable[[], None] | None = None) -> list[int]:
         """Run one robot's plans one after another; return the rows of its decode steps."""
         scheduler, runner = robot.scheduler, self.runner
-        while (plan := scheduler.schedule(self.clock() - tick_start, deadline_s)) is not None:
+        while True:
+            if between_steps is not None:
+                between_steps()
+            plan = scheduler.schedule(self.clock() - tick_start, deadline_s)
+            if plan is None:
+                break
             try:
                 if plan.first_token:
                     token_ids = runner.first_tokens(plan.slots)
@@ -583,6 +635,17 @@ class FleetEngine:
                 continue
             scheduler.update(plan, token_ids, runner.last_call_s)
         return list(scheduler.batch_sizes)
+
+    def _answered(self, working: list[FleetMember]) -> dict[str, list[FinishedRequest]]:
+        """Robot -> its on-demand requests that ended since the last call (Scheduler)."""
+        answered = {}
+        for robot in working:
+            ended = robot.scheduler.take_answered()
+            if ended:
+                with self._frontend_clock():
+                    answered[robot.name] = [robot.output.finished(r, robot.last_frame_index)
+                                            for r in ended]
+        return answered
 
     def _run_plans(self, plans: list[tuple[FleetMember, StepPlan]], first_token: bool) -> int:
         """Run the rows of several robots' plans as one model call; return the row count."""
@@ -639,7 +702,7 @@ class FleetEngine:
                 robot.scheduler.fail(plan.request_ids, err)
             return
         by_block = dict(zip(blocks, token_ids))
-        padded = len(rows) * max(len(row[3]) for row in rows)
+        padded = extend_tokens([row[3] for row in rows])
         for robot, plan in plans:
             robot.scheduler.update(plan, [by_block[b] for b in plan.blocks],
                                    self.runner.last_call_s, call_rows=padded)

@@ -42,10 +42,14 @@ class OutputProcessor:
         finished = []
         for req in ended:
             self._shown.pop(req.request_id, None)
-            text = final_text.get(req.request_id)
-            finished.append(FinishedRequest(
-                req.request_id, req.origin_frame, list(req.token_ids),
-                text if text is not None else self.frontend.decode(req.token_ids),
-                req.finish_reason, last_frame_index - req.origin_frame + 1, req.error,
-                req.task, req.ticket))
+            finished.append(self.finished(req, last_frame_index, final_text.get(req.request_id)))
         return deltas, finished
+
+    def finished(self, req: RequestState, last_frame_index: int,
+                 text: str | None = None) -> FinishedRequest:
+        """Return the record of an ended request (text: its decoded ids, when known already)."""
+        return FinishedRequest(
+            req.request_id, req.origin_frame, list(req.token_ids),
+            text if text is not None else self.frontend.decode(req.token_ids),
+            req.finish_reason, last_frame_index - req.origin_frame + 1, req.error, req.task,
+            req.ticket)

@@ -72,8 +72,8 @@ class CompilePlan:
     def describe(self) -> str:
         denoise = 'denoise loop' if self.whole_loop else 'denoise step'
         passes = [name for name, on in (('vision', self.vision), ('prefill', self.prefill),
-                                        (denoise, self.denoise), ('decode step', self.decode))
-                  if on]
+                                        (denoise, self.denoise),
+                                        ('decode step and extend pass', self.decode)) if on]
         what = f'compiled: {", ".join(passes)} ({self.mode})' if passes else 'eager'
         return f'{what}: {self.reason}'
 
@@ -162,6 +162,9 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
     else:
         model.compile_actions(None)
     model.compile_decode(mode, kv, config) if plan.decode else model.compile_decode(None)
+    # An extend pass (a new request's template) has the decode step's weights; its prompt
+    # length varies, so no CUDA graphs (as the prefill).
+    model.compile_extend(prefill_mode, config) if plan.decode else model.compile_extend(None)
     logger.info('model passes %s', plan.describe())
     if plan.denoise:
         logger.info('real-time chunking (rtc_mode guided or prefix) runs its denoise steps '
@@ -178,15 +181,17 @@ def runner_options(plan: CompilePlan, device: str) -> dict:
 
 
 def warm_up(runner, plan: CompilePlan, frames: Sequence[dict],
-            action_rows: Sequence[int] = (1,)) -> None:
+            action_rows: Sequence[int] = (1,), prompt_len: int = 0) -> None:
     """Compile `plan`'s passes for every shape `runner` uses (ModelRunner.warm_up_compiled).
+
+    prompt_len: the longest prompt template a request feeds (0: no extend pass).
 
     Adds the time it took to plan.seconds; nothing to do when nothing is compiled.
     """
     if not plan.any:
         return
     start = time.perf_counter()
-    runner.warm_up_compiled(action_rows=action_rows, frames=frames)
+    runner.warm_up_compiled(action_rows=action_rows, frames=frames, prompt_len=prompt_len)
     plan.seconds += time.perf_counter() - start
 
 

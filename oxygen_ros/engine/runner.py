@@ -32,7 +32,8 @@ import torch
 
 from oxygen_ros.kv import KVStore
 from oxygen_ros.model import rtc
-from oxygen_ros.model.pi05 import attend_bucket, KVTensors, Pi05Model, PrefixCache
+from oxygen_ros.model.pi05 import (attend_bucket, extend_bucket, KVTensors, Pi05Model,
+                                   PrefixCache)
 
 MODEL_CALLS = ('prefill', 'action', 'decode')
 
@@ -293,14 +294,14 @@ class ModelRunner:
                prompts: list[list[int]]) -> list[int]:
         """One extend pass (blocks ascending): row b feeds prompts[b] into block blocks[b].
 
-        Rows are right-padded to the longest prompt (the padding writes the block's scratch
-        entry); returns the greedy token after each row's last prompt token. Eager: its
-        shapes (rows, longest prompt, attend length) change with every prompt. Timed as
-        language ('decode').
+        Rows are right-padded to the longest prompt rounded up to extend_bucket (the padding
+        writes the block's scratch entry), so a compiled pass sees a few prompt lengths;
+        returns the greedy token after each row's last prompt token. Timed as language
+        ('decode').
         """
         start = self.clock()
         s = self.store
-        Q = max(map(len, prompts))
+        Q = extend_bucket(max(map(len, prompts)))
         tokens = torch.tensor([p + [0] * (Q - len(p)) for p in prompts], dtype=torch.long)
         n_tokens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         gen_len = torch.tensor(gen_lens, dtype=torch.long)
@@ -342,15 +343,18 @@ class ModelRunner:
 
     @torch.no_grad()
     def warm_up_compiled(self, action_rows: Sequence[int] = (1,),
-                         frames: Sequence[dict] = ()) -> None:
+                         frames: Sequence[dict] = (), prompt_len: int = 0) -> None:
         """Run each compiled pass once per shape this runner will use (at configure).
 
         Prefill: each of `frames` (prepared tensors of the robots' frames: their camera count
         and prompt; the number of valid positions is dynamic) into slot 0, a slot no request
         holds yet. Decode: batches of 1 and 2 rows (2: the one graph every B > 1 shares) at
         the smallest and largest attend length, every row on its generation block's scratch
-        entry (nothing real is written). Actions: `action_rows` prefixes (1 for one robot; a
-        fleet adds 2). A GPU pool is marked static first, so its CUDA graphs read it in place.
+        entry (nothing real is written). Extend: passes of 1 and 2 rows at the shortest
+        prompt and at `prompt_len` (the longest a request feeds; 0: no task has a template,
+        no pass), into blocks no request holds yet (a request writes its entries before it
+        reads them). Actions: `action_rows` prefixes (1 for one robot; a fleet adds 2). A GPU
+        pool is marked static first, so its CUDA graphs read it in place.
         """
         model, s = self.model, self.store
         if self.device.type == 'cuda':
@@ -368,6 +372,12 @@ class ModelRunner:
                 slots = [row % s.num_slots for row in range(B)]
                 for attend_len in lengths:
                     self._step(slots, blocks, [s.scratch_gen_len] * B, [0] * B, attend_len)
+        prompt_len = min(prompt_len, s.max_gen_len)
+        if model._extend_fn is not None and prompt_len >= 2:
+            for B in sorted({min(2, s.num_blocks), 1}):
+                for n in sorted({2, prompt_len}):
+                    self.extend([row % s.num_slots for row in range(B)], list(range(B)),
+                                [0] * B, [[0] * n] * B)
         if model._denoise_fn is not None:
             H, A = self.action_shape
             for rows in sorted({min(r, s.num_slots) for r in action_rows}):

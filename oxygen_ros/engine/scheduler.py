@@ -11,18 +11,21 @@ One frame, as the engine drives it:
                    ... runner prefills s_t, computes actions ...
                    after_actions()                 (isolated: the action task lets s_t go)
     advance        begin_language()
-                   admit(t, forced) -> [Admission] each language task's request starting at t
-                                                   adopts s_t (zero copy; all of them read the
+                   admit(t, forced, elapsed)       each language task's request starting at t
+                     -> [Admission]                adopts s_t (zero copy; all of them read the
                                                    one prefix) and takes a generation block of
                                                    its own, or, isolated, gets a slot of its
-                                                   own to prefill; the frame's hold on s_t ends
+                                                   own to prefill; below the top priority only
+                                                   if its first step fits the tick (below)
                    choose_k(elapsed) -> k          k token steps per live request, and at least
                                                    each one's minimum (its pool deadline)
-                   schedule() -> StepPlan | None   first tokens (LM head on the prefix), one
-                   update(plan, token_ids)         extend pass over the new requests' templates,
-                   fail(plan, error)               then ONE batched decode step per token step
-                   end_language() -> touched, ended    over every live request, whatever frame
-                                                   it started at
+                   schedule() -> StepPlan | None   a waiting request whose first step now fits
+                   update(plan, token_ids)         starts (below); first tokens (LM head on the
+                   fail(plan, error)               prefix), one extend pass over the new
+                   take_answered()                 requests' templates, then ONE batched decode
+                                                   step per token step over every live
+                                                   request, whatever frame it started at
+                   end_language() -> touched, ended    the frame's hold on s_t ends
 
 Progress under any overload (how vLLM keeps FCFS progress: admitted requests run to the end,
 new ones wait or are turned away, the newest is preempted first). Every frame's action path
@@ -62,10 +65,26 @@ runs out the lower priority stops first, down to its minimum), and preemption (t
 priority's newest request first).
 
 On-demand tasks (questions, `LanguageTask.on_demand`): a caller asks with `ask(task, forced,
-ticket)`, the request's own forced tokens (its template with the question); the next frame's
-admission starts it on that frame's prefix like any task's request (one a frame per task), and
-its FinishedRequest carries the ticket. At most policy.max_queue are waiting or live at once;
-their blocks are kept free for them from lower priorities like any higher task's share.
+ticket)`, the request's own forced tokens (its template with the question); it starts on the
+newest frame's prefix like any task's request (one a frame per task): at that frame's
+admission, or, asked while the frame's steps run, at the next step whose time still holds its
+extend pass (the frame keeps its slot until end_language()). Its FinishedRequest carries the
+ticket, and `take_answered()` hands it out at the step it ended, not at the round's end. At
+most policy.max_queue are waiting or live at once; their blocks are kept free for them from
+lower priorities like any higher task's share. A live one takes the tick first: its k is
+chosen before the lower levels', a lower request's first step must fit beside all of its
+steps left, and while time is left after every quota it takes one more step at a time.
+
+Admission by time (a budget bound by time, AdaptiveBudget; a fixed k admits as before). A
+request below the highest priority live or starting starts only if the tick's committed
+work with it still ends by the tick's deadline (`_committed_s`: the extend pass and first
+tokens of the new requests, every live request's minimum steps, and all the steps left of an
+on-demand request above it); else it is deferred: it waits for a later step of the round
+(started once it fits) or the next frame, where a periodic task's deferred request gives way
+to the newest frame's (counted in `deferred`, never refused). The highest priority is never
+deferred, so under overload its requests still start and finish (progress above). So a
+lower priority's first step never pushes a tick past its period: a tick's committed work is
+what its live requests' deadlines force, plus what fits.
 """
 
 from __future__ import annotations
@@ -80,8 +99,14 @@ from typing import Mapping, Sequence
 from oxygen_ros.engine.budget import Budget
 from oxygen_ros.engine.workload import as_tasks, LanguagePolicy, LanguageTask, NARRATION
 from oxygen_ros.kv import FinishReason, KVPool, QuotaPool, RequestState
+from oxygen_ros.model.pi05 import extend_bucket
 
 logger = logging.getLogger(__name__)
+
+
+def extend_tokens(prompts: Sequence[Sequence[int]]) -> int:
+    """Query tokens of one extend pass over `prompts` as the runner pads it (rows x bucket)."""
+    return len(prompts) * extend_bucket(max(map(len, prompts), default=0))
 
 
 @dataclasses.dataclass
@@ -109,8 +134,8 @@ class StepPlan:
 
     @property
     def extend_tokens(self) -> int:
-        """Query tokens of an extend pass as the runner pads it: rows x the longest prompt."""
-        return self.size * max(map(len, self.prompts), default=0)
+        """Query tokens of an extend pass as the runner pads it (rows x the bucketed prompt)."""
+        return extend_tokens(self.prompts)
 
 
 @dataclasses.dataclass
@@ -156,6 +181,11 @@ class Scheduler:
         self._must: dict[int, int] = {}            # request id -> steps it must still take
         self._touched: dict[int, RequestState] = {}  # requests this frame reports on
         self._ended: list[RequestState] = []       # ended since the last end_language()
+        self._answered = 0                         # of them, handed out by take_answered()
+        self._started: set[str] = set()            # tasks that started a request this round
+        self._deferred_forced: dict[str, list[int]] = {}   # deferred this round: template ids
+        self.deferred: collections.Counter[str] = collections.Counter()   # task -> requests
+        #                                            whose first step did not fit a tick
 
     @property
     def policy(self) -> LanguagePolicy:
@@ -271,13 +301,22 @@ class Scheduler:
         self._touched = {r.request_id: r for r in self.active}
         self.batch_sizes = []
         self._quota, self._must = {}, {}
+        self._started = set()
+        self._deferred_forced = {}
 
     def admit(self, frame_index: int,
-              forced: Mapping[str, Sequence[int]] | Sequence[int] = ()) -> list[Admission]:
-        """Queue this frame's arrivals, start at most one request per task; end the frame's hold.
+              forced: Mapping[str, Sequence[int]] | Sequence[int] = (),
+              elapsed_s: float | None = None, deadline_s: float | None = None,
+              other_rows: int = 0) -> list[Admission]:
+        """Queue this frame's arrivals and start at most one request per task on its slot.
 
         forced: each task's prompt template token ids (task name -> ids; a plain list is the
         first task's); a task absent gets none. Tasks are admitted higher priority first.
+        elapsed_s: the tick's time so far (None: admission is not by time); deadline_s and
+        other_rows as in choose_k. Below the highest priority live or starting, a request
+        whose first step no longer fits the tick is deferred (module doc). The frame keeps
+        its slot until end_language(): a question asked during the round may still start
+        on it (schedule()).
         """
         if not isinstance(forced, Mapping):
             forced = {self.tasks[0].name: forced}
@@ -288,48 +327,79 @@ class Scheduler:
             tasks = self._by_priority()
             for task in tasks:
                 arrivals = task.policy.arrivals(frame_index)
+                if task.policy.arrival_rate is None:
+                    # One request a period: a deferred one gives way to the newest frame's.
+                    self.queued[task.name] = min(self.queued[task.name] + arrivals, 1)
+                    continue
                 accepted = min(arrivals, task.policy.max_queue - self.queued[task.name])
                 self.queued[task.name] += accepted
                 for _ in range(arrivals - accepted):
                     self._refuse(frame_index, task, 'request queue full')
+            starting = [t.priority for t in tasks
+                        if (self.asked[t.name] if t.on_demand else self.queued[t.name])]
+            top = max([r.priority for r in self.active] + starting, default=0)
             for task in tasks:
                 ticket = None
                 if task.on_demand:
                     if not self.asked[task.name]:
                         continue
-                    ticket, ids = self.asked[task.name].popleft()
+                    ticket, ids = self.asked[task.name][0]
                 elif self.queued[task.name]:
-                    self.queued[task.name] -= 1
                     ids = list(forced.get(task.name, ()))
                 else:
                     continue
-                admission = self._start_request(frame_index, task, ids, ticket)
+                req = self._new_request(frame_index, task, ids, ticket)
+                if (task.priority < top and elapsed_s is not None
+                        and not self._fits(req, elapsed_s, deadline_s, other_rows)):
+                    self._deferred_forced[task.name] = ids   # a later step may start it
+                    self.deferred[task.name] += 1
+                    logger.debug('frame %d: %s request deferred: its first step does not fit '
+                                 'the tick', frame_index, task.name)
+                    continue
+                if task.on_demand:
+                    self.asked[task.name].popleft()
+                else:
+                    self.queued[task.name] -= 1
+                admission = self._start_request(req, task)
                 if admission is not None:
                     admissions.append(admission)
+        except BaseException:
+            self.drop_frame()   # whatever failed above, the frame's slot is not leaked
+            raise
         finally:
             self._frame_counted = False
-            self.drop_frame()   # whatever failed above, the frame's slot is not leaked
         return admissions
 
-    def _start_request(self, frame_index: int, task: LanguageTask, forced: list[int],
-                       ticket: int | None = None) -> Admission | None:
+    def _new_request(self, frame_index: int, task: LanguageTask, forced: list[int],
+                     ticket: int | None = None, warn: bool = True) -> RequestState:
+        """Return the request `task` would start at this frame (no id, slot or block yet).
+
+        warn: log what had to be cut to fit a block (False: a retry, logged before).
+        """
         policy = task.policy
         if len(forced) > self.max_forced_tokens:
-            logger.warning('%s: prompt template has %d tokens, keeping the first %d',
-                           task.name, len(forced), self.max_forced_tokens)
+            if warn:
+                logger.warning('%s: prompt template has %d tokens, keeping the first %d',
+                               task.name, len(forced), self.max_forced_tokens)
             forced = forced[:self.max_forced_tokens]
         n_tokens = policy.request_len(frame_index)
         # Storage bound (a policy set later may ask more than the blocks were sized for).
         fits = self.max_gen_len - len(forced) + 1
         if n_tokens > fits:
-            logger.warning('%s: request of %d tokens shortened to %d (generation block length)',
-                           task.name, n_tokens, fits)
+            if warn:
+                logger.warning('%s: request of %d tokens shortened to %d (generation block '
+                               'length)', task.name, n_tokens, fits)
             n_tokens = fits
         req = RequestState(request_id=-1, slot=None, origin_frame=frame_index,
                            max_new_tokens=n_tokens, eos_id=policy.eos_id,
                            forced=list(forced), task=task.name, priority=task.priority,
                            ticket=ticket)
         req.deadline = self.now + math.ceil(req.steps_left / max(self.budget.k_min, 1)) - 1
+        return req
+
+    def _start_request(self, req: RequestState, task: LanguageTask) -> Admission | None:
+        """Admit `req` on the frame's slot (a slot of its own, isolated), or refuse it."""
+        frame_index, ticket = req.origin_frame, req.ticket
         why = self._no_room(req)
         if why:
             self._refuse(frame_index, task, why, ticket=ticket)
@@ -351,7 +421,62 @@ class Scheduler:
         req.slot = slot
         self.active.append(req)
         self._touched[req.request_id] = req
+        self._started.add(task.name)
         return Admission(req.request_id, slot, needs_prefill, task.name)
+
+    def _fits(self, new: RequestState, elapsed_s: float, deadline_s: float | None,
+              other_rows: int) -> bool:
+        """Whether the tick's committed work with `new` started too ends by its deadline."""
+        left = self.budget.time_left(elapsed_s, deadline_s)
+        return left == math.inf or self._committed_s(new, other_rows) <= left
+
+    def _committed_s(self, new: RequestState, other_rows: int = 0) -> float:
+        """Seconds of the language work this tick is committed to once `new` starts too.
+
+        Committed: the extend pass over every template still to feed, every live request's
+        minimum steps (shared decode steps), and all the steps left of each on-demand
+        request above `new` (a question gets the tick first). Priced by the budget's cost
+        models (a request without template: its first-token call).
+        """
+        requests = [*self.active, new]
+        top = max(r.priority for r in requests)
+        budget = self.budget
+        seconds = 0.0
+        prompts = [r.pending_prompt for r in requests if r.pending_prompt]
+        if prompts:
+            seconds += budget.extend_estimate(extend_tokens(prompts))
+        seconds += budget.first_estimate(sum(r.needs_prefix_token for r in requests))
+        on_demand = {t.name for t in self.tasks if t.on_demand}
+        must_rows, extra = [], 0   # decode steps each request must take; the questions' rest
+        for req in requests:
+            known = req is not new and req.request_id in self._must
+            must = self._must[req.request_id] if known else self._minimum(req, top)
+            first = int(bool(req.pending_prompt or req.needs_prefix_token))   # not a decode row
+            must_rows.append(max(must - first, 0))
+            if req.priority > new.priority and req.task in on_demand:
+                extra = max(extra, req.steps_left - first - must_rows[-1])
+        for step in range(max(must_rows)):
+            seconds += budget.step_estimate(sum(m > step for m in must_rows) + other_rows)
+        if extra > 0:
+            above = sum(r.priority > new.priority and r.task in on_demand for r in requests)
+            seconds += extra * budget.step_estimate(above + other_rows)
+        return seconds
+
+    def _minimum(self, req: RequestState, top: int) -> int:
+        """Token steps `req` must take this tick (module doc); top: the highest live priority.
+
+        At the top priority its spread, ceil(steps left / frames to its deadline); below it
+        only what its deadline forces (steps left beyond k_min a frame after this one).
+        """
+        frames_left = req.deadline - self.now + 1
+        if frames_left < 1:
+            return req.steps_left
+        if req.priority < top:
+            # Below the top priority, only what its deadline forces now: a request ahead of
+            # its spread (earlier ticks' slack) yields its step to the higher ones (a
+            # question's answer); one on schedule still takes its k_min.
+            return max(req.steps_left - (frames_left - 1) * max(self.budget.k_min, 1), 0)
+        return -(-req.steps_left // frames_left)
 
     def _no_room(self, req: RequestState) -> str:
         """Why `req` cannot be admitted without a later frame lacking a slot ('' if it can).
@@ -440,22 +565,10 @@ class Scheduler:
         extend = self.pending_extend()
         if extend is not None:
             elapsed_s += self.budget.extend_estimate(extend.extend_tokens)
+        elapsed_s += self.budget.first_estimate(sum(r.needs_prefix_token for r in self.active))
         ks = self._priority_ks(elapsed_s, deadline_s, other_rows)
-        self._must = {}
         top = max((r.priority for r in self.active), default=0)
-        k_min = max(self.budget.k_min, 1)
-        for req in self.active:
-            frames_left = req.deadline - self.now + 1
-            if frames_left < 1:
-                must = req.steps_left
-            elif req.priority < top:
-                # Below the top priority, only what its deadline forces now: a request
-                # ahead of its spread (earlier ticks' slack) yields its step to the higher
-                # ones (a question's answer); one on schedule still takes its k_min.
-                must = max(req.steps_left - (frames_left - 1) * k_min, 0)
-            else:
-                must = -(-req.steps_left // frames_left)
-            self._must[req.request_id] = must
+        self._must = {r.request_id: self._minimum(r, top) for r in self.active}
         self._quota = {r.request_id: max(ks[r.priority], self._must[r.request_id])
                        for r in self.active}
         if self.budget.unlimited:
@@ -488,23 +601,34 @@ class Scheduler:
 
     def schedule(self, elapsed_s: float, deadline_s: float | None = None,
                  other_rows: int = 0) -> StepPlan | None:
-        """Next step of this frame: first tokens, then decode steps; None when done.
+        """Next step of this frame: first steps, then decode steps; None when done.
 
-        A request's first token comes from its prefix (LM head only) and counts as one of its
-        steps; every other token is one row of a batched decode step. Before every decode step
-        but the first, the budget may stop the frame (an adaptive deadline; deadline_s and
-        other_rows as in choose_k): then only rows still short of their minimum go on.
+        A request's first token comes from its prefix (LM head only) or from the extend pass
+        over its template, and counts as one of its steps; every other token is one row of a
+        batched decode step. Before every decode step but the first, the budget may stop the
+        frame (an adaptive deadline; deadline_s and other_rows as in choose_k): then only
+        rows still short of their minimum go on. Order: the highest priority with steps left
+        starts its new requests first; a lower priority's new requests take their first step
+        once the levels above have no decode step left this tick (a question's tokens come
+        before a narration's first token), the time that first step needs kept for it.
         """
-        first = [r for r in self.active if r.needs_prefix_token and self._quota[r.request_id]]
-        if first:
-            return StepPlan(True, [r.request_id for r in first], [r.slot for r in first], [], [])
-        extend = self.pending_extend(self._quota)
-        if extend is not None:
-            return extend
-        rows = [r for r in self.active if self._quota[r.request_id]]
+        self._start_waiting(elapsed_s, deadline_s, other_rows)
+        quota = self._quota
+        lead = max((r.priority for r in self.active if quota[r.request_id]), default=0)
+        plan = self._first_steps(lead)
+        if plan is not None:
+            return plan
+        later = [r for r in self.active if quota[r.request_id] and not r.started]
+        reserve = self._first_steps_s(later)   # their first steps: after the decode steps
+        rows = [r for r in self.active if quota[r.request_id] and r.started]
         if rows and self.batch_sizes and not self.budget.allow_more(
-                elapsed_s, len(rows) + other_rows, deadline_s):
-            rows = self._yield_by_priority(rows, elapsed_s, deadline_s, other_rows)
+                elapsed_s + reserve, len(rows) + other_rows, deadline_s):
+            rows = self._yield_by_priority(rows, elapsed_s + reserve, deadline_s, other_rows)
+        if not rows:
+            plan = self._first_steps(None)
+            if plan is not None:
+                return plan
+            rows = self._more_for_asked(elapsed_s, deadline_s, other_rows)
         if not rows:
             return None
         # Block order: a run of blocks (and, with one task, of prefix slots) is read as a view.
@@ -517,15 +641,107 @@ class Scheduler:
                         [r.gen_len for r in rows], [r.next_input_token() for r in rows],
                         [r.block for r in rows])
 
-    def pending_extend(self, quota: Mapping[int, int] | None = None) -> StepPlan | None:
+    def _first_steps(self, lead: int | None) -> StepPlan | None:
+        """Return the next first-step plan of new requests at priority >= lead (None: any).
+
+        First tokens (one LM head call over their prefixes) before the extend pass.
+        """
+        new = [r for r in self.active if self._quota[r.request_id] and not r.started
+               and (lead is None or r.priority >= lead)]
+        first = [r for r in new if r.needs_prefix_token]
+        if first:
+            return StepPlan(True, [r.request_id for r in first], [r.slot for r in first], [], [])
+        return self._extend_plan([r for r in new if r.pending_prompt])
+
+    def _first_steps_s(self, requests: list[RequestState]) -> float:
+        """Seconds the first steps of these new requests are expected to take."""
+        prompts = [r.pending_prompt for r in requests if r.pending_prompt]
+        seconds = self.budget.extend_estimate(extend_tokens(prompts)) if prompts else 0.0
+        return seconds + self.budget.first_estimate(sum(r.needs_prefix_token for r in requests))
+
+    def _start_waiting(self, elapsed_s: float, deadline_s: float | None,
+                       other_rows: int) -> None:
+        """Start waiting requests on the round's frame once their first step fits the tick.
+
+        Waiting: asked since the round began (a question asked while the tick's steps run
+        starts now, not a tick later), or deferred at admission (a lower priority, once the
+        higher ones' work leaves it time). Needs the frame's slot, which the frame holds until
+        end_language(); at most one request per task a frame. A request that starts here at
+        the top priority gets the steps the budget gives it now (at least its first), the
+        lower ones' quotas drop to their minimum (they yield); below the top, its minimum.
+        """
+        if self._frame is None:
+            return
+        frame_index = self._frame[0]
+        for task in self._by_priority():
+            if task.name in self._started:
+                continue
+            if task.on_demand:
+                if not self.asked[task.name]:
+                    continue
+                ticket, ids = self.asked[task.name][0]
+            elif self.queued[task.name] and task.name in self._deferred_forced:
+                ticket, ids = None, self._deferred_forced[task.name]
+            else:
+                continue
+            req = self._new_request(frame_index, task, ids, ticket,
+                                    warn=task.name not in self._deferred_forced)
+            if not self._fits(req, elapsed_s, deadline_s, other_rows):
+                continue   # a later step or the next frame starts it
+            if task.on_demand:
+                self.asked[task.name].popleft()
+            else:
+                self.queued[task.name] -= 1
+            if self._start_request(req, task) is None:
+                continue
+            top = max(r.priority for r in self.active)
+            for live in self.active:
+                must = self._minimum(live, top)
+                if live is not req:
+                    must = min(self._must[live.request_id], must)
+                self._must[live.request_id] = must
+                if live.priority < task.priority:
+                    self._quota[live.request_id] = min(self._quota[live.request_id], must)
+            quota = self._must[req.request_id]
+            if task.priority == top:
+                if req.pending_prompt:
+                    elapsed_s += self.budget.extend_estimate(extend_tokens([req.pending_prompt]))
+                elapsed_s += self.budget.first_estimate(int(req.needs_prefix_token))
+                rows = sum(r.priority >= task.priority for r in self.active) + other_rows
+                quota = max(self.budget.choose(elapsed_s, rows, deadline_s), quota)
+            self._quota[req.request_id] = quota
+            logger.debug('frame %d: %s request %d started during the round', frame_index,
+                         task.name, req.request_id)
+
+    def _more_for_asked(self, elapsed_s: float, deadline_s: float | None,
+                        other_rows: int) -> list[RequestState]:
+        """Give live on-demand requests one more step each while one still fits the tick.
+
+        A question takes the time its k (chosen before the tick's steps, on estimates) left
+        over; a budget not bound by time (fixed k) gives none.
+        """
+        on_demand = {t.name for t in self.tasks if t.on_demand}
+        rows = [r for r in self.active if r.task in on_demand]
+        if not rows or math.isinf(self.budget.time_left(elapsed_s, deadline_s)):
+            return []
+        if not self.budget.allow_more(elapsed_s, len(rows) + other_rows, deadline_s):
+            return []
+        for req in rows:
+            self._quota[req.request_id] += 1
+        return rows
+
+    def pending_extend(self) -> StepPlan | None:
         """Return the extend pass over every live request with a template to feed, or None.
 
         Such a request is new this tick (its first step, and so within its minimum: it runs
         whatever the budget), and its whole template goes in one pass, batched with the
-        other new requests' (rows in block order). quota: only requests with steps left.
+        other new requests' (rows in block order).
         """
-        rows = sorted((r for r in self.active if r.pending_prompt
-                       and (quota is None or quota[r.request_id])), key=lambda r: r.block)
+        return self._extend_plan([r for r in self.active if r.pending_prompt])
+
+    def _extend_plan(self, requests: list[RequestState]) -> StepPlan | None:
+        """Return one extend pass over these requests' pending templates (None: none)."""
+        rows = sorted(requests, key=lambda r: r.block)
         if not rows:
             return None
         for req in rows:
@@ -577,7 +793,9 @@ class Scheduler:
                 self._end(req, req.finish_reason)
         if plan.extend:
             self.budget.observe_extend(call_rows or plan.extend_tokens, seconds)
-        elif not plan.first_token:
+        elif plan.first_token:
+            self.budget.observe_first(call_rows or plan.size, seconds)
+        else:
             self.budget.observe_decode(call_rows or plan.size, seconds)
             self.batch_sizes.append(plan.size)
 
@@ -604,8 +822,23 @@ class Scheduler:
         self._must.pop(req.request_id, None)
         self._ended.append(req)
 
+    def take_answered(self) -> list[RequestState]:
+        """Return the on-demand requests that ended since the last call (this round's).
+
+        Their callers need not wait for the round's end (end_language reports them too).
+        """
+        on_demand = {t.name for t in self.tasks if t.on_demand}
+        new = [r for r in self._ended[self._answered:] if r.task in on_demand]
+        self._answered = len(self._ended)
+        return new
+
     def end_language(self) -> tuple[list[RequestState], list[RequestState]]:
-        """Close the frame's language work: (requests touched, requests ended), by id."""
+        """Close the frame's language work: (requests touched, requests ended), by id.
+
+        The frame's hold on its slot ends here (its requests keep theirs).
+        """
+        self.drop_frame()
+        self._answered = 0
         ended, self._ended = self._ended, []
         touched = dict(self._touched)
         touched.update((r.request_id, r) for r in ended)

@@ -92,6 +92,11 @@ class RequestState:
         return len(self.forced) + max(self.max_new_tokens - 1, 0)
 
     @property
+    def started(self) -> bool:
+        """True once its first step (prefix token or extend pass) ran: decode steps feed it."""
+        return not (self.needs_prefix_token or self.pending_prompt)
+
+    @property
     def needs_prefix_token(self) -> bool:
         """True when the next token comes from the prefix logits, not from a decode step."""
         return not self.forced and not self.token_ids and not self.finished

@@ -151,6 +151,15 @@ def attend_bucket(needed: int, limit: int) -> int:
     return min(limit, max(8, 1 << (needed - 1).bit_length()))
 
 
+def extend_bucket(tokens: int) -> int:
+    """Pad an extend pass's prompt length to the next multiple of 8 (its query tokens).
+
+    A few lengths cover every prompt (few shapes for a compiled pass and its cost model) for
+    at most 7 padding tokens, which write only their block's scratch entry.
+    """
+    return -(-tokens // 8) * 8
+
+
 def attend_prefix_and_generated(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
                                 prefix_bias: torch.Tensor, k_gen: torch.Tensor,
                                 v_gen: torch.Tensor, gen_bias: torch.Tensor) -> torch.Tensor:
@@ -204,6 +213,7 @@ class Pi05Model(nn.Module):
         # only when a longer cache shows up; see rope_tables().
         self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._decode_fn: CompiledFunction | None = None    # _decode_layers, compile_decode()
+        self._extend_fn: CompiledFunction | None = None    # _extend_layers, compile_extend()
         self._denoise_fn: CompiledFunction | None = None   # denoise_loop, compile_actions()
         self._vision_fn: CompiledFunction | None = None    # encode_images, compile_prefill()
         self._prefill_fn: CompiledFunction | None = None   # prefill_layers, compile_prefill()
@@ -723,7 +733,8 @@ class Pi05Model(nn.Module):
 
         attend_len (J): generated entries read, >= max(gen_len + n_tokens) and at most the
         block's max_len - 1 (None: exactly that max, from host ints). Other inputs as
-        decode_step's; runs eager (its (B, Q, J) vary with every prompt).
+        decode_step's. Compiled (compile_extend) with dynamic shapes: one graph for B = 1 and
+        one for every B > 1, whatever Q and J (extend_bucket pads Q to a few lengths).
         """
         P = prefix_valid.shape[1]
         room = gen.max_len - 1   # the last entry is the scratch
@@ -733,10 +744,10 @@ class Pi05Model(nn.Module):
             raise ValueError(f'extend needs {attend_len} generated entries, a block has {room}')
         device = kv.k.device
         cos, sin = self.rope_tables(P + gen.max_len, device)
-        return self._extend_layers(kv.k, kv.v, gen.k, gen.v, cos, sin, slots, blocks,
-                                   prefix_valid.to(device), n_valid.to(device),
-                                   gen_len.to(device), tokens.to(device), n_tokens.to(device),
-                                   attend_len)
+        extend = self._extend_fn or self._extend_layers
+        return extend(kv.k, kv.v, gen.k, gen.v, cos, sin, slots, blocks,
+                      prefix_valid.to(device), n_valid.to(device), gen_len.to(device),
+                      tokens.to(device), n_tokens.to(device), attend_len)
 
     def _extend_layers(self, k_store: torch.Tensor, v_store: torch.Tensor,
                        k_gen: torch.Tensor, v_gen: torch.Tensor, cos: torch.Tensor,
@@ -808,6 +819,24 @@ class Pi05Model(nn.Module):
                                            mode=mode, **options)
         return self
 
+    def compile_extend(self, mode: str | None = 'default', config: dict | None = None,
+                       **options) -> Pi05Model:
+        """Run extend passes through torch.compile (call once, then warm up, then seal).
+
+        Dynamic shapes: one graph for B = 1 and one for every other B, whatever the prompt
+        length Q and attend length J, so a warm-up with one and two rows covers them all (the
+        runner pads Q to a few lengths, extend_bucket). Not CUDA graphs: those would record one
+        graph per shape (use mode 'default' on a GPU, as for the prefill). Other arguments as
+        compile_decode; mode=None with no options turns it off.
+        """
+        if mode is None and not options:
+            self._extend_fn = None
+            return self
+        options.setdefault('dynamic', True)
+        self._extend_fn = CompiledFunction(self._extend_layers, 'extend pass', config,
+                                           mode=mode, **options)
+        return self
+
     def compile_actions(self, mode: str | None = 'default', config: dict | None = None,
                         whole_loop: bool = True, **options) -> Pi05Model:
         """Run the whole denoise loop (every step) through torch.compile as one graph.
@@ -851,7 +880,7 @@ class Pi05Model(nn.Module):
     def compiled_functions(self) -> list[CompiledFunction]:
         """The compiled passes in use (empty when every pass runs eager)."""
         return [fn for fn in (self._vision_fn, self._prefill_fn, self._denoise_fn,
-                              self._decode_fn) if fn is not None]
+                              self._decode_fn, self._extend_fn) if fn is not None]
 
     def seal_compiled(self, sealed: bool = True) -> None:
         """Compile nothing more (see CompiledFunction.seal): the warm-up is over.

@@ -27,6 +27,7 @@ from oxygen_ros.engine.prepare import (CompilePlan, prepare_model, runner_option
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
                                          load_pi05)
 from oxygen_ros.model.config import get_preset
+from oxygen_ros.model.pi05 import extend_bucket
 from oxygen_ros.model.robot_spec import (check_fits_model, check_norm_stats, get_robot,
                                          RobotSpec, RobotSpecError)
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer
@@ -309,6 +310,12 @@ def row_threads(device: str, robots: int, threads: int) -> int:
     return min(robots, threads) if device == 'cpu' and robots > 1 else 1
 
 
+def longest_prompt(robots: Sequence[FleetRobot], system) -> int:
+    """Return the longest prompt a request of `robots` feeds in one extend pass (0: none)."""
+    return min(forced_token_room([t for r in robots for t in r.tasks]),
+               system.runner.store.max_gen_len)
+
+
 def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSettings,
                         max_prefill_rows: int | None = 1, *, rows: int = 1,
                         clock: Callable[[], float] = time.perf_counter,
@@ -327,10 +334,11 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
                         max_prefill_rows=max_prefill_rows, row_threads=rows, clock=clock,
                         **options)
     image_size = model.config.vision.image_size
+    tokens = longest_prompt(robots, system)
     if plan:
         warm_up(system.runner, plan, [warm_up_frame(frontends[s.robot], s, image_size)
                                       for s in fleet.robots.values()],
-                action_rows(len(fleet.robots)))
+                action_rows(len(fleet.robots)), tokens)
 
     planners = {name: planner_for(s) for name, s in fleet.robots.items()}
     chunks: dict[str, np.ndarray] = {}   # robot -> its last chunk [H, A]
@@ -350,15 +358,16 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
     label = _timing_label(node)
     if len(robots) > 1:
         label += f' with {len(robots)} robots ticking together'
-    # The longest prompt a request of these robots feeds in one extend pass (0: none).
-    tokens = min(forced_token_room([t for r in robots for t in r.tasks]),
-                 system.runner.store.max_gen_len)
     try:
         with sealed(model):   # the timed frames run the compiled passes, never a compile
             timed = time_ticks(tick, clock=clock)
             # Into block 0 of this throwaway engine, on slot 0's prefix of a timed frame.
-            extend = (time_extend(lambda n: system.runner.extend([0], [0], [0], [[2] * n]),
-                                  tokens, clock=clock) if tokens >= 2 else None)
+            extend = None
+            if tokens >= 2:
+                _, seconds = time_extend(
+                    lambda n: system.runner.extend([0], [0], [0], [[2] * n]), tokens,
+                    clock=clock)
+                extend = (extend_bucket(tokens), seconds)   # the tokens the runner pads to
         return capacity_from(timed, batch, label, extend)
     finally:
         system.close()
@@ -518,7 +527,8 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     system = make_fleet(model, robots, kv_dtype=kv_dtype, max_prefill_rows=max_prefill_rows,
                         row_threads=rows, **runner_options(plan, node.device))
     if warmup:
-        warm_up(system.runner, plan, frames, action_rows(len(fleet.robots)))
+        warm_up(system.runner, plan, frames, action_rows(len(fleet.robots)),
+                longest_prompt(robots, system))
         seal(model, plan)
     if one:
         settings = fleet.robots[ONE_ROBOT]

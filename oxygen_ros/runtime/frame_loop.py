@@ -14,18 +14,19 @@ most 19 times a second, not at a 90 Hz common grid. A tick serves the due robots
 
     1. build       each due robot's observation from its newest inputs (or the reasons not);
                    its action prompt: the active subtask of a task that drives the actions
-                   (runtime/subtask.py, never waited for), else the instruction; questions
-                   asked since the last tick go to the scheduler (runtime/questions.py)
+                   (runtime/subtask.py, never waited for), else the instruction
     2. act         engine.act(observations): one prefill + one denoise over the due robots
                    (real-time chunking: each continues its committed chunk, runtime/rtc.py)
     3. emit        each robot's action on its own sink, at once: nothing below delays it
     4. language    engine.advance_language(due robots, deadline): the due robots' live
                    requests (also without a new frame, so no request stalls while a camera
                    hiccups), k tokens per robot tick, against ONE deadline: the next tick
-                   of any robot (a 10 Hz robot's language stops before a 15 Hz robot is due)
+                   of any robot (a 10 Hz robot's language stops before a 15 Hz robot is due);
+                   before its admissions and between its steps, questions asked meanwhile go
+                   to the scheduler (on this tick's frame) and those whose request just ended
+                   are answered (runtime/questions.py)
     5. emit        tokens and narrations on each robot's sink; a subtask that completed
-                   becomes the action prompt from the robot's next frame on; a question whose
-                   request ended is answered
+                   becomes the action prompt from the robot's next frame on
 
 A wake-up where no robot is due does nothing (no language round). A tick that raises is still
 recorded in every due robot's statistics and advances their grids.
@@ -300,9 +301,6 @@ class FrameLoop:
             building = []
         else:
             building = due
-        for robot in building:   # questions asked since the last tick: this frame's
-            if robot.questions is not None:
-                robot.questions.hand_over(engine.scheduler(robot.name))
         for robot in building:   # 1. build
             built = robot.last_inputs = robot.inputs.build(now_s)
             if check_inputs is not None:
@@ -344,7 +342,14 @@ class FrameLoop:
             if robot.problems is not None:
                 report_inputs(robot.problems, outcomes[robot.name].problems, robot.last_inputs)
         names = [r.name for r in due]
+        desks = [(r.name, r.questions) for r in due if r.questions is not None]
+
+        def poll(answered) -> None:   # between the language steps (advance_language)
+            for name, desk in desks:
+                desk.finished(answered.get(name, ()))   # answered at once
+                desk.hand_over(engine.scheduler(name))  # asked since: on this tick's frame
         if not (observations or any(engine.live_requests(n) for n in names)) or not language():
+            poll({})   # no round: questions no frame took for too long get their reason
             return
         # 4. language: the due robots' requests, until the next robot's tick (module doc)
         if serve_all:
@@ -356,7 +361,9 @@ class FrameLoop:
             # Seconds after the engine's clock started: act() began, or the language does.
             began = act_start if observations else self.clock()
             deadline_s = next_s - now_s - (began - start)
-        self.last_result = result = engine.advance_language(names, deadline_s)
+        self.last_result = result = engine.advance_language(names, deadline_s,
+                                                            poll=poll if desks else None)
+        returned = self.clock()
         for name, frame_result in result.robots.items():   # 5. emit
             robot, outcome = self.robots[name], outcomes[name]
             robot.last_result = frame_result
@@ -370,6 +377,8 @@ class FrameLoop:
                              f'{name}: ' if name else '', frame_result.frame_index,
                              frame_result.timings.act_s * 1e3, frame_result.k, outcome.tokens,
                              frame_result.active_requests)
+        # The tick's tail after the language steps: what their budget keeps free of them.
+        engine.observe_tail(list(result.robots), self.clock() - returned)
 
     @staticmethod
     def _prompted(robot: RobotLoop, obs: Observation, now_s: float,
@@ -399,9 +408,12 @@ class FrameLoop:
     def engine_summary(self, name: str) -> dict | None:
         """Return the engine part of a robot's diagnostics (None before its first language)."""
         robot = self.robots[name]
-        summary = engine_summary(robot.last_result, robot.finished,
-                                 self.engine.scheduler(name).budget)
-        if summary is not None and robot.subtask is not None:
+        scheduler = self.engine.scheduler(name)
+        summary = engine_summary(robot.last_result, robot.finished, scheduler.budget)
+        if summary is None:
+            return None
+        summary['deferred'] = dict(scheduler.deferred)   # task -> requests deferred (time)
+        if robot.subtask is not None:
             summary['subtask'] = robot.subtask.status()
         return summary
 

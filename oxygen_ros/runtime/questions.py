@@ -1,17 +1,19 @@
 """Questions answered from a robot's newest frame: the `ask` service and serve's 'question'.
 
 A question is a language request of its own task (ASK, `LanguageTask.on_demand`): the
-`ask_prompt` template with the question, fed after the prefix of the first frame the robot
-serves after it was asked, with its own N (`ask_tokens`), decoded in the same batched steps as
-every other task's request. Nothing waits on the control thread:
+`ask_prompt` template with the question, fed after the prefix of the newest frame when the
+robot's language round takes it, with its own N (`ask_tokens`), decoded in the same batched
+steps as every other task's request. Nothing waits on the control thread:
 
     any thread      ask(question, done)      checks the question, queues it; a refusal is
                                              returned at once (done is never called then)
-    control thread  hand_over(scheduler)     at the start of a tick: queued questions go to
-                                             the scheduler (admitted with this tick's frame)
+    control thread  hand_over(scheduler)     before the tick's language round and between
+                                             its steps: queued questions go to the scheduler
+                                             (started on this tick's frame, at once or at
+                                             the first step their pass fits)
                     record_frame(index, ns)  the stamp of each frame served
                     finished(requests)       done(Answer) for each question whose request
-                                             ended (or was refused) this tick
+                                             ended (or was refused), at the step it ended
 
 A question no frame took within `admit_timeout_s` (no observation: stale cameras, no
 instruction) is answered with that reason; once admitted, a request always finishes by its

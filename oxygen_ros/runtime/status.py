@@ -354,7 +354,10 @@ def build_statuses(node: str, lifecycle: str, model: dict, loop: dict | None,
             ('current_k', str(engine['k'])), ('decode_budget', str(engine['budget']))]
             + [(f'requests_{r}_window', str(n)) for r, n in window.items()]
             + [('completed_per_min', _fmt(loop.get('completed_per_min', 0.0)))]
-            + [(f'finished_{r}', str(n)) for r, n in sorted(finished.items())]))
+            + [(f'finished_{r}', str(n)) for r, n in sorted(finished.items())]
+            # requests whose first step did not fit a tick beside higher priorities' work
+            + [(f'deferred_{task}', str(n))
+               for task, n in sorted(engine.get('deferred', {}).items())]))
         if engine.get('subtask') is not None:
             statuses.append(subtask_status(node, engine['subtask']))
         statuses.append(Status(
