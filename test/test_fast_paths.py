@@ -456,3 +456,22 @@ def test_floor_is_the_binding_limit_and_work_counts_computed_positions():
         rows['prefill']['eager_ms'])
     table = format_phases(costs, {'denoise': 0.2})
     assert '| x floor |' in table and 'action path' in table
+
+
+def test_extend_graphs_warmed_for_the_rows_a_pass_can_have():
+    """One robot whose templated tasks have levels of their own passes one row at a time (a
+    tick starts each level's requests in turn): no graph of several rows is traced at
+    configure; two templated tasks on one level, or a fleet, warm that graph too."""
+    from oxygen_ros.engine import FleetRobot
+    from oxygen_ros.runtime.engine_setup import prompt_rows, tasks_for
+
+    settings = Settings.from_values({
+        'language_tasks': ['narration', 'subtask'], 'tasks.subtask.priority': 2,
+        'tasks.subtask.prompt': 'Subtask of {instruction}:'})
+    tasks = tasks_for(settings, eos_id=1)            # narration, subtask, questions
+    assert prompt_rows([FleetRobot('', None, tasks, FixedBudget(1))]) == (1,)
+    same_level = tasks[:1] + (LanguageTask('scene', LanguagePolicy(
+        prompt_template='Describe {instruction}'), priority=2),) + tasks[1:]
+    assert prompt_rows([FleetRobot('', None, same_level, FixedBudget(1))]) == (1, 2)
+    fleet = [FleetRobot(name, None, tasks, FixedBudget(1)) for name in ('a', 'b')]
+    assert prompt_rows(fleet) == (1, 2)

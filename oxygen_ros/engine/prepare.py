@@ -181,17 +181,20 @@ def runner_options(plan: CompilePlan, device: str) -> dict:
 
 
 def warm_up(runner, plan: CompilePlan, frames: Sequence[dict],
-            action_rows: Sequence[int] = (1,), prompt_len: int = 0) -> None:
+            action_rows: Sequence[int] = (1,), prompt_len: int = 0,
+            prompt_rows: Sequence[int] = (1, 2)) -> None:
     """Compile `plan`'s passes for every shape `runner` uses (ModelRunner.warm_up_compiled).
 
-    prompt_len: the longest prompt template a request feeds (0: no extend pass).
+    prompt_len: the longest prompt template a request feeds (0: no extend pass); prompt_rows:
+    the rows its passes may have (1: one a call, (1, 2): the graph of several too).
 
     Adds the time it took to plan.seconds; nothing to do when nothing is compiled.
     """
     if not plan.any:
         return
     start = time.perf_counter()
-    runner.warm_up_compiled(action_rows=action_rows, frames=frames, prompt_len=prompt_len)
+    runner.warm_up_compiled(action_rows=action_rows, frames=frames, prompt_len=prompt_len,
+                            prompt_rows=prompt_rows)
     plan.seconds += time.perf_counter() - start
 
 

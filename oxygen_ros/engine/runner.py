@@ -343,18 +343,20 @@ class ModelRunner:
 
     @torch.no_grad()
     def warm_up_compiled(self, action_rows: Sequence[int] = (1,),
-                         frames: Sequence[dict] = (), prompt_len: int = 0) -> None:
+                         frames: Sequence[dict] = (), prompt_len: int = 0,
+                         prompt_rows: Sequence[int] = (1, 2)) -> None:
         """Run each compiled pass once per shape this runner will use (at configure).
 
         Prefill: each of `frames` (prepared tensors of the robots' frames: their camera count
         and prompt; the number of valid positions is dynamic) into slot 0, a slot no request
         holds yet. Decode: batches of 1 and 2 rows (2: the one graph every B > 1 shares) at
         the smallest and largest attend length, every row on its generation block's scratch
-        entry (nothing real is written). Extend: passes of 1 and 2 rows at the shortest
-        prompt and at `prompt_len` (the longest a request feeds; 0: no task has a template,
-        no pass), into blocks no request holds yet (a request writes its entries before it
-        reads them). Actions: `action_rows` prefixes (1 for one robot; a fleet adds 2). A GPU
-        pool is marked static first, so its CUDA graphs read it in place.
+        entry (nothing real is written). Extend: passes of `prompt_rows` rows (2: the graph
+        every B > 1 shares) at the shortest prompt and at `prompt_len` (the longest a request
+        feeds; 0: no task has a template, no pass), into blocks no request holds yet (a
+        request writes its entries before it reads them). Actions: `action_rows` prefixes (1
+        for one robot; a fleet adds 2). A GPU pool is marked static first, so its CUDA graphs
+        read it in place.
         """
         model, s = self.model, self.store
         if self.device.type == 'cuda':
@@ -374,8 +376,10 @@ class ModelRunner:
                     self._step(slots, blocks, [s.scratch_gen_len] * B, [0] * B, attend_len)
         prompt_len = min(prompt_len, s.max_gen_len)
         if model._extend_fn is not None and prompt_len >= 2:
-            for B in sorted({min(2, s.num_blocks), 1}):
-                for n in sorted({2, prompt_len}):
+            for B in sorted({min(rows, s.num_blocks) for rows in prompt_rows}):
+                # Longest first: a first trace at 8 tokens where the pool has 8 slots would tie
+                # the two sizes (dynamo's duck sizing) and cost a second trace.
+                for n in sorted({2, prompt_len}, reverse=True):
                     self.extend([row % s.num_slots for row in range(B)], list(range(B)),
                                 [0] * B, [[0] * n] * B)
         if model._denoise_fn is not None:

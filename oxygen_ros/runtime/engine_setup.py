@@ -316,6 +316,19 @@ def longest_prompt(robots: Sequence[FleetRobot], system) -> int:
                system.runner.store.max_gen_len)
 
 
+def prompt_rows(robots: Sequence[FleetRobot]) -> tuple[int, ...]:
+    """Return the rows an extend pass of `robots` may have: (1,), or (1, 2) for several.
+
+    A tick runs each priority level's new requests' first steps in turn (scheduler.py), so a
+    pass has one row unless two templated tasks share a level or several robots start theirs
+    together; the graph of several rows costs ~5 s of every configure (dynamo traces it).
+    """
+    if len(robots) > 1:
+        return (1, 2)
+    levels = [t.priority for t in robots[0].tasks if t.policy.prompt_template or t.on_demand]
+    return (1, 2) if len(set(levels)) < len(levels) else (1,)
+
+
 def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSettings,
                         max_prefill_rows: int | None = 1, *, rows: int = 1,
                         clock: Callable[[], float] = time.perf_counter,
@@ -338,7 +351,7 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
     if plan:
         warm_up(system.runner, plan, [warm_up_frame(frontends[s.robot], s, image_size)
                                       for s in fleet.robots.values()],
-                action_rows(len(fleet.robots)), tokens)
+                action_rows(len(fleet.robots)), tokens, prompt_rows(robots))
 
     planners = {name: planner_for(s) for name, s in fleet.robots.items()}
     chunks: dict[str, np.ndarray] = {}   # robot -> its last chunk [H, A]
@@ -528,7 +541,7 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
                         row_threads=rows, **runner_options(plan, node.device))
     if warmup:
         warm_up(system.runner, plan, frames, action_rows(len(fleet.robots)),
-                longest_prompt(robots, system))
+                longest_prompt(robots, system), prompt_rows(robots))
         seal(model, plan)
     if one:
         settings = fleet.robots[ONE_ROBOT]
