@@ -252,3 +252,29 @@ def fake_obs(frame):
     """Frame `frame`'s observation as the fake frontend reads it (its index in the state)."""
     return Observation(images={}, state=np.array([float(frame)]), instruction='go',
                        frame_index=frame)
+
+
+def test_a_question_below_a_task_with_no_time_left_is_answered_with_why():
+    """ask_priority below narration's, and the action path fills the period: the question's
+    first step never fits (deferred, never forced into a tick); after the desk's wait it is
+    answered with that reason, not 'no observation'. Narration goes on at its minimum."""
+    low = LanguageTask(ASK, QUESTIONS.policy, priority=-1, on_demand=True)
+    engine = engine_of((NARRATION, low), primed_budget())
+    clock, runner = engine.clock, engine.runner
+    runner.act_s = lambda: PERIOD_S
+    inputs, sink = robot_inputs(), RecordingSink()
+    loop = FrameLoop.one(engine, inputs, sink, PERIOD_S, clock=clock)
+    desk = loop.only.questions
+    desk.clock = clock
+    answers = []
+    for tick in range(80):
+        clock.now = max(clock.now, tick * PERIOD_S)
+        if tick == 5:
+            assert desk.ask('what is in the gripper?', answers.append) is None
+        feed(inputs, tick, clock.now)
+        loop.tick(clock.now)
+    (answer,) = answers
+    assert not answer.ok and 'no time for it' in answer.reason, answer
+    assert answer.wait_s == pytest.approx(desk.admit_timeout_s, abs=2 * PERIOD_S)
+    assert engine.scheduler.deferred[ASK] > 0
+    assert len(sink.narrations) > 50                     # narration at its minimum

@@ -15,10 +15,11 @@ steps as every other task's request. Nothing waits on the control thread:
                     finished(requests)       done(Answer) for each question whose request
                                              ended (or was refused), at the step it ended
 
-A question no frame took within `admit_timeout_s` (no observation: stale cameras, no
-instruction) is answered with that reason; once admitted, a request always finishes by its
-pool deadline (engine/scheduler.py). close(reason) answers every open question with `reason`
-(the node deactivates) and refuses new ones until open().
+A question no frame took within `admit_timeout_s` is answered with the reason: no observation
+(stale cameras, no instruction), or, frames served, no time beside the language of a higher
+priority (admission by time, engine/scheduler.py: an `ask_priority` below another task's);
+once admitted, a request always finishes by its pool deadline. close(reason) answers every
+open question with `reason` (the node deactivates) and refuses new ones until open().
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class QuestionDesk:
         self._withdraw: list[int] = []      # tickets the scheduler may hold, closed since
         self._tickets = itertools.count()
         self._frames: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._last_frame_s: float | None = None   # when the newest frame was served
 
     # ---- any thread ---------------------------------------------------------------------------
 
@@ -162,14 +164,24 @@ class QuestionDesk:
                         answers.append((self._open.pop(question.ticket), refused(why)))
                 elif (now - question.asked_s > self.admit_timeout_s
                       and scheduler.withdraw(question.ticket)):
-                    answers.append((self._open.pop(question.ticket), refused(
-                        f'no frame to answer from in {self.admit_timeout_s:g} s (the robot '
-                        'has no observation: see its input diagnostics)')))
+                    answers.append((self._open.pop(question.ticket),
+                                    refused(self._not_started(question))))
         for question, answer in answers:
             self._answer(question, answer)
 
+    def _not_started(self, question: _Question) -> str:
+        """Why `question` waited admit_timeout_s without starting."""
+        if self._last_frame_s is not None and self._last_frame_s > question.asked_s:
+            # Frames came: its first step never fitted beside higher-priority language.
+            return (f'not started in {self.admit_timeout_s:g} s: the ticks had no time for it '
+                    'beside the language tasks of a higher priority (raise ask_priority, or '
+                    'lower the control rate)')
+        return (f'no frame to answer from in {self.admit_timeout_s:g} s (the robot has no '
+                'observation: see its input diagnostics)')
+
     def record_frame(self, frame_index: int, stamp_ns: int) -> None:
         """Remember frame `frame_index`'s stamp (dates the answers decoded from it)."""
+        self._last_frame_s = self.clock()
         self._frames[frame_index] = stamp_ns
         while len(self._frames) > FRAMES_KEPT:
             self._frames.popitem(last=False)
