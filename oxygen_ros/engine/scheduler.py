@@ -441,11 +441,7 @@ class Scheduler:
         requests = [*self.active, new]
         top = max(r.priority for r in requests)
         budget = self.budget
-        seconds = 0.0
-        prompts = [r.pending_prompt for r in requests if r.pending_prompt]
-        if prompts:
-            seconds += budget.extend_estimate(extend_tokens(prompts))
-        seconds += budget.first_estimate(sum(r.needs_prefix_token for r in requests))
+        seconds = self._first_steps_s(requests)
         on_demand = {t.name for t in self.tasks if t.on_demand}
         must_rows, extra = [], 0   # decode steps each request must take; the questions' rest
         for req in requests:
