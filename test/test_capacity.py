@@ -15,7 +15,8 @@ import torch
 
 from oxygen_ros.engine import AdaptiveBudget, FixedBudget, make_engine, random_observation
 from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, fit_line,
-                                         resolve_rate, steady_batch, time_ticks)
+                                         resolve_rate, steady_batch, steady_frame,
+                                         STEADY_FRAMES, time_ticks)
 from oxygen_ros.runtime.engine_setup import (build_engine, load_model, tasks_for, robot_spec,
                                              time_capacity)
 from oxygen_ros.runtime.params import check_value, Settings
@@ -34,7 +35,7 @@ def test_steady_batch_and_capacity_figures():
     assert steady_batch(10, 1, 3) == 4 and steady_batch(10, 1, 0) == 0
     assert steady_batch(10, 1, 1, max_live=3) == 3                  # a small kv_capacity
     timed = [(0.100, 0.111, 1), (0.102, 0.114, 2), (0.098, 0.111, 3)]   # language 11-13 ms
-    capacity = capacity_from(timed, 10, 'preset p')
+    capacity = capacity_from(timed, 10, 'preset p')     # no steady frame: extrapolated
     assert capacity.act_s == 0.100 and capacity.language_s == pytest.approx(0.020)
     assert capacity.rate_hz == pytest.approx(1 / capacity.tick_s)
     assert capacity.auto_rate_hz() == pytest.approx(AUTO_SHARE * capacity.rate_hz)
@@ -47,13 +48,35 @@ def test_steady_batch_and_capacity_figures():
     assert Capacity(1e4, 0.0, 0, 2, 'x').auto_rate_hz() == 0.1     # within the parameter range
 
 
+def test_the_language_is_timed_at_the_steady_batch_not_extrapolated():
+    """Frames run until the first request has ended, then STEADY_FRAMES at the steady batch:
+    its median is the language, whatever a line through the growing batches would say."""
+    assert steady_frame(10, 1, 1) == 10 and steady_frame(10, 5, 3) == 2
+    assert steady_frame(10, 1, 0) == 0
+    frames = []
+
+    def tick(index):
+        frames.append(index)
+        batch = min(index, 9)
+        # A step of 9 rows costs 3x what the line through 1-5 rows gives (cache traffic).
+        language = 0.010 + 0.001 * batch if batch < 6 else 0.045
+        return 0.1, 0.1 + language, batch
+    timed = time_ticks(tick, frames=5, steady_from=10)
+    assert frames == list(range(10 + STEADY_FRAMES)) and len(timed) == 9 + STEADY_FRAMES
+    capacity = capacity_from(timed, 10, 'preset p', steady_from=10)
+    assert capacity.language_s == pytest.approx(0.045) and capacity.frames == 12
+    # Without the steady frames (a slow model stopped early) the line's extrapolation.
+    early = capacity_from(timed[:5], 10, 'preset p', steady_from=10)
+    assert early.language_s == pytest.approx(0.020)
+
+
 def test_time_ticks_stops_a_slow_model_early():
     clock = {'now': 0.0}
 
     def tick(index):
         clock['now'] += 4.0                                            # 4 s a frame
         return 4.0, 4.0, index
-    timed = time_ticks(tick, frames=5, max_s=5.0, clock=lambda: clock['now'])
+    timed = time_ticks(tick, frames=5, steady_from=10, max_s=5.0, clock=lambda: clock['now'])
     assert [n for _, _, n in timed] == [1, 2]                          # untimed frame 0 first
 
 
@@ -161,4 +184,4 @@ def test_with_rtc_on_the_timed_frames_continue_the_last_chunk(monkeypatch, mode)
         assert cont.rows.shape == (model.config.action_horizon - 1,
                                    len(make_frontend(robot_spec(settings)).adapter.spec
                                        .action_names))
-    assert len(seen) <= TIMED_FRAMES + 1
+    assert len(seen) == 1 + max(TIMED_FRAMES, 4 - 1 + STEADY_FRAMES)   # N = 4: steady from 4

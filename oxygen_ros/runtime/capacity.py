@@ -8,10 +8,15 @@
             giving nothing (an adaptive budget under overload), each live request takes its
             minimum of k_min steps (1 for the adaptive budget, k for a fixed one) in batched
             decode steps, plus the new request's first token and the engine's bookkeeping.
-            Timed per frame as (frame time - act), fitted as a + b·B over the frames' decode
-            batch B (a robust line: median slope, never negative) and taken at the steady
-            batch B* = the requests live at once, ceil(ceil(N / k_min) / n) for one request
-            every n frames (0 without language).
+            Timed per frame as (frame time - act) at the steady batch B* = the requests live
+            at once, ceil(ceil(N / k_min) / n) for one request every n frames (0 without
+            language): the frames run until the first request has ended (frame
+            ceil(N / k_min)), then STEADY_FRAMES more, and the median of those is taken. A
+            slow model that stops timing before then has its language fitted as a + b·B over
+            the frames' decode batch B (a robust line: median slope, never negative) and
+            taken at B*: an extrapolation, which is why the steady frames are timed whenever
+            the timing budget allows (a step of 10 rows costs what cache traffic makes it, not
+            what a line through 1-5 rows says).
 
   extend    not part of the tick: one extend pass over the longest prompt a request may
             feed (a question's template, a task's), timed after the frames. It seeds the
@@ -40,7 +45,8 @@ from typing import Callable
 from oxygen_ros.runtime.status import OK, WARN
 
 AUTO_SHARE = 0.9          # auto rate = this share of the capacity
-TIMED_FRAMES = 5          # timed warm-up frames (after one untimed)
+TIMED_FRAMES = 5          # timed warm-up frames (after one untimed), at least
+STEADY_FRAMES = 3         # timed frames at the steady batch, when the budget allows
 MIN_TIMED_FRAMES = 2      # a slow model stops after these once MAX_TIMING_S has passed
 MAX_TIMING_S = 5.0        # timing budget of configure (a pi05 on a CPU takes seconds a frame)
 MIN_RATE_HZ, MAX_RATE_HZ = 0.1, 1000.0   # control_rate_hz's range
@@ -120,6 +126,11 @@ def steady_batch(tokens_per_request: int, k_min: int, every_n_frames: int,
     return live if max_live is None else min(live, max_live)
 
 
+def steady_frame(tokens_per_request: int, k_min: int, every_n_frames: int) -> int:
+    """The first frame at the steady batch: the first request (frame 0's) has ended (0: none)."""
+    return math.ceil(tokens_per_request / max(k_min, 1)) if every_n_frames > 0 else 0
+
+
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Fit y = a + b·x through (x, y) points: (a, b), median pairwise slope (>= 0), median a.
 
@@ -133,18 +144,20 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def time_ticks(tick: Callable[[int], tuple[float, float, int]], *,
-               frames: int = TIMED_FRAMES, max_s: float = MAX_TIMING_S,
+               frames: int = TIMED_FRAMES, steady_from: int = 0,
+               max_s: float = MAX_TIMING_S,
                clock: Callable[[], float] = time.perf_counter
                ) -> list[tuple[float, float, int]]:
     """Run tick(0) untimed, then tick(1), tick(2), ...; return their (act s, frame s, batch).
 
     tick(i) runs frame i and returns (act seconds, whole frame seconds, decode batch). Stops
-    after `frames` timed frames, or after MIN_TIMED_FRAMES once `max_s` has passed.
+    after `frames` timed frames and STEADY_FRAMES from frame `steady_from` on (the steady
+    batch), or after MIN_TIMED_FRAMES once `max_s` has passed.
     """
     start = clock()
     tick(0)
     timed = []
-    while len(timed) < frames:
+    while len(timed) < max(frames, steady_from - 1 + STEADY_FRAMES):
         timed.append(tick(len(timed) + 1))
         if len(timed) >= MIN_TIMED_FRAMES and clock() - start > max_s:
             break
@@ -152,11 +165,20 @@ def time_ticks(tick: Callable[[int], tuple[float, float, int]], *,
 
 
 def capacity_from(timed: list[tuple[float, float, int]], batch: int, label: str,
-                  extend: tuple[int, float] | None = None) -> Capacity:
-    """Return the Capacity of timed frames (time_ticks) at the steady batch `batch`."""
+                  extend: tuple[int, float] | None = None, steady_from: int = 0) -> Capacity:
+    """Return the Capacity of timed frames (time_ticks) at the steady batch `batch`.
+
+    steady_from: the first frame at the steady batch (time_ticks); the language is the median
+    over the timed frames from there on, or fitted and extrapolated when none was timed.
+    """
     act_s = statistics.median(act for act, _, _ in timed)
-    a, b = fit_line([(float(n), max(frame - act, 0.0)) for act, frame, n in timed])
-    return Capacity(act_s, max(a + b * batch, 0.0), batch, len(timed), label, extend)
+    steady = [max(frame - act, 0.0) for act, frame, _ in timed[max(steady_from - 1, 0):]]
+    if steady_from and len(timed) >= steady_from:
+        language_s = statistics.median(steady)
+    else:
+        a, b = fit_line([(float(n), max(frame - act, 0.0)) for act, frame, n in timed])
+        language_s = max(a + b * batch, 0.0)
+    return Capacity(act_s, language_s, batch, len(timed), label, extend)
 
 
 def time_extend(extend: Callable[[int], None], tokens: int, repeats: int = 3,

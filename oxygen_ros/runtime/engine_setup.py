@@ -32,8 +32,8 @@ from oxygen_ros.model.robot_spec import (check_fits_model, check_norm_stats, get
                                          RobotSpec, RobotSpecError)
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer
 from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, resolve_rate,
-                                         steady_batch, time_extend, time_ticks,
-                                         TIMED_FRAMES)
+                                         steady_batch, steady_frame, time_extend,
+                                         time_ticks, TIMED_FRAMES)
 from oxygen_ros.runtime.params import FleetSettings, Settings
 from oxygen_ros.runtime.procfs import meminfo_kb
 from oxygen_ros.runtime.questions import ASK, ASK_TOPIC, MAX_OPEN_QUESTIONS
@@ -340,7 +340,8 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
     """
     node = fleet.node
     robots = [FleetRobot(name, frontends[s.robot], tasks_for(s, frontends[s.robot].eos_id),
-                         FixedBudget(_k_min(s)), kv_quota=TIMED_FRAMES + 3, seed=s.seed)
+                         FixedBudget(_k_min(s)), seed=s.seed,
+                         kv_quota=max(TIMED_FRAMES, _steady_batch(s)) + 3)
               for name, s in fleet.robots.items()]
     options = runner_options(plan, node.device) if plan else {}
     system = make_fleet(model, robots, kv_dtype=_kv_dtype(node, model),
@@ -368,12 +369,14 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
         result = system.advance_language()
         return act.act_s, result.timings.total_s, result.decode_batch_size
     batch = sum(_steady_batch(s) for s in fleet.robots.values())
+    steady_from = max(steady_frame(s.tokens_per_request, _k_min(s), s.request_every_n_frames)
+                      for s in fleet.robots.values())
     label = _timing_label(node)
     if len(robots) > 1:
         label += f' with {len(robots)} robots ticking together'
     try:
         with sealed(model):   # the timed frames run the compiled passes, never a compile
-            timed = time_ticks(tick, clock=clock)
+            timed = time_ticks(tick, steady_from=steady_from, clock=clock)
             # Into block 0 of this throwaway engine, on slot 0's prefix of a timed frame.
             extend = None
             if tokens >= 2:
@@ -381,7 +384,7 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
                     lambda n: system.runner.extend([0], [0], [0], [[2] * n]), tokens,
                     clock=clock)
                 extend = (extend_bucket(tokens), seconds)   # the tokens the runner pads to
-        return capacity_from(timed, batch, label, extend)
+        return capacity_from(timed, batch, label, extend, steady_from)
     finally:
         system.close()
 
