@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .runtime.allocator import keep_freed_memory
+    keep_freed_memory()   # every command's process, as the node's (runtime/allocator.py)
     return args.func(args)
 
 

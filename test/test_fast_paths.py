@@ -283,8 +283,14 @@ def _meta_model(preset: str) -> Pi05Model:
 def test_compile_auto_compiles_where_it_pays(monkeypatch):
     plan = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'auto')
     assert (plan.vision, plan.prefill, plan.denoise, plan.decode) == (False, True, True, True)
+    assert not plan.whole_loop
     most = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'max')
     assert (most.vision, most.prefill, most.denoise, most.decode) == (True, True, True, True)
+    assert most.whole_loop
+    # A fleet's row threads: auto compiles what max does (eager ops hold the GIL they share).
+    rows = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'auto', row_threads=2)
+    assert (rows.vision, rows.whole_loop) == (True, True) and '2 row threads' in rows.reason
+    assert not prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'on').whole_loop
     # inductor's default mode on the CPU in every dtype (autotuning: minutes, no faster), the
     # graph as one C++ call that releases the GIL; no frozen weights (they defeat the cache)
     assert prepare.compile_settings('cpu') == ('default', {'cpp_wrapper': True})

@@ -43,6 +43,7 @@ import time
 import numpy as np
 
 from ..engine.workload import get_workload
+from ..runtime.allocator import keep_freed_memory
 from ..runtime.procfs import reset_peak_rss, status_kb
 from .cpu import OtherLoad
 from .measure import compare_tokens, max_action_diff, percentile, SystemLog
@@ -123,7 +124,13 @@ def _build(job: RobotsJob):
     clock = time.perf_counter
     # As the node: the passes compiled (compile auto), warmed up for this system's shapes and
     # sealed before any tick, so the systems compare what a robot would run.
-    plan = prepare_model(model, job.device, job.compile)
+    if job.system == 'fleet':
+        from ..runtime.engine_setup import row_threads   # the node's rule
+
+        rows = row_threads(job.device, len(robots), job.threads)
+    else:
+        rows = 1
+    plan = prepare_model(model, job.device, job.compile, row_threads=rows)
     options = runner_options(plan, job.device)
     frames = [f.prepare(robot_observation(w, i, 0, job.seed, size)).tensors
               for f, i, w in zip((r.frontend for r in robots), indices, job.workloads)]
@@ -133,9 +140,6 @@ def _build(job: RobotsJob):
                 for r, i, w in zip(robots, indices, job.workloads)}
 
     if job.system == 'fleet':
-        from ..runtime.engine_setup import row_threads   # the node's rule
-
-        rows = row_threads(job.device, len(robots), job.threads)
         torch.set_num_threads(max(1, job.threads // rows))
         fleet = make_fleet(model, robots, max_prefill_rows=job.prefill_rows or None,
                            row_threads=rows, **options)
@@ -178,6 +182,7 @@ def _build(job: RobotsJob):
 
 def worker_main(job: RobotsJob, inbox, outbox) -> None:
     """Worker process: build, report ready, wait for 'go', serve the ticks, report the logs."""
+    keep_freed_memory()   # as the node's process (runtime/allocator.py), for every system
     runtime_kb = status_kb('VmRSS')
     try:
         system, serve, drain = _build(job)

@@ -57,6 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from typing import Callable, Collection, Mapping, Sequence
 
@@ -257,6 +258,7 @@ class FleetEngine:
         self._act: FleetActions | None = None     # the tick's act(), until advance_language()
         self._tick_start: float | None = None
         self._frontend_s = 0.0                    # frontend time since the tick began
+        self._frontend_lock = threading.Lock()
         self._after_steps_s = 0.0                 # last advance_language after its last step
 
     # ---- state and controls ------------------------------------------------------------------
@@ -302,7 +304,8 @@ class FleetEngine:
         try:
             yield
         finally:
-            self._frontend_s += self.clock() - start
+            with self._frontend_lock:   # row threads convert their robots' frames at once
+                self._frontend_s += self.clock() - start
 
     # ---- 1. the action path of every robot with a frame ------------------------------------
 
@@ -323,14 +326,23 @@ class FleetEngine:
         start = self._begin_tick()
         frames, rejected, failed = [], {}, {}
         continuations = continuations or {}
-        for name, obs in observations.items():
-            robot = self.robots[name]
+
+        def begin(name: str) -> _Frame | Exception:
             try:
-                frames.append(self._begin_frame(robot, obs, continuations.get(name)))
-            except ObservationError as err:   # this robot's input only: nothing is held yet
-                rejected[name] = err
-            except Exception as err:   # noqa: BLE001 - e.g. a bad committed chunk: this robot
-                failed[name] = err
+                return self._begin_frame(self.robots[name], observations[name],
+                                         continuations.get(name))
+            except Exception as err:   # noqa: BLE001 - sorted below: this robot only
+                return err
+        # Each robot's frontend (image conversion, tokens) on its row thread, side by side.
+        begun = (self._rows.map(begin, observations) if self._rows is not None
+                 and len(observations) > 1 else map(begin, observations))
+        for name, frame in zip(list(observations), list(begun)):
+            if isinstance(frame, ObservationError):   # its input only: nothing is held yet
+                rejected[name] = frame
+            elif isinstance(frame, Exception):   # e.g. a bad committed chunk
+                failed[name] = frame
+            else:
+                frames.append(frame)
         if frames:
             self._run_action_path(frames, failed)
         act_s = self.clock() - start

@@ -56,7 +56,7 @@ class CompilePlan:
     prefill: bool | None = None         # the backbone's prefill layers; None: as decode
     vision: bool | None = None          # the vision tower; None: as prefill
     mode: str = ''                      # torch.compile mode of the compiled passes
-    whole_loop: bool = True             # the denoise loop as one graph (else one step's)
+    whole_loop: bool = False            # the denoise loop as one graph (else one step's)
     seconds: float = 0.0                # warm-up (compile) time, set by the caller
 
     def __post_init__(self):
@@ -88,8 +88,17 @@ def tower_params(model: Pi05Model) -> tuple[int, int, int]:
     return expert, backbone, prefill
 
 
-def compile_plan(model: Pi05Model, device: str, setting: str = 'auto') -> CompilePlan:
-    """Decide which passes to compile for compile `setting` (COMPILE_CHOICES)."""
+def compile_plan(model: Pi05Model, device: str, setting: str = 'auto',
+                 row_threads: int = 1) -> CompilePlan:
+    """Decide which passes to compile for compile `setting` (COMPILE_CHOICES).
+
+    row_threads: a fleet's row threads (runtime/engine_setup.row_threads). With several on
+    the CPU, auto compiles what max does: an eager op holds the GIL between its kernels, so
+    eager passes make the row threads take turns, while a compiled graph runs as one C++ call
+    without it (pi05-cpu, 2 robots on 2 row threads, 2 cores: 12.4 action rows/s with the
+    single robot's auto passes, 14.4 with the vision tower compiled too, 17.2 with the whole
+    denoise loop as one graph as well).
+    """
     if setting not in COMPILE_CHOICES:
         raise ValueError(f'compile {setting!r}: expected one of {COMPILE_CHOICES}')
     if setting == 'off':
@@ -111,9 +120,14 @@ def compile_plan(model: Pi05Model, device: str, setting: str = 'auto') -> Compil
               f'(prefill {prefill / 1e6:.1f}M, denoise {expert / 1e6:.1f}M, decode '
               f'{backbone / 1e6:.1f}M)')
     # auto leaves the vision tower eager: a quarter of the first configure's compile for
-    # ~2-3 ms of a 67 ms action path (pi05-cpu, docs/bench/phases.md); max compiles it.
+    # ~2-3 ms of a 67 ms action path (pi05-cpu, docs/bench/phases.md); max compiles it, and
+    # so does auto for row threads (above).
+    most = setting == 'max' or row_threads > 1
+    if setting == 'auto' and row_threads > 1:
+        reason += (f'; {row_threads} row threads: the vision tower and the whole denoise loop '
+                   'too (eager ops hold the GIL the row threads share)')
     return CompilePlan(pays(expert), pays(backbone), reason, prefill=pays(prefill),
-                       vision=pays(prefill) and setting == 'max')
+                       vision=pays(prefill) and most, whole_loop=most)
 
 
 def compile_settings(device: str) -> tuple[str, dict]:
@@ -134,19 +148,20 @@ def compile_settings(device: str) -> tuple[str, dict]:
 
 
 def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
-                  kv=None) -> CompilePlan:
+                  kv=None, row_threads: int = 1) -> CompilePlan:
     """Fuse the model's projections and set up compilation (compiled by the warm-up).
 
-    kv: the engine's KVTensors, marked static for CUDA graphs (None on the CPU).
+    kv: the engine's KVTensors, marked static for CUDA graphs (None on the CPU); row_threads:
+    a fleet's (compile_plan).
     """
     model.fuse()
-    plan = compile_plan(model, device, setting)
+    plan = compile_plan(model, device, setting, row_threads)
     cuda = torch.device(device).type == 'cuda'
     mode, config = compile_settings(device)
     # One denoise step as the graph on the CPU: the unrolled loop was half the first
     # configure's compile and most of a restart's, for ~5 ms of a 67 ms action path (compile
-    # 'max' pays that); a GPU replays the whole loop as one CUDA graph.
-    plan.whole_loop = cuda or setting == 'max'
+    # 'max', and auto for row threads, pay that); a GPU replays the whole loop as one graph.
+    plan.whole_loop = plan.whole_loop or cuda
     plan.mode = mode
     if plan.any:
         use_persistent_cache()

@@ -31,6 +31,7 @@ from oxygen_ros.model.pi05 import extend_bucket
 from oxygen_ros.model.robot_spec import (check_fits_model, check_norm_stats, get_robot,
                                          RobotSpec, RobotSpecError)
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer
+from oxygen_ros.runtime.allocator import keep_freed_memory
 from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, resolve_rate,
                                          steady_batch, steady_frame, time_extend,
                                          time_ticks, TIMED_FRAMES)
@@ -421,6 +422,7 @@ def load_model(settings: Settings):
     Raises EngineSetupError (or CheckpointError / FileNotFoundError) naming the culprit.
     """
     _check_device(settings.device)
+    logger.info('%s', keep_freed_memory())   # before the first frame's activations
     # Process-wide: threads that start torch work later (the control thread) use it too.
     torch.set_num_threads(inference_threads(settings.torch_threads))
     try:
@@ -526,7 +528,7 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     max_prefill_rows = 1 if node.device == 'cpu' else None
     rows = row_threads(node.device, len(fleet.robots), torch.get_num_threads())
     torch.set_num_threads(max(1, torch.get_num_threads() // rows))   # divided among the rows
-    plan = prepare_model(model, node.device, node.compile)
+    plan = prepare_model(model, node.device, node.compile, row_threads=rows)
     frames = [warm_up_frame(frontends[s.robot], s, model.config.vision.image_size)
               for s in fleet.robots.values()]
     auto = [name for name, s in fleet.robots.items() if not s.control_rate_hz]
