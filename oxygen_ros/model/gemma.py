@@ -29,7 +29,7 @@ ROPE_THETA = 10_000.0
 
 
 def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight [M, K].T -> [..., M], as F.linear; one row as a matrix-vector product.
+    """Return x [..., K] @ weight [M, K].T -> [..., M] (F.linear); one row: torch.mv.
 
     Why: a pass of one row (a decode step of one request, a new request's first token) reads
     every weight once for one output row. The CPU's matrix-matrix path (oneDNN bf16) packs

@@ -127,7 +127,7 @@ def steady_batch(tokens_per_request: int, k_min: int, every_n_frames: int,
 
 
 def steady_frame(tokens_per_request: int, k_min: int, every_n_frames: int) -> int:
-    """The first frame at the steady batch: the first request (frame 0's) has ended (0: none)."""
+    """Return the first frame at the steady batch: frame 0's request has ended (0: none)."""
     return math.ceil(tokens_per_request / max(k_min, 1)) if every_n_frames > 0 else 0
 
 
