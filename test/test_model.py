@@ -576,16 +576,3 @@ def test_batched_extend_equals_each_row_alone(model):
         model.extend_step(prefix.kv, prefix.slots[:1], prefix.valid[:1], prefix.n_valid[:1],
                           torch.tensor([15]), torch.tensor([[3] * 6]), torch.tensor([6]),
                           gen=batched, blocks=torch.tensor([0]))
-
-
-@pytest.mark.parametrize('dtype, atol', [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
-def test_project_is_linear_for_one_row_and_many(dtype, atol):
-    """gemma.project: one row through torch.mv, more through F.linear; both equal F.linear."""
-    from oxygen_ros.model.gemma import project
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(64, 32, generator=gen).to(dtype)
-    for shape in [(1, 1, 32), (1, 32), (3, 2, 32)]:
-        x = torch.randn(*shape, generator=gen).to(dtype)
-        out = project(x, weight)
-        assert out.shape == (*shape[:-1], 64) and out.dtype == dtype
-        torch.testing.assert_close(out.float(), F.linear(x, weight).float(), atol=atol, rtol=0)

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from . import rtc
 from .compiled import CompiledFunction
 from .config import Pi05Config
-from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, project, rope_table
+from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, rope_table
 from .siglip import MultiModalProjector, SiglipVisionTower
 
 # Parameters that stay float32 when the model runs in bfloat16 (openpi's float32 islands).
@@ -625,7 +625,7 @@ class Pi05Model(nn.Module):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head: [B, W] final-normed hidden -> float32 logits [B, V]."""
         embed = self.backbone.embed_tokens.weight
-        return project(hidden.to(embed.dtype), embed).float()
+        return F.linear(hidden.to(embed.dtype), embed).float()
 
     @torch.no_grad()
     def decode_step(self, kv: KVTensors, slots: torch.Tensor, prefix_valid: torch.Tensor,
