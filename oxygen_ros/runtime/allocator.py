@@ -5,9 +5,10 @@ serves blocks above its mmap threshold (128 KB, raised on the fly up to 32 MB) w
 mmap and returns them with munmap, and trims the heap's free top above 128 KB. Each frame then
 page-faults its activations in again, and in a process with several inference threads (a
 fleet's row threads, runtime/engine_setup.py) each munmap stops the other core for a TLB
-flush while the faults queue on the process's one memory-map lock. Measured on pi05-cpu, two
-robots on two row threads (2 cores, quiet): 11.65 -> 12.40 action rows/s with the settings
-below, nothing else changed.
+flush while the faults queue on the process's one memory-map lock. Measured on pi05-cpu (2
+cores, quiet, back to back with and without): two robots on two row threads 11.65 -> 12.40
+action rows/s; two single-robot processes side by side 14.5 -> 15.7; the libero node's act()
+125 -> 97 ms, the benchmark's action-only frame 93 -> 60 ms (docs/benchmark.md).
 
 What: mallopt (man 3 mallopt) with a fixed mmap threshold of 32 MB (glibc's largest: every
 activation of pi05-cpu comes from the heaps and is reused next frame), a trim threshold that
