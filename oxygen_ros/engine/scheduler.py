@@ -558,10 +558,7 @@ class Scheduler:
         """
         # The templates still to feed run first this tick (their requests' first step is
         # their minimum): the budget prices them before it gives decode steps.
-        extend = self.pending_extend()
-        if extend is not None:
-            elapsed_s += self.budget.extend_estimate(extend.extend_tokens)
-        elapsed_s += self.budget.first_estimate(sum(r.needs_prefix_token for r in self.active))
+        elapsed_s += self._first_steps_s(self.active)
         ks = self._priority_ks(elapsed_s, deadline_s, other_rows)
         top = max((r.priority for r in self.active), default=0)
         self._must = {r.request_id: self._minimum(r, top) for r in self.active}
@@ -700,9 +697,7 @@ class Scheduler:
                     self._quota[live.request_id] = min(self._quota[live.request_id], must)
             quota = self._must[req.request_id]
             if task.priority == top:
-                if req.pending_prompt:
-                    elapsed_s += self.budget.extend_estimate(extend_tokens([req.pending_prompt]))
-                elapsed_s += self.budget.first_estimate(int(req.needs_prefix_token))
+                elapsed_s += self._first_steps_s([req])
                 rows = sum(r.priority >= task.priority for r in self.active) + other_rows
                 quota = max(self.budget.choose(elapsed_s, rows, deadline_s), quota)
             self._quota[req.request_id] = quota
@@ -725,15 +720,6 @@ class Scheduler:
         for req in rows:
             self._quota[req.request_id] += 1
         return rows
-
-    def pending_extend(self) -> StepPlan | None:
-        """Return the extend pass over every live request with a template to feed, or None.
-
-        Such a request is new this tick (its first step, and so within its minimum: it runs
-        whatever the budget), and its whole template goes in one pass, batched with the
-        other new requests' (rows in block order).
-        """
-        return self._extend_plan([r for r in self.active if r.pending_prompt])
 
     def _extend_plan(self, requests: list[RequestState]) -> StepPlan | None:
         """Return one extend pass over these requests' pending templates (None: none)."""

@@ -172,9 +172,9 @@ def capacity_from(timed: list[tuple[float, float, int]], batch: int, label: str,
     over the timed frames from there on, or fitted and extrapolated when none was timed.
     """
     act_s = statistics.median(act for act, _, _ in timed)
-    steady = [max(frame - act, 0.0) for act, frame, _ in timed[max(steady_from - 1, 0):]]
-    if steady_from and len(timed) >= steady_from:
-        language_s = statistics.median(steady)
+    if steady_from and len(timed) >= steady_from:   # timed[i] is frame i + 1
+        language_s = statistics.median(max(frame - act, 0.0)
+                                       for act, frame, _ in timed[steady_from - 1:])
     else:
         a, b = fit_line([(float(n), max(frame - act, 0.0)) for act, frame, n in timed])
         language_s = max(a + b * batch, 0.0)
@@ -182,8 +182,8 @@ def capacity_from(timed: list[tuple[float, float, int]], batch: int, label: str,
 
 
 def time_extend(extend: Callable[[int], None], tokens: int, repeats: int = 3,
-                clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
-    """Time extend(tokens) (one pass feeding `tokens`): (tokens, median of `repeats` seconds).
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Time extend(tokens) (one pass feeding `tokens`): the median of `repeats` seconds.
 
     One untimed call first (the first call of a shape allocates).
     """
@@ -193,4 +193,4 @@ def time_extend(extend: Callable[[int], None], tokens: int, repeats: int = 3,
         start = clock()
         extend(tokens)
         seconds.append(clock() - start)
-    return tokens, statistics.median(seconds)
+    return statistics.median(seconds)

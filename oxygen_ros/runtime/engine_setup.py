@@ -380,11 +380,10 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
             timed = time_ticks(tick, steady_from=steady_from, clock=clock)
             # Into block 0 of this throwaway engine, on slot 0's prefix of a timed frame.
             extend = None
-            if tokens >= 2:
-                _, seconds = time_extend(
+            if tokens >= 2:   # priced at the tokens the runner pads the prompt to
+                extend = (extend_bucket(tokens), time_extend(
                     lambda n: system.runner.extend([0], [0], [0], [[2] * n]), tokens,
-                    clock=clock)
-                extend = (extend_bucket(tokens), seconds)   # the tokens the runner pads to
+                    clock=clock))
         return capacity_from(timed, batch, label, extend, steady_from)
     finally:
         system.close()
