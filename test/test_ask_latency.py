@@ -10,6 +10,8 @@ fit beside a live question is deferred, starts once it fits, and still decodes t
 would decode alone.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,7 @@ from oxygen_ros.engine import (AdaptiveBudget, Engine, LanguagePolicy, LanguageT
 from oxygen_ros.engine.fleet import generated_entries, num_blocks_for
 from oxygen_ros.engine.workload import tasks_num_slots
 from oxygen_ros.kv import KVPool
+from oxygen_ros.runtime.capacity import ASK_WINDOWS, Capacity, question_reserve
 from oxygen_ros.runtime.frame_loop import FrameLoop
 from oxygen_ros.runtime.params import ASK_PROMPT
 from oxygen_ros.runtime.questions import ASK
@@ -109,24 +112,24 @@ def engine_of(tasks, budget):
     return Engine('fake', scheduler, runner, Frontend(), debug=True, clock=clock)
 
 
-def primed_budget():
+def primed_budget(period_s=PERIOD_S):
     """The node's adaptive budget with its configure-time extend pass (48 tokens)."""
-    return AdaptiveBudget(PERIOD_S, k_max=10, prior_extend=(48, extend_s(48)))
+    return AdaptiveBudget(period_s, k_max=10, prior_extend=(48, extend_s(48)))
 
 
-def run_node_day(asks, ticks, act_jitter_s=0.0, seed=0):
+def run_node_day(asks, ticks, act_jitter_s=0.0, seed=0, period_s=PERIOD_S, act_s=ACT_S):
     """The node's loop with the three tasks for `ticks` ticks, asking at the times `asks`.
 
-    act_jitter_s: the action path's standard deviation (a normal spread around ACT_S).
+    act_jitter_s: the action path's standard deviation (a normal spread around act_s).
     Returns (engine, loop, sink, stats, {asked at: (answered at, Answer)}).
     """
-    engine = engine_of((NARRATION, SUBTASK, QUESTIONS), primed_budget())
+    engine = engine_of((NARRATION, SUBTASK, QUESTIONS), primed_budget(period_s))
     clock, runner = engine.clock, engine.runner
     rng = np.random.default_rng(seed)
-    runner.act_s = lambda: ACT_S + act_jitter_s * rng.standard_normal()
+    runner.act_s = lambda: act_s + act_jitter_s * rng.standard_normal()
     inputs, sink = robot_inputs(), RecordingSink()
     stats = LoopStats(window_s=3600.0, clock=clock)
-    loop = FrameLoop.one(engine, inputs, sink, PERIOD_S, stats=stats, clock=clock)
+    loop = FrameLoop.one(engine, inputs, sink, period_s, stats=stats, clock=clock)
     desk = loop.only.questions
     desk.clock = clock
     asks, answers = list(asks), {}
@@ -141,16 +144,16 @@ def run_node_day(asks, ticks, act_jitter_s=0.0, seed=0):
     desk.hand_over = asked_by_now
     loop.restart(0.0)
     for tick in range(ticks):
-        clock.now = max(clock.now, tick * PERIOD_S)   # idle until the tick, or late
+        clock.now = max(clock.now, tick * period_s)   # idle until the tick, or late
         feed(inputs, tick, clock.now)
         loop.tick(clock.now)
     return engine, loop, sink, stats, answers
 
 
-def periods(answers):
+def periods(answers, period_s=PERIOD_S):
     """Each question's wait in periods, asked -> answered; every one answered in full."""
     assert all(answer.ok and answer.tokens == 10 for _, answer in answers.values())
-    return {t: (done - t) / PERIOD_S for t, (done, _) in answers.items()}
+    return {t: (done - t) / period_s for t, (done, _) in answers.items()}
 
 
 @pytest.mark.parametrize('phase_s', [0.005, 0.071, 0.076, 0.085, 0.094, 0.099])
@@ -189,6 +192,33 @@ def test_questions_at_random_times_with_a_jittered_action_path():
     waits = sorted(periods(answers).values())
     assert len(waits) == 58 and waits[-1] <= 3.0 and waits[29] <= 2.6, waits
     assert stats.snapshot()['deadline_misses_total'] == 0
+
+
+def test_the_auto_rate_keeps_a_questions_time():
+    """A machine whose action path takes more of the tick (88 ms, the other costs as above):
+    at the auto rate of narration's least work alone, the window a tick leaves is about one
+    batched step: answers took p50 4.3, max 6.0 periods here. The auto rate with the question
+    reserve (runtime/capacity.py: the question's pass and one-row steps over ASK_WINDOWS
+    ticks) answers every question within 3 periods (p50 1.6, max 2.0), no tick past its
+    period."""
+    act_s = 0.088
+    narration = Capacity(act_s, FIRST_S + step_s(10), 10, 12, 'fake clock')   # least work
+    reserve = question_reserve(extend_s(48), step_s(1), QUESTIONS.policy.max_new_tokens)
+    assert reserve == pytest.approx((extend_s(48) + 9 * step_s(1)) / ASK_WINDOWS)
+    waits = {}
+    for name, capacity in (('without', narration),
+                           ('with', dataclasses.replace(narration, ask_s=reserve))):
+        period_s = 1.0 / capacity.auto_rate_hz()
+        rng = np.random.default_rng(1)
+        asks = [3.0 + 2.0 * i + rng.uniform(0.0, period_s) for i in range(30)]
+        _, _, _, stats, answers = run_node_day(asks, int(64.0 / period_s), act_jitter_s=0.003,
+                                               period_s=period_s, act_s=act_s)
+        waits[name] = sorted(periods(answers, period_s).values())
+        assert len(waits[name]) == 30
+        if name == 'with':
+            assert stats.snapshot()['deadline_misses_total'] == 0
+    assert waits['with'][-1] <= 3.0 < waits['without'][-1], waits
+    assert waits['with'][15] < waits['without'][15]
 
 
 def test_a_deferred_request_starts_once_it_fits_and_decodes_what_it_would_alone():

@@ -1,6 +1,6 @@
 """What control rate this machine holds, timed on a few warm-up frames at configure.
 
-    capacity = 1 / tick,   tick = act p50 + language
+    capacity = 1 / tick,   tick = act p50 + language + question reserve
 
   act p50   observation to actions (frontend, prefill, denoise): the median of the timed
             frames' act().
@@ -18,10 +18,22 @@
             the timing budget allows (a step of 10 rows costs what cache traffic makes it, not
             what a line through 1-5 rows says).
 
-  extend    not part of the tick: one extend pass over the longest prompt a request may
-            feed (a question's template, a task's), timed after the frames. It seeds the
-            adaptive budget's cost model of such passes (engine/budget.py), so the first
-            question's pass is priced before one was ever run.
+  extend    one extend pass over the longest prompt a request may feed (a question's
+            template, a task's), timed after the frames. It seeds the adaptive budget's cost
+            model of such passes (engine/budget.py), so the first question's pass is priced
+            before one was ever run.
+  question reserve
+            with questions on (ask_tokens > 0), the time a tick keeps for one: its extend
+            pass and its N - 1 one-row decode steps (timed after the frames), spread over
+            ASK_WINDOWS ticks. A question asked at any point of a tick then has the rest of
+            that tick's window and the next ones', so it is answered within about three frame
+            periods (the ask target), while the node's rate is the rate that holds with
+            questions. A tick without a question spends the reserve like any slack: the
+            adaptive budget gives the periodic tasks more tokens a tick, which puts their
+            requests ahead of their deadlines, so they yield their steps to the next question
+            (engine/scheduler.py). Without the reserve the window left by the least language
+            work and AUTO_SHARE was one batched step a tick: 10-token answers took up to nine
+            periods. `ask_tokens: 0` gives the reserve back to the rate.
 
 The timed frames run on a throwaway engine with the node's model, robot, language policy and
 threads, on random observations of the model's image size (larger camera frames add their
@@ -45,6 +57,7 @@ from typing import Callable
 from oxygen_ros.runtime.status import OK, WARN
 
 AUTO_SHARE = 0.9          # auto rate = this share of the capacity
+ASK_WINDOWS = 3           # ticks over which a question's work is reserved (question reserve)
 TIMED_FRAMES = 5          # timed warm-up frames (after one untimed), at least
 STEADY_FRAMES = 3         # timed frames at the steady batch, when the budget allows
 MIN_TIMED_FRAMES = 2      # a slow model stops after these once MAX_TIMING_S has passed
@@ -63,11 +76,12 @@ class Capacity:
     label: str              # what was timed, e.g. 'preset pi05-cpu'
     extend: tuple[int, float] | None = None   # (tokens, seconds) of one extend pass over the
     #                         longest prompt a request feeds (None: no task has a template)
+    ask_s: float = 0.0      # question reserve: seconds a tick keeps for a question (0: none)
 
     @property
     def tick_s(self) -> float:
-        """Seconds of a tick doing its action and its least language work."""
-        return self.act_s + self.language_s
+        """Seconds of a tick doing its action, its least language work and its reserve."""
+        return self.act_s + self.language_s + self.ask_s
 
     @property
     def rate_hz(self) -> float:
@@ -81,8 +95,9 @@ class Capacity:
         """Say 'holds about X Hz at preset P, asked Y Hz', with the tick's parts."""
         return (f'holds about {self.rate_hz:.3g} Hz at {self.label}, asked {asked_hz:.3g} Hz '
                 f'(a tick: act {1e3 * self.act_s:.0f} ms + language '
-                f'{1e3 * self.language_s:.0f} ms at {self.steady_batch} live requests, '
-                f'{self.frames} frames timed at configure)')
+                f'{1e3 * self.language_s:.0f} ms at {self.steady_batch} live requests'
+                + (f' + {1e3 * self.ask_s:.0f} ms kept for a question' if self.ask_s else '')
+                + f', {self.frames} frames timed at configure)')
 
     def note(self, asked_hz: float) -> tuple[int, str]:
         """Return (status level, message): what this machine holds next to the rate asked.
@@ -101,6 +116,8 @@ class Capacity:
                   'capacity_language_ms': 1e3 * self.language_s}
         if self.extend is not None:
             values['capacity_extend_ms'] = 1e3 * self.extend[1]
+        if self.ask_s:
+            values['capacity_ask_ms'] = 1e3 * self.ask_s
         return values
 
 
@@ -164,12 +181,26 @@ def time_ticks(tick: Callable[[int], tuple[float, float, int]], *,
     return timed
 
 
+def question_reserve(extend_s: float, step_s: float, ask_tokens: int,
+                     windows: int = ASK_WINDOWS) -> float:
+    """Return the seconds a tick keeps for a question (the module doc; 0 without questions).
+
+    extend_s: its extend pass (which gives its first token); step_s: a one-row decode step
+    (the periodic tasks, ahead of their deadlines, yield theirs: its steps run alone).
+    """
+    if ask_tokens <= 0:
+        return 0.0
+    return (extend_s + (ask_tokens - 1) * step_s) / windows
+
+
 def capacity_from(timed: list[tuple[float, float, int]], batch: int, label: str,
-                  extend: tuple[int, float] | None = None, steady_from: int = 0) -> Capacity:
+                  extend: tuple[int, float] | None = None, steady_from: int = 0,
+                  ask_s: float = 0.0) -> Capacity:
     """Return the Capacity of timed frames (time_ticks) at the steady batch `batch`.
 
     steady_from: the first frame at the steady batch (time_ticks); the language is the median
     over the timed frames from there on, or fitted and extrapolated when none was timed.
+    ask_s: the question reserve (question_reserve).
     """
     act_s = statistics.median(act for act, _, _ in timed)
     if steady_from and len(timed) >= steady_from:   # timed[i] is frame i + 1
@@ -178,19 +209,19 @@ def capacity_from(timed: list[tuple[float, float, int]], batch: int, label: str,
     else:
         a, b = fit_line([(float(n), max(frame - act, 0.0)) for act, frame, n in timed])
         language_s = max(a + b * batch, 0.0)
-    return Capacity(act_s, language_s, batch, len(timed), label, extend)
+    return Capacity(act_s, language_s, batch, len(timed), label, extend, ask_s)
 
 
-def time_extend(extend: Callable[[int], None], tokens: int, repeats: int = 3,
-                clock: Callable[[], float] = time.perf_counter) -> float:
-    """Time extend(tokens) (one pass feeding `tokens`): the median of `repeats` seconds.
+def time_call(call: Callable[[], object], repeats: int = 3,
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    """Time call() (one model pass): the median of `repeats` seconds.
 
     One untimed call first (the first call of a shape allocates).
     """
-    extend(tokens)
+    call()
     seconds = []
     for _ in range(repeats):
         start = clock()
-        extend(tokens)
+        call()
         seconds.append(clock() - start)
     return statistics.median(seconds)

@@ -32,9 +32,9 @@ from oxygen_ros.model.robot_spec import (check_fits_model, check_norm_stats, get
                                          RobotSpec, RobotSpecError)
 from oxygen_ros.model.tokenizer import PaligemmaTokenizer
 from oxygen_ros.runtime.allocator import keep_freed_memory
-from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from, resolve_rate,
-                                         steady_batch, steady_frame, time_extend,
-                                         time_ticks, TIMED_FRAMES)
+from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, capacity_from,
+                                         question_reserve, resolve_rate, steady_batch,
+                                         steady_frame, time_call, time_ticks, TIMED_FRAMES)
 from oxygen_ros.runtime.params import FleetSettings, Settings
 from oxygen_ros.runtime.procfs import meminfo_kb
 from oxygen_ros.runtime.questions import ASK, ASK_TOPIC, MAX_OPEN_QUESTIONS
@@ -317,6 +317,12 @@ def longest_prompt(robots: Sequence[FleetRobot], system) -> int:
                system.runner.store.max_gen_len)
 
 
+def ask_tokens(robots: Sequence[FleetRobot]) -> int:
+    """Return the longest answer (N) an on-demand task of `robots` gives (0: no questions)."""
+    return max((t.policy.max_request_len for r in robots for t in r.tasks if t.on_demand),
+               default=0)
+
+
 def prompt_rows(robots: Sequence[FleetRobot]) -> tuple[int, ...]:
     """Return the rows an extend pass of `robots` may have: (1,), or (1, 2) for several.
 
@@ -379,12 +385,18 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
         with sealed(model):   # the timed frames run the compiled passes, never a compile
             timed = time_ticks(tick, steady_from=steady_from, clock=clock)
             # Into block 0 of this throwaway engine, on slot 0's prefix of a timed frame.
+            runner = system.runner
             extend = None
             if tokens >= 2:   # priced at the tokens the runner pads the prompt to
-                extend = (extend_bucket(tokens), time_extend(
-                    lambda n: system.runner.extend([0], [0], [0], [[2] * n]), tokens,
-                    clock=clock))
-        return capacity_from(timed, batch, label, extend, steady_from)
+                extend = (extend_bucket(tokens), time_call(
+                    lambda: runner.extend([0], [0], [0], [[2] * tokens]), clock=clock))
+            ask_s = 0.0
+            if answer := ask_tokens(robots):   # one question at a time (its steps: one row)
+                gen_len = min(tokens, runner.store.max_gen_len - 1)
+                step_s = time_call(lambda: runner.decode([0], [0], [gen_len], [2]),
+                                   clock=clock)
+                ask_s = question_reserve(extend[1] if extend else 0.0, step_s, answer)
+        return capacity_from(timed, batch, label, extend, steady_from, ask_s)
     finally:
         system.close()
 
