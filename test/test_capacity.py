@@ -15,7 +15,8 @@ import torch
 
 from oxygen_ros.engine import AdaptiveBudget, FixedBudget, make_engine, random_observation
 from oxygen_ros.runtime.capacity import (ASK_WINDOWS, AUTO_SHARE, Capacity, capacity_from,
-                                         fit_line, question_reserve, resolve_rate,
+                                         fit_line, question_reserve, RateSettler,
+                                         resolve_rate, SETTLE_SKIP, SETTLE_TICKS,
                                          steady_batch, steady_frame, STEADY_FRAMES, time_ticks)
 from oxygen_ros.runtime.engine_setup import (build_engine, load_model, tasks_for, robot_spec,
                                              time_capacity)
@@ -93,6 +94,24 @@ def test_time_ticks_stops_a_slow_model_early():
         return 4.0, 4.0, index
     timed = time_ticks(tick, frames=5, steady_from=10, max_s=5.0, clock=lambda: clock['now'])
     assert [n for _, _, n in timed] == [1, 2]                          # untimed frame 0 first
+
+
+def test_the_node_re_times_an_auto_rate_once_on_its_first_ticks():
+    capacity = Capacity(0.080, 0.011, 10, 12, 'preset p', ask_s=0.020)   # 8.1 Hz auto
+    settler = RateSettler(capacity, capacity.auto_rate_hz())
+    rates = [settler.observe(0.500, 0.400) for _ in range(SETTLE_SKIP)]   # left out
+    # The node's ticks: 95-97 ms outside their language round (build, act, tail).
+    rates += [settler.observe(0.095 + 0.002 * (i % 2) + 0.020, 0.020)
+              for i in range(SETTLE_TICKS)]
+    assert rates[:-1] == [None] * (SETTLE_SKIP + SETTLE_TICKS - 1) and settler.done
+    assert settler.retimed.act_s == pytest.approx(0.096)
+    assert rates[-1] == pytest.approx(AUTO_SHARE / (0.096 + 0.011 + 0.020))
+    assert settler.observe(0.2, 0.0) is None                          # once
+    assert '7.09 Hz (configure: 8.11 Hz)' in settler.describe()
+    # Ticks that hold the rate in use (within SETTLE_CHANGE): kept, nothing to apply.
+    close = RateSettler(capacity, capacity.auto_rate_hz())
+    out = [close.observe(0.0815 + 0.020, 0.020) for _ in range(SETTLE_SKIP + SETTLE_TICKS)]
+    assert close.done and out == [None] * len(out)
 
 
 def test_control_rate_zero_is_auto_and_values_between_are_refused():

@@ -24,6 +24,8 @@ from oxygen_ros.engine.types import ActionOutput, FrameResult, Timings  # noqa: 
 from oxygen_ros.engine.workload import as_tasks  # noqa: E402
 from oxygen_ros.kv import KVPool  # noqa: E402
 from oxygen_ros.runtime import engine_setup  # noqa: E402
+from oxygen_ros.runtime.capacity import (AUTO_SHARE, Capacity, SETTLE_SKIP,  # noqa: E402
+                                         SETTLE_TICKS)
 from oxygen_ros.runtime.control import ControlThread, THREAD_NAME  # noqa: E402
 from oxygen_ros.runtime.status import ERROR  # noqa: E402
 from ros_helpers import Collector, NodeHarness, Spinner, wait_for  # noqa: E402
@@ -101,11 +103,12 @@ def stub_node(rclpy_context, monkeypatch):
     """make(act_body, **params) -> a NodeHarness whose engine is a StubSystem."""
     made = []
 
-    def make(act_body, **params):
+    def make(act_body, capacity=None, auto=(), **params):
         system = StubSystem(act_body)
 
         def build(fleet):
-            return engine_setup.Engine(system, None, {'source': 'stub engine'}, [], fleet)
+            return engine_setup.Engine(system, None, {'source': 'stub engine'}, [], fleet,
+                                       capacity, auto)
         made.append(NodeHarness(rclpy_context, {'preset': 'tiny', **STUB, **params},
                                 engine_builder=build))
         made[-1].system = system
@@ -221,6 +224,31 @@ def test_pure_python_act_is_not_slowed_by_the_node(stub_node):
     print(f'\nact() in the node / alone: {ratio:.2f} (pairs: '
           + ', '.join(f'{b / a:.2f}' for a, b in zip(alone, in_node)) + ')')
     assert ratio < 1.3   # the MultiThreadedExecutor design measured 2.2x
+
+
+def test_an_auto_rate_is_re_timed_on_the_nodes_first_ticks(stub_node):
+    """Configure timed act() at 1 ms (an auto rate of ~300 Hz, here 40 Hz in use); the node's
+    ticks take ~25 ms. After SETTLE_SKIP + SETTLE_TICKS ticks the rate is AUTO_SHARE of what
+    those ticks hold (their time outside the language round + the timed language and
+    reserve), in the loop, the settings and the model status; then it stays."""
+    capacity = Capacity(0.001, 0.002, 1, 5, 'stub', ask_s=0.003)
+    h = stub_node(lambda: time.sleep(0.025), capacity=capacity, auto=('',),
+                  control_rate_hz=40.0)
+    h.start()
+    loop = h.node.loop
+    assert wait_for(lambda: loop.only.period_s != 1 / 40.0, 20), 'never re-timed'
+    assert h.system.frames >= SETTLE_SKIP + SETTLE_TICKS
+    rate = 1.0 / loop.only.period_s
+    # 25 ms of sleep, a few ms of the node's own work: the tick without its language.
+    assert AUTO_SHARE / (0.025 + 0.005 + 0.015) < rate < AUTO_SHARE / (0.025 + 0.005)
+    assert h.node._settings.robots[''].control_rate_hz == pytest.approx(rate)   # what changes use
+    model = h.node.engine.description
+    assert model['control_rate_hz'] == pytest.approx(rate)
+    assert 're-timed' in model['control_rate'] and "node's first ticks" in model['capacity']
+    assert h.node.engine.capacity.act_s > 0.025
+    frames = h.system.frames
+    assert wait_for(lambda: h.system.frames >= frames + 10, 20)
+    assert 1.0 / loop.only.period_s == rate            # once: it stays
 
 
 # --- lifecycle races -------------------------------------------------------------------------

@@ -52,7 +52,9 @@ from oxygen_ros.ros.diagnostics import configured_summary, NodeDiagnostics
 from oxygen_ros.ros.log_bridge import BridgeAttachment, EngineLogBridge, log_at
 from oxygen_ros.ros.parameters import NodeParameters, Served
 from oxygen_ros.ros.robot_io import RobotIO
-from oxygen_ros.runtime.changes import apply_to_engine, gather_s, with_change
+from oxygen_ros.runtime.capacity import RateSettler
+from oxygen_ros.runtime.changes import (apply_to_engine, gather_s, retimed_description,
+                                        with_change)
 from oxygen_ros.runtime.control import ControlThread
 from oxygen_ros.runtime.frame_loop import FrameLoop, RobotLoop
 from oxygen_ros.runtime.params import FleetSettings, NODE_NAME, Settings, split_param_name
@@ -84,6 +86,7 @@ class OxygenNode(LifecycleNode):
         self._control: ControlThread | None = None
         self._stuck: ControlThread | None = None      # a thread that outlived deactivate
         self._wake_timer = None
+        self._settler: RateSettler | None = None      # re-times an auto rate (first ticks)
         self._pending: dict = {}                      # engine changes for the next tick
         self._pending_lock = threading.Lock()
         self._params = NodeParameters(self, self._problems, self._served, self._apply_changes)
@@ -121,9 +124,12 @@ class OxygenNode(LifecycleNode):
                 self._diagnostics.start(value)
             elif base == 'stale_frame_timeout_s' and robot in self._ios:
                 self._ios[robot].inputs.stale_timeout_s = value
+            if base == 'control_rate_hz':
+                self._settler = None   # a rate set by hand (or auto again) is kept as set
             settings = self._settings
             if settings is not None and (not robot or robot in settings.robots):
-                self._settings = with_change(settings, name, value, capacity)
+                with self._pending_lock:   # the control thread re-times an auto rate too
+                    self._settings = with_change(self._settings, name, value, capacity)
                 if base == 'control_rate_hz' and capacity is not None and robot in self._ios:
                     self._problems.note(*capacity.note(
                         self._settings.robots[robot].control_rate_hz))
@@ -169,6 +175,9 @@ class OxygenNode(LifecycleNode):
         if engine.capacity is not None:
             self._problems.note(*engine.capacity.note(max(
                 s.control_rate_hz for s in settings.robots.values())))
+        self._settler = (RateSettler(engine.capacity,
+                                     settings.robots[engine.auto[0]].control_rate_hz)
+                         if engine.auto and engine.capacity is not None else None)
         self._lifecycle = 'inactive'
         return TransitionCallbackReturn.SUCCESS
 
@@ -308,12 +317,39 @@ class OxygenNode(LifecycleNode):
                 changes, self._pending = self._pending, {}
             if changes and self._engine is not None and self._settings is not None:
                 apply_to_engine(self._engine.system, loop, self._settings, changes)
-            loop.tick(self._now_s())   # records a failing tick in its robots' statistics
+            outcomes = loop.tick(self._now_s())   # records a failing tick in its statistics
+            if self._settler is not None:
+                self._settle(loop, outcomes)
         except Exception as err:   # noqa: BLE001 - the control loop must keep its rate
             if not self.context.ok():
                 return   # shutting down (Ctrl-C)
             self._problems.event('tick', ERROR, f'control tick failed: {err!r}')
             self.get_logger().debug(traceback.format_exc())
+
+    def _settle(self, loop: FrameLoop, outcomes: dict) -> None:
+        """Re-time the auto rates on the node's first ticks (runtime/capacity.py RateSettler)."""
+        settler, result, engine = self._settler, loop.last_result, self._engine
+        acted = [o for o in outcomes.values() if o.action is not None]
+        if settler is None or result is None or not acted or engine is None:
+            return
+        rate = settler.observe(acted[0].duration_s,
+                               result.timings.total_s - result.timings.act_s)
+        if not settler.done:
+            return
+        self._settler = None
+        self.get_logger().info(settler.describe() + ('' if rate else ': the rate is kept'))
+        if rate is None:
+            return
+        changes = {f'{name}.control_rate_hz' if name else 'control_rate_hz': rate
+                   for name in engine.auto}
+        with self._pending_lock:
+            settings = self._settings
+            for name, value in changes.items():
+                settings = with_change(settings, name, value)
+            self._settings = settings
+        engine.capacity = settler.retimed   # `control_rate_hz 0` later: the node's figure
+        engine.description.update(retimed_description(settings, settler))
+        apply_to_engine(engine.system, loop, settings, changes)
 
     # ---- public state (diagnostics, tests) ----------------------------------------------------
 

@@ -24,22 +24,35 @@
             before one was ever run.
   question reserve
             with questions on (ask_tokens > 0), the time a tick keeps for one: its extend
-            pass and its N - 1 one-row decode steps (timed after the frames), spread over
-            ASK_WINDOWS ticks. A question asked at any point of a tick then has the rest of
-            that tick's window and the next ones', so it is answered within about three frame
-            periods (the ask target), while the node's rate is the rate that holds with
-            questions. A tick without a question spends the reserve like any slack: the
-            adaptive budget gives the periodic tasks more tokens a tick, which puts their
-            requests ahead of their deadlines, so they yield their steps to the next question
-            (engine/scheduler.py). Without the reserve the window left by the least language
-            work and AUTO_SHARE was one batched step a tick: 10-token answers took up to nine
-            periods. `ask_tokens: 0` gives the reserve back to the rate.
+            pass and its N - 1 one-row decode steps (both timed after the frames), spread over
+            ASK_WINDOWS = 2 ticks. A question asked just after a tick's language window waits
+            up to a period for the next one; two windows then answer it, within about 2.2
+            frame periods by design, the rest of the third period left for what the timing
+            does not see (the node's input build and tail, the action path's jitter; a
+            question's steps cost more in the node than in a loop, ~5 vs ~3.5 ms on pi05-cpu,
+            and it also takes one token a window in the periodic tasks' own batched step). A
+            tick without a question spends the reserve like any slack: the adaptive budget
+            gives the periodic tasks more tokens, and those ahead of their deadlines yield
+            their steps to the next question (engine/scheduler.py). The reserve costs rate:
+            ~20 ms of a ~115 ms tick on pi05-cpu here. Without it the window that narration's
+            least work and AUTO_SHARE left was about one batched step a tick, and 10-token
+            answers took up to nine periods; with a reserve over three windows, up to five.
+            `ask_tokens: 0` gives the reserve back to the rate.
 
 The timed frames run on a throwaway engine with the node's model, robot, language policy and
 threads, on random observations of the model's image size (larger camera frames add their
 resizing to act()). The first frame is not timed (torch's first calls allocate). With
 `control_rate_hz: 0` (auto) the node runs at AUTO_SHARE of the capacity: the adaptive budget
 spends the rest on more tokens per tick, and an overrunning tick stays rare.
+
+What configure cannot see, the node's first ticks show: its ticks also build their inputs
+(camera frames of the robot's size, resized in act()), publish chunks and tokens, and share the
+machine with the robot's own processes. A RateSettler re-times an auto rate once, on the node's
+ticks SETTLE_SKIP + 1 .. SETTLE_SKIP + SETTLE_TICKS: act is replaced by the median of (tick
+- its language round), build and publishing included, and the language and reserve stay as
+timed. A re-timed rate within SETTLE_CHANGE of the one in use is not applied. On pi05-cpu
+here the node's act ran 80-95 ms against 80 timed at configure, and build and tail took
+another ~8 ms: the reserve's window went to the action path.
 
 A fleet (parameter `robots`) is timed the same way with every robot sending a frame each tick
 (one prefill row per robot on a CPU): its capacity is the rate at which all robots can tick
@@ -57,12 +70,15 @@ from typing import Callable
 from oxygen_ros.runtime.status import OK, WARN
 
 AUTO_SHARE = 0.9          # auto rate = this share of the capacity
-ASK_WINDOWS = 3           # ticks over which a question's work is reserved (question reserve)
+ASK_WINDOWS = 2           # ticks over which a question's work is reserved (question reserve)
 TIMED_FRAMES = 5          # timed warm-up frames (after one untimed), at least
 STEADY_FRAMES = 3         # timed frames at the steady batch, when the budget allows
 MIN_TIMED_FRAMES = 2      # a slow model stops after these once MAX_TIMING_S has passed
 MAX_TIMING_S = 5.0        # timing budget of configure (a pi05 on a CPU takes seconds a frame)
 MIN_RATE_HZ, MAX_RATE_HZ = 0.1, 1000.0   # control_rate_hz's range
+SETTLE_SKIP = 10          # first ticks of a node left out of re-timing its auto rate
+SETTLE_TICKS = 30         # ticks whose median re-times it (RateSettler)
+SETTLE_CHANGE = 0.03      # a re-timed rate this close to the rate in use is not applied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,3 +241,50 @@ def time_call(call: Callable[[], object], repeats: int = 3,
         call()
         seconds.append(clock() - start)
     return statistics.median(seconds)
+
+
+class RateSettler:
+    """Re-times an auto rate once, on the node's own first ticks (module doc)."""
+
+    def __init__(self, capacity: Capacity, rate_hz: float):
+        self.capacity = capacity          # what configure timed
+        self.rate_hz = rate_hz            # the rate in use
+        self.retimed: Capacity | None = None   # the node's ticks' capacity, once timed
+        self._seen = 0
+        self._fixed: list[float] = []     # seconds of each tick outside its language round
+
+    @property
+    def done(self) -> bool:
+        return self.retimed is not None
+
+    def observe(self, tick_s: float, language_s: float) -> float | None:
+        """Count one tick with an action; return the re-timed auto rate once (else None).
+
+        tick_s: the tick's wall time; language_s: its language round's. None also when the
+        re-timed rate is within SETTLE_CHANGE of the rate in use.
+        """
+        if self.done:
+            return None
+        self._seen += 1
+        if self._seen <= SETTLE_SKIP:
+            return None
+        self._fixed.append(max(tick_s - language_s, 0.0))
+        if len(self._fixed) < SETTLE_TICKS:
+            return None
+        self.retimed = dataclasses.replace(
+            self.capacity, act_s=statistics.median(self._fixed), frames=len(self._fixed),
+            label=f"{self.capacity.label}, the node's first ticks")
+        rate = self.retimed.auto_rate_hz()
+        if abs(rate - self.rate_hz) <= SETTLE_CHANGE * self.rate_hz:
+            return None
+        return rate
+
+    def describe(self) -> str:
+        """Say what the re-timing found (after it ran)."""
+        retimed = self.retimed
+        if retimed is None:
+            return ''
+        return (f'auto rate re-timed on the node\'s first ticks: {retimed.auto_rate_hz():.3g} Hz '
+                f'(configure: {self.capacity.auto_rate_hz():.3g} Hz); a tick builds, acts and '
+                f'publishes in {1e3 * retimed.act_s:.0f} ms (act() alone at configure: '
+                f'{1e3 * self.capacity.act_s:.0f} ms)')

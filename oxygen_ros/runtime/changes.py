@@ -81,6 +81,19 @@ def with_change(settings: FleetSettings, name: str, value, capacity=None) -> Fle
     return dataclasses.replace(settings, node=node, robots=robots)
 
 
+def retimed_description(settings: FleetSettings, settler) -> dict:
+    """Return the model status entries of rates re-timed by `settler` (a RateSettler)."""
+    retimed = settler.retimed
+    rates = {name: s.control_rate_hz for name, s in settings.robots.items()}
+    about = {**retimed.values(), 'capacity': retimed.describe(max(rates.values())),
+             'control_rate': "auto, re-timed on the node's first ticks"}
+    if list(rates) == ['']:
+        about['control_rate_hz'] = rates['']
+    else:
+        about['robot_rates_hz'] = ', '.join(f'{name} {hz:.3g}' for name, hz in rates.items())
+    return about
+
+
 def gather_s(settings: FleetSettings) -> float:
     """Return the frame loop's gather window for these robots' rates."""
     return GATHER_SHARE * min(s.period_s for s in settings.robots.values())

@@ -72,6 +72,8 @@ class Engine:
     settings: Settings | FleetSettings | None = None   # what it was built from, with the
     #                                control rates resolved (auto: from `capacity`)
     capacity: Capacity | None = None   # the rate this machine holds (None: not timed)
+    auto: tuple[str, ...] = ()     # robots whose rate is auto (control_rate_hz 0): a node
+    #                                re-times them on its first ticks (capacity.RateSettler)
 
 
 def inference_threads(torch_threads: int) -> int:
@@ -393,9 +395,8 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
             ask_s = 0.0
             if answer := ask_tokens(robots):   # one question at a time (its steps: one row)
                 gen_len = min(tokens, runner.store.max_gen_len - 1)
-                step_s = time_call(lambda: runner.decode([0], [0], [gen_len], [2]),
-                                   clock=clock)
-                ask_s = question_reserve(extend[1] if extend else 0.0, step_s, answer)
+                ask_s = question_reserve(extend[1] if extend else 0.0, time_call(
+                    lambda: runner.decode([0], [0], [gen_len], [2]), clock=clock), answer)
         return capacity_from(timed, batch, label, extend, steady_from, ask_s)
     finally:
         system.close()
@@ -576,4 +577,4 @@ def build_fleet(fleet: FleetSettings, warmup: bool = True) -> Engine:
     _describe(description, fleet.node, model, system.pool.num_slots, first, about, plan,
               started)
     frontend = frontends[fleet.robots[ONE_ROBOT].robot] if one else None
-    return Engine(system, frontend, description, warnings, fleet, capacity)
+    return Engine(system, frontend, description, warnings, fleet, capacity, tuple(auto))
