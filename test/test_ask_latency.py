@@ -199,7 +199,7 @@ def test_the_auto_rate_keeps_a_questions_time():
     at the auto rate of narration's least work alone, the window a tick leaves is about one
     batched step: answers took p50 4.3, max 6.0 periods here. The auto rate with the question
     reserve (runtime/capacity.py: the question's pass and one-row steps over ASK_WINDOWS
-    ticks) answers every question within 3 periods (p50 1.6, max 2.0), no tick past its
+    ticks) answers every question within 3 periods (p50 1.3, max 1.7), no tick past its
     period."""
     act_s = 0.088
     narration = Capacity(act_s, FIRST_S + step_s(10), 10, 12, 'fake clock')   # least work

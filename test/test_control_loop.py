@@ -245,10 +245,24 @@ def test_an_auto_rate_is_re_timed_on_the_nodes_first_ticks(stub_node):
     model = h.node.engine.description
     assert model['control_rate_hz'] == pytest.approx(rate)
     assert 're-timed' in model['control_rate'] and "node's first ticks" in model['capacity']
+    assert model['capacity_node_tick_ms'] > 25.0 and 'capacity_act_ms' not in model
     assert h.node.engine.capacity.act_s > 0.025
     frames = h.system.frames
     assert wait_for(lambda: h.system.frames >= frames + 10, 20)
     assert 1.0 / loop.only.period_s == rate            # once: it stays
+
+
+def test_a_rate_set_by_hand_before_the_re_timing_is_kept(stub_node):
+    from rclpy.parameter import Parameter
+
+    capacity = Capacity(0.001, 0.002, 1, 5, 'stub', ask_s=0.003)
+    h = stub_node(lambda: time.sleep(0.010), capacity=capacity, auto=('',),
+                  control_rate_hz=40.0)
+    h.start()
+    result = h.node.set_parameters([Parameter('control_rate_hz', value=25.0)])[0]
+    assert result.successful, result.reason
+    assert wait_for(lambda: h.system.frames >= SETTLE_SKIP + SETTLE_TICKS + 10, 20)
+    assert h.node.loop.only.period_s == pytest.approx(1 / 25.0)   # the user's rate, kept
 
 
 # --- lifecycle races -------------------------------------------------------------------------

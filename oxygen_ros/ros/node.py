@@ -7,8 +7,9 @@ fleet of one (the robot '', its topics in the node's namespace); a fleet's robot
 topics in their namespace (`arm_left/actions`), their own parameters (`arm_left.decode_budget`),
 rate, budget, KV quota and diagnostics, one model serving all. Jobs: ros/parameters.py (declare,
 validate on set, apply after set), ros/robot_io.py (one robot's topics), ros/ask_service.py
-(questions), ros/diagnostics.py, ros/log_bridge.py, ros/dds.py (discovery, executor, spin); this
-file holds the lifecycle and the tick.
+(questions), ros/auto_rate.py (an auto rate re-timed on the first ticks), ros/wake_timer.py,
+ros/diagnostics.py, ros/log_bridge.py, ros/dds.py (discovery, executor, spin); this file holds
+the lifecycle and the tick.
 
 Two threads:
   executor        a SingleThreadedExecutor serving I/O only: the instruction subscriptions,
@@ -48,13 +49,13 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from oxygen_ros.ros.dds import (default_discovery_to_localhost, make_executor,  # noqa: F401
                                 run_node)
 from oxygen_ros.ros.ask_service import AskService
+from oxygen_ros.ros.auto_rate import AutoRate
 from oxygen_ros.ros.diagnostics import configured_summary, NodeDiagnostics
 from oxygen_ros.ros.log_bridge import BridgeAttachment, EngineLogBridge, log_at
 from oxygen_ros.ros.parameters import NodeParameters, Served
 from oxygen_ros.ros.robot_io import RobotIO
-from oxygen_ros.runtime.capacity import RateSettler
-from oxygen_ros.runtime.changes import (apply_to_engine, gather_s, retimed_description,
-                                        with_change)
+from oxygen_ros.ros.wake_timer import WakeTimer
+from oxygen_ros.runtime.changes import apply_to_engine, gather_s, with_change
 from oxygen_ros.runtime.control import ControlThread
 from oxygen_ros.runtime.frame_loop import FrameLoop, RobotLoop
 from oxygen_ros.runtime.params import FleetSettings, NODE_NAME, Settings, split_param_name
@@ -62,7 +63,6 @@ from oxygen_ros.runtime.rtc import planner_for
 from oxygen_ros.runtime.status import ERROR, ProblemLog, WARN
 
 STOP_TIMEOUT_S = 5.0   # deactivate waits this long for a running tick before giving up on it
-WAKE_TOLERANCE_S = 1e-3   # the wake timer is re-armed when it would fire further off a tick
 
 
 class OxygenNode(LifecycleNode):
@@ -85,8 +85,8 @@ class OxygenNode(LifecycleNode):
         self._loop: FrameLoop | None = None
         self._control: ControlThread | None = None
         self._stuck: ControlThread | None = None      # a thread that outlived deactivate
-        self._wake_timer = None
-        self._settler: RateSettler | None = None      # re-times an auto rate (first ticks)
+        self._wake = WakeTimer(self, self._now_s)
+        self._auto_rate = AutoRate(self.get_logger())  # re-times an auto rate (first ticks)
         self._pending: dict = {}                      # engine changes for the next tick
         self._pending_lock = threading.Lock()
         self._params = NodeParameters(self, self._problems, self._served, self._apply_changes)
@@ -115,25 +115,25 @@ class OxygenNode(LifecycleNode):
         The engine's changes wait for the control thread, before its next tick.
         """
         capacity = self._engine.capacity if self._engine is not None else None
-        for name, value in changes.items():
-            robot, base = split_param_name(name)
-            if base == 'max_instruction_chars':
-                self._max_instruction_chars = value
-                self._ask.set_max_chars(value)
-            elif base == 'diagnostics_period_s':
-                self._diagnostics.start(value)
-            elif base == 'stale_frame_timeout_s' and robot in self._ios:
-                self._ios[robot].inputs.stale_timeout_s = value
-            if base == 'control_rate_hz':
-                self._settler = None   # a rate set by hand (or auto again) is kept as set
-            settings = self._settings
-            if settings is not None and (not robot or robot in settings.robots):
-                with self._pending_lock:   # the control thread re-times an auto rate too
-                    self._settings = with_change(self._settings, name, value, capacity)
-                if base == 'control_rate_hz' and capacity is not None and robot in self._ios:
-                    self._problems.note(*capacity.note(
-                        self._settings.robots[robot].control_rate_hz))
-        with self._pending_lock:   # the engine is touched only by the control thread
+        # The engine is touched only by the control thread, which re-times an auto rate too.
+        with self._pending_lock:
+            for name, value in changes.items():
+                robot, base = split_param_name(name)
+                if base == 'max_instruction_chars':
+                    self._max_instruction_chars = value
+                    self._ask.set_max_chars(value)
+                elif base == 'diagnostics_period_s':
+                    self._diagnostics.start(value)
+                elif base == 'stale_frame_timeout_s' and robot in self._ios:
+                    self._ios[robot].inputs.stale_timeout_s = value
+                elif base == 'control_rate_hz':
+                    self._auto_rate.cancel()   # a rate set by hand (or auto again) is kept
+                settings = self._settings
+                if settings is not None and (not robot or robot in settings.robots):
+                    self._settings = with_change(settings, name, value, capacity)
+                    if base == 'control_rate_hz' and capacity is not None and robot in self._ios:
+                        self._problems.note(*capacity.note(
+                            self._settings.robots[robot].control_rate_hz))
             self._pending.update(changes)
         self.get_logger().info('parameters changed: ' + ', '.join(
             f'{k}={v}' for k, v in changes.items()))
@@ -175,9 +175,7 @@ class OxygenNode(LifecycleNode):
         if engine.capacity is not None:
             self._problems.note(*engine.capacity.note(max(
                 s.control_rate_hz for s in settings.robots.values())))
-        self._settler = (RateSettler(engine.capacity,
-                                     settings.robots[engine.auto[0]].control_rate_hz)
-                         if engine.auto and engine.capacity is not None else None)
+        self._auto_rate.start(engine, settings)
         self._lifecycle = 'inactive'
         return TransitionCallbackReturn.SUCCESS
 
@@ -230,7 +228,7 @@ class OxygenNode(LifecycleNode):
         self._control = ControlThread(self._control_tick, nice=node.control_nice,
                                       realtime_priority=node.control_priority)
         self._control.start()
-        self._wake_timer = self.create_timer(first_s, self._on_wake)
+        self._wake.start(first_s, self._on_wake)
         self._lifecycle = 'active'
         self.get_logger().info('active: control loop at ' + ', '.join(
             f'{name} {1.0 / robot.period_s:g} Hz'.strip() for name, robot in loop.robots.items()))
@@ -261,9 +259,7 @@ class OxygenNode(LifecycleNode):
 
     def _stop_control(self) -> None:
         """Stop waking the loop, close the outputs, then let a running tick finish."""
-        if self._wake_timer is not None:
-            self.destroy_timer(self._wake_timer)
-            self._wake_timer = None
+        self._wake.stop()
         for io in self._ios.values():
             io.outputs.close()   # from here on nothing is published, whatever still runs
         # open questions get their reason, not a hang
@@ -293,20 +289,15 @@ class OxygenNode(LifecycleNode):
 
     def _on_wake(self) -> None:
         """Wake the control thread; re-arm the timer for the next robot's tick."""
-        control, loop, timer = self._control, self._loop, self._wake_timer
-        if control is None or loop is None or timer is None:
+        control, loop = self._control, self._loop
+        if control is None or loop is None or not self._wake.running:
             return
         control.trigger()
-        now_s = self._now_s()
-        wait_s = loop.next_wake_s(now_s) - now_s
-        until_ns = timer.time_until_next_call()
-        if until_ns is None or abs(until_ns * 1e-9 - wait_s) > WAKE_TOLERANCE_S:
-            timer.timer_period_ns = max(int(wait_s * 1e9), 1)
-            timer.reset()
+        self._wake.rearm(loop)
 
     def _control_tick(self) -> None:
         """One wake-up. Never raises: problems are logged, counted and diagnosed."""
-        loop, control = self._loop, self._control
+        loop, control, engine = self._loop, self._control, self._engine
         if loop is None:
             return   # released while this wake-up was pending
         if control is not None and control.priority_note:
@@ -318,38 +309,13 @@ class OxygenNode(LifecycleNode):
             if changes and self._engine is not None and self._settings is not None:
                 apply_to_engine(self._engine.system, loop, self._settings, changes)
             outcomes = loop.tick(self._now_s())   # records a failing tick in its statistics
-            if self._settler is not None:
-                self._settle(loop, outcomes)
+            with self._pending_lock:   # the executor changes the settings too
+                self._settings = self._auto_rate.settle(engine, loop, outcomes, self._settings)
         except Exception as err:   # noqa: BLE001 - the control loop must keep its rate
             if not self.context.ok():
                 return   # shutting down (Ctrl-C)
             self._problems.event('tick', ERROR, f'control tick failed: {err!r}')
             self.get_logger().debug(traceback.format_exc())
-
-    def _settle(self, loop: FrameLoop, outcomes: dict) -> None:
-        """Re-time the auto rates on the node's first ticks (runtime/capacity.py RateSettler)."""
-        settler, result, engine = self._settler, loop.last_result, self._engine
-        acted = [o for o in outcomes.values() if o.action is not None]
-        if settler is None or result is None or not acted or engine is None:
-            return
-        rate = settler.observe(acted[0].duration_s,
-                               result.timings.total_s - result.timings.act_s)
-        if not settler.done:
-            return
-        self._settler = None
-        self.get_logger().info(settler.describe() + ('' if rate else ': the rate is kept'))
-        if rate is None:
-            return
-        changes = {f'{name}.control_rate_hz' if name else 'control_rate_hz': rate
-                   for name in engine.auto}
-        with self._pending_lock:
-            settings = self._settings
-            for name, value in changes.items():
-                settings = with_change(settings, name, value)
-            self._settings = settings
-        engine.capacity = settler.retimed   # `control_rate_hz 0` later: the node's figure
-        engine.description.update(retimed_description(settings, settler))
-        apply_to_engine(engine.system, loop, settings, changes)
 
     # ---- public state (diagnostics, tests) ----------------------------------------------------
 

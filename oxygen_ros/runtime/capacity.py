@@ -250,6 +250,7 @@ class RateSettler:
         self.capacity = capacity          # what configure timed
         self.rate_hz = rate_hz            # the rate in use
         self.retimed: Capacity | None = None   # the node's ticks' capacity, once timed
+        self.new_rate_hz: float | None = None  # the re-timed rate, when it is applied
         self._seen = 0
         self._fixed: list[float] = []     # seconds of each tick outside its language round
 
@@ -277,6 +278,7 @@ class RateSettler:
         rate = self.retimed.auto_rate_hz()
         if abs(rate - self.rate_hz) <= SETTLE_CHANGE * self.rate_hz:
             return None
+        self.new_rate_hz = rate
         return rate
 
     def describe(self) -> str:
@@ -287,4 +289,5 @@ class RateSettler:
         return (f'auto rate re-timed on the node\'s first ticks: {retimed.auto_rate_hz():.3g} Hz '
                 f'(configure: {self.capacity.auto_rate_hz():.3g} Hz); a tick builds, acts and '
                 f'publishes in {1e3 * retimed.act_s:.0f} ms (act() alone at configure: '
-                f'{1e3 * self.capacity.act_s:.0f} ms)')
+                f'{1e3 * self.capacity.act_s:.0f} ms)'
+                + ('' if self.new_rate_hz else ': within 3%, the rate is kept'))

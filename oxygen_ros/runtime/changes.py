@@ -81,11 +81,45 @@ def with_change(settings: FleetSettings, name: str, value, capacity=None) -> Fle
     return dataclasses.replace(settings, node=node, robots=robots)
 
 
+def observe_tick(settler, loop, outcomes: dict) -> bool:
+    """Give `settler` (a RateSettler) one tick of `loop`; True once it has re-timed the rate.
+
+    outcomes: what loop.tick returned; a tick without an action chunk is not counted.
+    """
+    acted = [o for o in outcomes.values() if o.action is not None]
+    result = loop.last_result
+    if settler.done or not acted or result is None:
+        return False
+    settler.observe(acted[0].duration_s, result.timings.total_s - result.timings.act_s)
+    return settler.done
+
+
+def settle(engine, loop, settings: FleetSettings, settler) -> FleetSettings:
+    """Apply a settler's re-timed rate to `engine`'s auto robots; return the new settings.
+
+    Control thread only (as apply_to_engine). Nothing changes when the rate is kept.
+    """
+    rate = settler.new_rate_hz
+    if rate is None:
+        return settings
+    changes = {f'{name}.control_rate_hz' if name else 'control_rate_hz': rate
+               for name in engine.auto}
+    for name, value in changes.items():
+        settings = with_change(settings, name, value)
+    engine.capacity = settler.retimed   # `control_rate_hz 0` later: the node's figure
+    engine.description.update(retimed_description(settings, settler))
+    apply_to_engine(engine.system, loop, settings, changes)
+    return settings
+
+
 def retimed_description(settings: FleetSettings, settler) -> dict:
     """Return the model status entries of rates re-timed by `settler` (a RateSettler)."""
     retimed = settler.retimed
     rates = {name: s.control_rate_hz for name, s in settings.robots.items()}
-    about = {**retimed.values(), 'capacity': retimed.describe(max(rates.values())),
+    # capacity_act_ms stays act() alone (the demo's node/engine ratio); the node's tick
+    # outside its language round is a figure of its own.
+    about = {'capacity_hz': retimed.rate_hz, 'capacity_node_tick_ms': 1e3 * retimed.act_s,
+             'capacity': retimed.describe(max(rates.values())),
              'control_rate': "auto, re-timed on the node's first ticks"}
     if list(rates) == ['']:
         about['control_rate_hz'] = rates['']
