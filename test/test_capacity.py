@@ -137,8 +137,8 @@ def test_build_engine_resolves_auto_to_ninety_percent_of_capacity():
     assert engine.system.scheduler.now == -1                          # the node's numbering
     given = build_engine(dataclasses.replace(settings, control_rate_hz=5.0), warmup=False)
     assert given.capacity is None and given.settings.control_rate_hz == 5.0
-    # Questions on (ask_tokens 10, the default): the tick keeps at least a third of their
-    # extend pass (and their steps, timed) for them; without questions nothing is kept.
+    # Questions on (ask_tokens 10, the default): the tick keeps more than its share of their
+    # extend pass (their steps, timed, too); without questions nothing is kept.
     assert settings.ask_tokens == 10 and capacity.extend is not None
     assert capacity.ask_s > capacity.extend[1] / ASK_WINDOWS
     assert 'kept for a question' in engine.description['capacity']
