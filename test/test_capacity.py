@@ -114,6 +114,38 @@ def test_the_node_re_times_an_auto_rate_once_on_its_first_ticks():
     assert close.done and out == [None] * len(out)
 
 
+def test_the_re_timing_prices_the_reserve_at_the_nodes_own_steps():
+    """A question's one-row steps cost more in the node than in configure's loop: the reserve
+    is priced again with the node's budget (median over the ticks), never below configure's."""
+    from types import SimpleNamespace
+
+    from oxygen_ros.engine import AdaptiveBudget, LanguagePolicy, LanguageTask
+    from oxygen_ros.runtime.changes import node_reserve
+
+    capacity = Capacity(0.080, 0.011, 10, 12, 'preset p', extend=(48, 0.010),
+                        ask_s=question_reserve(0.010, 0.0035, 10))
+    budget = AdaptiveBudget(0.125, k_max=10, prior_extend=(48, 0.010))
+    ask = LanguageTask('ask', LanguagePolicy(max_new_tokens=10, every_n_frames=0),
+                       priority=10, on_demand=True)
+    scheduler = SimpleNamespace(tasks=(ask,), budget=budget)
+    engine = SimpleNamespace(auto=('',), system=SimpleNamespace(scheduler=lambda name: scheduler))
+    assert node_reserve(engine, capacity) == pytest.approx((0.010 + 9 * 0.0) / ASK_WINDOWS)
+    for _ in range(5):
+        budget.observe_decode(1, 0.005)   # the node's one-row steps: 5 ms
+    node = node_reserve(engine, capacity)
+    assert node == pytest.approx((0.010 + 9 * 0.005) / ASK_WINDOWS)
+    settler = RateSettler(capacity, capacity.auto_rate_hz())
+    for _ in range(SETTLE_SKIP + SETTLE_TICKS):
+        rate = settler.observe(0.100, 0.010, node)
+    assert settler.retimed.ask_s == pytest.approx(node)
+    assert rate == pytest.approx(AUTO_SHARE / (0.090 + 0.011 + node))
+    assert 'kept for a question at its steps there' in settler.describe()
+    cheaper = RateSettler(capacity, capacity.auto_rate_hz())   # the node's steps cheaper
+    for _ in range(SETTLE_SKIP + SETTLE_TICKS):
+        cheaper.observe(0.100, 0.010, 0.001)
+    assert cheaper.retimed.ask_s == capacity.ask_s
+
+
 def test_control_rate_zero_is_auto_and_values_between_are_refused():
     assert check_value('control_rate_hz', 0.0) is None
     assert 'auto' in check_value('control_rate_hz', 0.05)

@@ -31,7 +31,9 @@ class AutoRate:
     def settle(self, engine, loop, outcomes: dict, settings):
         """Count a tick (control thread); return the settings, re-timed once the ticks are in."""
         settler = self._settler
-        if settler is None or engine is None or not observe_tick(settler, loop, outcomes):
+        if settler is None or engine is None:
+            return settings
+        if not observe_tick(settler, engine, loop, outcomes):
             return settings
         self._settler = None
         self._log.info(settler.describe())

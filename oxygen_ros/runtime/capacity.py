@@ -49,7 +49,9 @@ What configure cannot see, the node's first ticks show: its ticks also build the
 (camera frames of the robot's size, resized in act()), publish chunks and tokens, and share the
 machine with the robot's own processes. A RateSettler re-times an auto rate once, on the node's
 ticks SETTLE_SKIP + 1 .. SETTLE_SKIP + SETTLE_TICKS: act is replaced by the median of (tick
-- its language round), build and publishing included, and the language and reserve stay as
+- its language round), build and publishing included; the question reserve is priced again
+with the node's own step costs (its budget's estimates: a question's one-row steps cost ~5 ms
+there against ~3.5 ms in configure's loop), never below configure's; the language stays as
 timed. A re-timed rate within SETTLE_CHANGE of the one in use is not applied. On pi05-cpu
 here the node's act ran 80-95 ms against 80 timed at configure, and build and tail took
 another ~8 ms: the reserve's window went to the action path.
@@ -253,16 +255,19 @@ class RateSettler:
         self.new_rate_hz: float | None = None  # the re-timed rate, when it is applied
         self._seen = 0
         self._fixed: list[float] = []     # seconds of each tick outside its language round
+        self._reserve: list[float] = []   # the question reserve at the node's step costs
 
     @property
     def done(self) -> bool:
         return self.retimed is not None
 
-    def observe(self, tick_s: float, language_s: float) -> float | None:
+    def observe(self, tick_s: float, language_s: float, ask_s: float = 0.0) -> float | None:
         """Count one tick with an action; return the re-timed auto rate once (else None).
 
-        tick_s: the tick's wall time; language_s: its language round's. None also when the
-        re-timed rate is within SETTLE_CHANGE of the rate in use.
+        tick_s: the tick's wall time; language_s: its language round's; ask_s: the question
+        reserve priced with the node's own step costs so far (its budget's; the median over
+        the ticks is taken, never below configure's). None also when the re-timed rate is
+        within SETTLE_CHANGE of the rate in use.
         """
         if self.done:
             return None
@@ -270,10 +275,12 @@ class RateSettler:
         if self._seen <= SETTLE_SKIP:
             return None
         self._fixed.append(max(tick_s - language_s, 0.0))
+        self._reserve.append(ask_s)
         if len(self._fixed) < SETTLE_TICKS:
             return None
         self.retimed = dataclasses.replace(
             self.capacity, act_s=statistics.median(self._fixed), frames=len(self._fixed),
+            ask_s=max(self.capacity.ask_s, statistics.median(self._reserve)),
             label=f"{self.capacity.label}, the node's first ticks")
         rate = self.retimed.auto_rate_hz()
         if abs(rate - self.rate_hz) <= SETTLE_CHANGE * self.rate_hz:
@@ -290,4 +297,7 @@ class RateSettler:
                 f'(configure: {self.capacity.auto_rate_hz():.3g} Hz); a tick builds, acts and '
                 f'publishes in {1e3 * retimed.act_s:.0f} ms (act() alone at configure: '
                 f'{1e3 * self.capacity.act_s:.0f} ms)'
+                + (f', {1e3 * retimed.ask_s:.0f} ms kept for a question at its steps there '
+                   f'(configure: {1e3 * self.capacity.ask_s:.0f} ms)'
+                   if retimed.ask_s > self.capacity.ask_s else '')
                 + ('' if self.new_rate_hz else ': within 3%, the rate is kept'))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from oxygen_ros.engine import AdaptiveBudget, default_num_slots, FixedBudget, LanguagePolicy
-from oxygen_ros.runtime.capacity import resolve_rate
+from oxygen_ros.runtime.capacity import question_reserve, resolve_rate
 from oxygen_ros.runtime.params import (FleetSettings, parse_decode_budget, parse_rtc_mode,
                                        split_param_name)
 
@@ -81,7 +81,7 @@ def with_change(settings: FleetSettings, name: str, value, capacity=None) -> Fle
     return dataclasses.replace(settings, node=node, robots=robots)
 
 
-def observe_tick(settler, loop, outcomes: dict) -> bool:
+def observe_tick(settler, engine, loop, outcomes: dict) -> bool:
     """Give `settler` (a RateSettler) one tick of `loop`; True once it has re-timed the rate.
 
     outcomes: what loop.tick returned; a tick without an action chunk is not counted.
@@ -90,8 +90,29 @@ def observe_tick(settler, loop, outcomes: dict) -> bool:
     result = loop.last_result
     if settler.done or not acted or result is None:
         return False
-    settler.observe(acted[0].duration_s, result.timings.total_s - result.timings.act_s)
+    settler.observe(acted[0].duration_s, result.timings.total_s - result.timings.act_s,
+                    node_reserve(engine, settler.capacity))
     return settler.done
+
+
+def node_reserve(engine, capacity) -> float:
+    """Return the question reserve at the auto robots' own step costs (their budgets').
+
+    capacity.question_reserve with the budget's extend pass over the capacity's prompt tokens
+    and its one-row step; 0 without questions or for a budget that prices nothing (fixed k).
+    """
+    if not capacity.ask_s:
+        return 0.0
+    tokens = capacity.extend[0] if capacity.extend is not None else 0
+    reserves = [0.0]
+    for name in engine.auto:
+        scheduler = engine.system.scheduler(name)
+        answer = max((t.policy.max_request_len for t in scheduler.tasks if t.on_demand),
+                     default=0)
+        budget = scheduler.budget
+        extend_s = budget.extend_estimate(tokens) if tokens else 0.0
+        reserves.append(question_reserve(extend_s, budget.step_estimate(1), answer))
+    return max(reserves)
 
 
 def settle(engine, loop, settings: FleetSettings, settler) -> FleetSettings:
