@@ -199,8 +199,13 @@ def test_camera_that_never_starts(harness):
     reason = "camera 'wrist_image' (/h0/camera/nobody/image_raw): never received (waiting"
     assert wait_for(lambda: reason in h.statuses()['inputs'].message, 10)
     assert wait_for(lambda: _logged(h, WARN, reason), 5)
-    stale = dict(h.statuses()['inputs'].values)['stale_or_missing']
-    assert stale == "camera 'wrist_image' (/h0/camera/nobody/image_raw)"
+    # The other inputs are missing too until the feeder's publishers are discovered (seen in
+    # CI under load): then only the camera that never starts.
+    only = "camera 'wrist_image' (/h0/camera/nobody/image_raw)"
+
+    def stale():
+        return dict(h.statuses()['inputs'].values)['stale_or_missing']
+    assert wait_for(lambda: stale() == only, 10), stale()
     assert _keeps_rate(h) and h.collector.actions == []
 
 
