@@ -172,6 +172,11 @@ def tasks_num_blocks(tasks: Sequence[LanguageTask], k: int | None) -> int:
     return max(total, 1)
 
 
+def answer_tokens(tasks: Sequence[LanguageTask]) -> int:
+    """Return the longest answer (N) of the on-demand tasks among `tasks` (0: no questions)."""
+    return max((t.policy.max_request_len for t in tasks if t.on_demand), default=0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """A reference robot setup from the OxyGen paper; its facts come from the RobotSpec."""

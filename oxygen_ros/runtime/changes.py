@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from oxygen_ros.engine import AdaptiveBudget, default_num_slots, FixedBudget, LanguagePolicy
+from oxygen_ros.engine.workload import answer_tokens
 from oxygen_ros.runtime.capacity import question_reserve, resolve_rate
 from oxygen_ros.runtime.params import (FleetSettings, parse_decode_budget, parse_rtc_mode,
                                        split_param_name)
@@ -107,11 +108,10 @@ def node_reserve(engine, capacity) -> float:
     reserves = [0.0]
     for name in engine.auto:
         scheduler = engine.system.scheduler(name)
-        answer = max((t.policy.max_request_len for t in scheduler.tasks if t.on_demand),
-                     default=0)
         budget = scheduler.budget
         extend_s = budget.extend_estimate(tokens) if tokens else 0.0
-        reserves.append(question_reserve(extend_s, budget.step_estimate(1), answer))
+        reserves.append(question_reserve(extend_s, budget.step_estimate(1),
+                                         answer_tokens(scheduler.tasks)))
     return max(reserves)
 
 

@@ -22,6 +22,7 @@ from oxygen_ros.engine import (AdaptiveBudget, Budget, Engine as EngineView, Fix
 from oxygen_ros.engine.fleet import (forced_token_room, num_blocks_for, ONE_ROBOT,
                                      pool_block_bytes, pool_slot_bytes)
 from oxygen_ros.engine.hardware import choose_dtype
+from oxygen_ros.engine.workload import answer_tokens
 from oxygen_ros.engine.prepare import (CompilePlan, prepare_model, runner_options, seal,
                                        sealed, warm_up)
 from oxygen_ros.model.checkpoint import (CheckpointError, checkpoint_config, CONFIG_FILE,
@@ -319,12 +320,6 @@ def longest_prompt(robots: Sequence[FleetRobot], system) -> int:
                system.runner.store.max_gen_len)
 
 
-def ask_tokens(robots: Sequence[FleetRobot]) -> int:
-    """Return the longest answer (N) an on-demand task of `robots` gives (0: no questions)."""
-    return max((t.policy.max_request_len for r in robots for t in r.tasks if t.on_demand),
-               default=0)
-
-
 def prompt_rows(robots: Sequence[FleetRobot]) -> tuple[int, ...]:
     """Return the rows an extend pass of `robots` may have: (1,), or (1, 2) for several.
 
@@ -393,7 +388,8 @@ def time_fleet_capacity(model, frontends: dict[str, Frontend], fleet: FleetSetti
                 extend = (extend_bucket(tokens), time_call(
                     lambda: runner.extend([0], [0], [0], [[2] * tokens]), clock=clock))
             ask_s = 0.0
-            if answer := ask_tokens(robots):   # one question at a time (its steps: one row)
+            # One question at a time (its steps: one row), the robots' longest answer.
+            if answer := answer_tokens([t for r in robots for t in r.tasks]):
                 gen_len = min(tokens, runner.store.max_gen_len - 1)
                 ask_s = question_reserve(extend[1] if extend else 0.0, time_call(
                     lambda: runner.decode([0], [0], [gen_len], [2]), clock=clock), answer)
