@@ -36,6 +36,7 @@ from typing import Sequence
 import torch
 
 from oxygen_ros.model.compiled import unavailable_reason, use_persistent_cache
+from oxygen_ros.model.packed import packing_unavailable_reason
 from oxygen_ros.model.pi05 import Pi05Model
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class CompilePlan:
     mode: str = ''                      # torch.compile mode of the compiled passes
     whole_loop: bool = False            # the denoise loop as one graph (else one step's)
     seconds: float = 0.0                # warm-up (compile) time, set by the caller
+    packed_bytes: int = 0               # backbone weights prepacked for oneDNN (model/packed.py)
 
     def __post_init__(self):
         if self.prefill is None:
@@ -75,7 +77,9 @@ class CompilePlan:
                                         (denoise, self.denoise),
                                         ('decode step and extend pass', self.decode)) if on]
         what = f'compiled: {", ".join(passes)} ({self.mode})' if passes else 'eager'
-        return f'{what}: {self.reason}'
+        packed = (f'; backbone and LM head on prepacked weights ({self.packed_bytes / 2**20:.0f} '
+                  'MB)' if self.packed_bytes else '')
+        return f'{what}: {self.reason}{packed}'
 
 
 def tower_params(model: Pi05Model) -> tuple[int, int, int]:
@@ -156,6 +160,12 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
     """
     model.fuse()
     plan = compile_plan(model, device, setting, row_threads)
+    # Prepacked bf16 weights (no oneDNN reorder per call) where the backbone's passes compile:
+    # a copy of the backbone's linears, ~20 MB at pi05-cpu; not at pi05's size (eager there),
+    # where it would be gigabytes.
+    if (plan.prefill or plan.decode) and not packing_unavailable_reason(
+            device, model.compute_dtype):
+        plan.packed_bytes = model.pack_backbone()
     cuda = torch.device(device).type == 'cuda'
     mode, config = compile_settings(device)
     # One denoise step as the graph on the CPU: the unrolled loop was half the first

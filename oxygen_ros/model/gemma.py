@@ -23,6 +23,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import GemmaConfig
+from .packed import linear, PACKED
 
 RMS_EPS = 1e-6
 ROPE_THETA = 10_000.0
@@ -86,11 +87,21 @@ class GemmaAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.width, cfg.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(cfg.width, cfg.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.width, bias=False)
+        self.packed = False   # q/k/v and o run on prepacked weights (pack())
         self.register_buffer('qkv_weight', None, persistent=False)   # [(N+2G)·D, W], fuse()
 
     def fuse(self) -> None:
         """Run q/k/v as one matmul (their weights become views of one matrix)."""
         self.qkv_weight, _ = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def pack(self) -> int:
+        """Run the fused q/k/v and o on prepacked weights (packed.py); return bytes packed."""
+        self.packed = True
+        return PACKED.pack(self.qkv_weight) + PACKED.pack(self.o_proj.weight)
+
+    def out(self, attended: torch.Tensor) -> torch.Tensor:
+        """Output projection of the attended heads [B, Q, N*D] -> [B, Q, W]."""
+        return linear(attended, self.o_proj.weight, self.packed)
 
     def qkv(self, x: torch.Tensor):
         """Project x [B, Q, W] -> q [B, Q, N, D], k, v [B, Q, G, D] (before RoPE)."""
@@ -98,7 +109,8 @@ class GemmaAttention(nn.Module):
         N, G, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = x.to(self.q_proj.weight.dtype)
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight).split([N * D, G * D, G * D], dim=-1)
+            qkv = linear(x, self.qkv_weight, self.packed)
+            q, k, v = qkv.split([N * D, G * D, G * D], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return q.view(B, Q, N, D), k.view(B, Q, G, D), v.view(B, Q, G, D)
@@ -113,18 +125,24 @@ class GemmaMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
         self.down_proj = nn.Linear(cfg.mlp_dim, cfg.width, bias=False)
         self.register_buffer('gate_up_weight', None, persistent=False)  # [2·mlp, W], fuse()
+        self.packed = False   # gate/up and down run on prepacked weights (pack())
 
     def fuse(self) -> None:
         """Run gate and up as one matmul (their weights become views of one matrix)."""
         self.gate_up_weight, _ = fuse_linears([self.gate_proj, self.up_proj])
 
+    def pack(self) -> int:
+        """Run the fused gate/up and down on prepacked weights (packed.py); return bytes."""
+        self.packed = True
+        return PACKED.pack(self.gate_up_weight) + PACKED.pack(self.down_proj.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.up_proj.weight.dtype)
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            gate, up = linear(x, self.gate_up_weight, self.packed).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.gelu(gate, approximate='tanh') * up)
+        return linear(F.gelu(gate, approximate='tanh') * up, self.down_proj.weight, self.packed)
 
 
 class GemmaLayer(nn.Module):
@@ -156,7 +174,7 @@ class GemmaLayer(nn.Module):
         h, gate = norm(self.input_layernorm, x, mod_in)
         q, k, v = self.self_attn.qkv(h)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        x = gated_residual(x, self.self_attn.o_proj(attend(q, k, v)), gate)
+        x = gated_residual(x, self.self_attn.out(attend(q, k, v)), gate)
         h, gate = norm(self.post_attention_layernorm, x, mod_post)
         return gated_residual(x, self.mlp(h), gate)
 

@@ -50,6 +50,7 @@ from . import rtc
 from .compiled import CompiledFunction
 from .config import Pi05Config
 from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, rope_table
+from .packed import linear, PACKED
 from .siglip import MultiModalProjector, SiglipVisionTower
 
 # Parameters that stay float32 when the model runs in bfloat16 (openpi's float32 islands).
@@ -217,6 +218,7 @@ class Pi05Model(nn.Module):
         self._denoise_fn: CompiledFunction | None = None   # denoise_loop, compile_actions()
         self._vision_fn: CompiledFunction | None = None    # encode_images, compile_prefill()
         self._prefill_fn: CompiledFunction | None = None   # prefill_layers, compile_prefill()
+        self._lm_head_packed = False                       # pack_backbone()
 
     # Short names for the towers (properties, so no parameter is registered twice).
     @property
@@ -279,10 +281,39 @@ class Pi05Model(nn.Module):
 
     def unfuse(self) -> Pi05Model:
         """Drop the fused weights: every projection runs on its own weight again."""
+        self.unpack()
         for module in self.modules():
             for name in ('qkv_weight', 'qkv_bias', 'gate_up_weight'):
                 if getattr(module, name, None) is not None:
                     setattr(module, name, None)
+        return self
+
+    @property
+    def packed(self) -> bool:
+        """True once `pack_backbone` ran (and no unpack since)."""
+        return self.backbone.layers[0].mlp.packed
+
+    def pack_backbone(self) -> int:
+        """Run the backbone's linears and the LM head on oneDNN-prepacked weights (packed.py).
+
+        Call after `fuse`, once the weights are final (prepare, bf16 on the CPU); compile after
+        it. Returns the bytes of the packed copies (the plain weights stay: checkpoints,
+        the fallback). The expert stays plain (its ten-row matmuls gain nothing).
+        """
+        if not self.fused:
+            raise RuntimeError('pack_backbone needs the fused projections: call fuse() first')
+        packed = sum(layer.self_attn.pack() + layer.mlp.pack() for layer in self.backbone.layers)
+        embed = self.backbone.embed_tokens.weight
+        if embed.dtype == torch.bfloat16:   # a float32 island stays plain
+            packed += PACKED.pack(embed)
+            self._lm_head_packed = True
+        return packed
+
+    def unpack(self) -> Pi05Model:
+        """Run every linear on its plain weight again (before the weights are replaced)."""
+        for layer in self.backbone.layers:
+            layer.self_attn.packed = layer.mlp.packed = False
+        self._lm_head_packed = False
         return self
 
     def to_precision(self, dtype: torch.dtype) -> Pi05Model:
@@ -625,7 +656,7 @@ class Pi05Model(nn.Module):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head: [B, W] final-normed hidden -> float32 logits [B, V]."""
         embed = self.backbone.embed_tokens.weight
-        return F.linear(hidden.to(embed.dtype), embed).float()
+        return linear(hidden.to(embed.dtype), embed, self._lm_head_packed).float()
 
     @torch.no_grad()
     def decode_step(self, kv: KVTensors, slots: torch.Tensor, prefix_valid: torch.Tensor,

@@ -1,0 +1,191 @@
+"""Backbone linears on oneDNN-prepacked weights (model/packed.py): same results, never stale.
+
+Packing is for bfloat16 on the CPU; these tests build bf16 models of the tiny preset. The
+speed is the benchmark's (`oxygen-ros phases`); here: packed == plain passes, the compiled
+step with the packed op == eager, no graph break, and a weight that changed after packing
+(or a view at the same address) never meets a stale copy.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oxygen_ros.engine import (FixedBudget, LanguagePolicy, make_engine, random_observation,
+                               random_setup)
+from oxygen_ros.engine import prepare
+from oxygen_ros.model import get_preset, KVTensors
+from oxygen_ros.model.packed import linear, PACKED, packing_unavailable_reason
+
+TINY = get_preset('tiny')
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _needs_bf16_onednn():
+    reason = packing_unavailable_reason('cpu', BF16)
+    if reason:   # prepare does not pack there (test_prepare_packs_... checks the rule)
+        pytest.skip(reason)
+
+
+def bf16_model(pack: bool, seed: int = 2):
+    model, frontend = random_setup(TINY, 'libero', seed=seed, dtype=BF16)
+    model.fuse()
+    if pack:
+        model.pack_backbone()
+    return model, frontend
+
+
+def inputs(frontend, frame: int = 0):
+    obs = random_observation('libero', frame, seed=5, image_size=TINY.vision.image_size,
+                             instruction='pick up')
+    t = frontend.prepare(obs).tensors
+    return t['images'], t['image_masks'], t['tokens'], t['token_masks']
+
+
+@torch.no_grad()
+def test_packed_backbone_passes_equal_plain():
+    """Prefill K/V, teacher-forced decode logits and an extend pass: packed == plain.
+
+    The same oneDNN kernels run on the blocked weight (bit-identical where measured); the
+    tolerance is bf16's, for a CPU whose kernels block differently.
+    """
+    packed, frontend = bf16_model(True)
+    plain, _ = bf16_model(False)
+    assert packed.packed and not plain.packed
+    stale = PACKED.stale_calls
+    outputs = []
+    for model in (packed, plain):
+        kv = KVTensors.allocate(TINY, 2, TINY.prefix_len + 8, BF16)
+        prefix = model.prefill(*inputs(frontend), kv=kv, slots=torch.tensor([1]))
+        logits = []
+        for j, token in enumerate([7, 9, 11, 3]):
+            logits.append(model.decode_step(kv, prefix.slots, prefix.valid, prefix.n_valid,
+                                            torch.tensor([j]), torch.tensor([token])))
+        gen = KVTensors.allocate(TINY, 1, 9, BF16)
+        extended = model.extend_step(kv, prefix.slots, prefix.valid, prefix.n_valid,
+                                     torch.tensor([0]), torch.tensor([[5, 6, 8]]),
+                                     torch.tensor([3]), attend_len=8, gen=gen,
+                                     blocks=torch.tensor([0]))
+        outputs.append((kv.k.clone(), torch.stack(logits), extended, gen.k.clone()))
+    for got, want in zip(*outputs):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert PACKED.stale_calls == stale   # every packed call found its copy
+
+
+@torch.no_grad()
+def test_packed_engine_keeps_token_identity():
+    """oxygen == isolated token for token on a packed bf16 model (the engines' claim)."""
+    model, frontend = bf16_model(True, seed=4)
+    tokens = {}
+    for mode in ('oxygen', 'isolated'):
+        engine = make_engine(mode, model, frontend, LanguagePolicy(max_new_tokens=4, eos_id=None),
+                             FixedBudget(2))
+        finished = {}
+        for frame in range(3):
+            obs = random_observation('libero', frame, seed=6, image_size=TINY.vision.image_size,
+                                     instruction='open it')
+            result = engine.step(obs)
+            finished.update((f.origin_frame, f.token_ids) for f in result.finished)
+        while engine.num_live_requests:
+            engine.advance_language()
+            finished.update((f.origin_frame, f.token_ids) for f in engine.last_result.finished)
+        tokens[mode] = finished
+    assert tokens['oxygen'] and tokens['oxygen'] == tokens['isolated']
+
+
+@torch.no_grad()
+def test_compiled_packed_decode_equals_eager_without_graph_breaks():
+    """The decode step calls the packed op inside one graph (no break) and, compiled by
+    inductor with cpp_wrapper (the node's settings), gives eager's logits."""
+    model, frontend = bf16_model(True, seed=3)
+    kv = KVTensors.allocate(TINY, 2, TINY.prefix_len + 8, BF16)
+    prefix = model.prefill(*inputs(frontend), kv=kv, slots=torch.tensor([0]))
+    cos, sin = model.rope_tables(kv.max_len, 'cpu')
+    args = (kv.k, kv.v, kv.k, kv.v, cos, sin, prefix.slots, prefix.slots, prefix.valid,
+            prefix.n_valid, torch.tensor([0]), torch.tensor([9]), 8, TINY.prefix_len)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model._decode_layers)(*args)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
+    eager = model._decode_layers(*args)
+    _, config = prepare.compile_settings('cpu')
+    model.compile_decode('default', None, config)
+    try:
+        compiled = model._decode_fn(*args)   # rewrites the same K/V entry
+    finally:
+        model.compile_decode(None)
+    assert not model._decode_fn
+    torch.testing.assert_close(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)
+
+
+@torch.no_grad()
+def test_a_weight_changed_after_packing_runs_plain(caplog):
+    """An in-place write after packing moves the weight's version: the op runs F.linear on
+    the new values (logged once), never the stale copy."""
+    weight = torch.randn(64, 32, dtype=BF16)
+    PACKED.pack(weight)
+    x = torch.randn(3, 32, dtype=BF16)
+    torch.testing.assert_close(linear(x, weight, True), F.linear(x, weight), atol=1e-2,
+                               rtol=1e-2)
+    assert PACKED.lookup(weight) is not None
+    weight.mul_(-1)
+    assert PACKED.lookup(weight) is None
+    before = PACKED.stale_calls
+    with caplog.at_level(logging.WARNING, logger='oxygen_ros.model.packed'):
+        out = linear(x, weight, True)
+    assert torch.equal(out, F.linear(x, weight))
+    assert PACKED.stale_calls == before + 1
+    assert not before or not caplog.records   # the warning is logged once per process
+    if not before:
+        assert 'ran unpacked' in caplog.text
+
+
+def test_views_at_the_packed_address_and_dead_weights_never_match():
+    """q_proj's weight starts where the fused q/k/v starts: not the packed matrix. A weight
+    that is gone leaves no entry, so a new tensor at its address finds nothing."""
+    model, _ = bf16_model(True)
+    attn = model.backbone.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert PACKED.lookup(attn.qkv_weight) is not None
+    assert PACKED.lookup(attn.q_proj.weight) is None
+    weight = torch.randn(16, 16, dtype=BF16)
+    PACKED.pack(weight)
+    entries = len(PACKED)
+    del weight
+    assert len(PACKED) == entries - 1
+
+
+def test_unfuse_and_precision_changes_unpack():
+    """Replacing the weights (to_precision, unfuse) turns packing off: no stale lookups."""
+    model, _ = bf16_model(True)
+    model.to_precision(torch.float32)
+    assert not model.packed and not model._lm_head_packed
+    assert not any(layer.self_attn.packed or layer.mlp.packed for layer in model.backbone.layers)
+    with pytest.raises(RuntimeError, match='fuse'):
+        model.unfuse().pack_backbone()
+
+
+@pytest.mark.parametrize('dtype, setting, packs', [(BF16, 'on', True), (BF16, 'off', False),
+                                                   (torch.float32, 'on', False)])
+def test_prepare_packs_bf16_backbones_it_compiles(dtype, setting, packs):
+    """prepare packs where the backbone's passes compile on the CPU in bf16, and says so."""
+    model, _ = random_setup(TINY, 'libero', seed=1, dtype=dtype)
+    plan = prepare.prepare_model(model, 'cpu', setting)
+    assert model.packed is packs
+    assert (plan.packed_bytes > 0) is packs
+    assert ('prepacked weights' in plan.describe()) is packs
+    if packs:   # the backbone's linears and the tied LM head, bf16
+        layers = model.backbone.layers
+        expected = sum(w.numel() * 2 for layer in layers for w in (
+            layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_weight, layer.mlp.down_proj.weight))
+        assert plan.packed_bytes == expected + model.backbone.embed_tokens.weight.numel() * 2
+    model.compile_prefill(None).compile_actions(None).compile_decode(None).compile_extend(None)
+
+
+def test_packing_is_only_offered_for_bf16_on_the_cpu():
+    assert packing_unavailable_reason('cpu', torch.float32).startswith('packing is for bf')
+    assert 'CPU' in packing_unavailable_reason('cuda', BF16)
+    np.testing.assert_equal(packing_unavailable_reason('cpu', BF16), None)
