@@ -34,7 +34,7 @@ def bf16_model(pack: bool, seed: int = 2):
     model, frontend = random_setup(TINY, 'libero', seed=seed, dtype=BF16)
     model.fuse()
     if pack:
-        model.pack_backbone()
+        model.pack_linears()
     return model, frontend
 
 
@@ -164,7 +164,7 @@ def test_unfuse_and_precision_changes_unpack():
     assert not model.packed and not model._lm_head_packed
     assert not any(layer.self_attn.packed or layer.mlp.packed for layer in model.backbone.layers)
     with pytest.raises(RuntimeError, match='fuse'):
-        model.unfuse().pack_backbone()
+        model.unfuse().pack_linears()
 
 
 @pytest.mark.parametrize('dtype, setting, packs', [(BF16, 'on', True), (BF16, 'off', False),
@@ -189,3 +189,77 @@ def test_packing_is_only_offered_for_bf16_on_the_cpu():
     assert packing_unavailable_reason('cpu', torch.float32).startswith('packing is for bf')
     assert 'CPU' in packing_unavailable_reason('cuda', BF16)
     np.testing.assert_equal(packing_unavailable_reason('cpu', BF16), None)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers that hold data (not on the meta device)."""
+    tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+               for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+    return sum(tensors.values())
+
+
+@torch.no_grad()
+def test_packed_in_place_passes_equal_plain_and_release_the_plain_weights():
+    """In place (pi05's eager path): prefill, the denoise loop and decode equal plain, and
+    the backbone's and expert's layer weights no longer hold memory of their own."""
+    model, frontend = bf16_model(False)
+    plain, _ = bf16_model(False)
+    before = weight_bytes(model)
+    packed = model.pack_linears(in_place=True)
+    assert model.packed and not model._lm_head_packed   # the LM head is the embedding too
+    layers = [*model.backbone.layers, *model.expert.layers]
+    assert all(w.is_meta for layer in layers for w in (
+        layer.self_attn.qkv_weight, layer.self_attn.q_proj.weight, layer.self_attn.o_proj.weight,
+        layer.mlp.gate_up_weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight))
+    assert weight_bytes(model) == before - packed
+    noise = torch.randn(1, TINY.action_horizon, TINY.action_dim, generator=torch.Generator()
+                        .manual_seed(1))
+    outputs = []
+    for m in (model, plain):
+        kv = KVTensors.allocate(TINY, 1, TINY.prefix_len + 8, BF16)
+        prefix = m.prefill(*inputs(frontend), kv=kv, slots=torch.tensor([0]))
+        actions = m.sample_actions(prefix, noise)
+        logits = m.decode_step(kv, prefix.slots, prefix.valid, prefix.n_valid,
+                               torch.tensor([0]), torch.tensor([7]))
+        outputs.append((kv.k.clone(), actions, logits))
+    for got, want in zip(*outputs):
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    # Preparing the same model again (a second engine on it) keeps the packed weights.
+    assert model.fuse().pack_linears(in_place=True) == packed
+    with pytest.raises(RuntimeError, match='packed in place'):
+        model.to_precision(torch.float32)
+
+
+def test_in_place_weights_take_a_gradient_and_never_go_stale():
+    """Guided real-time chunking differentiates through the expert: the packed product has
+    no gradient, so that call runs on the unpacked values (the same gradient as plain). A
+    write into a released weight leaves nothing to compute with: a clear error, not stale
+    values."""
+    model, _ = bf16_model(False)
+    plain, _ = bf16_model(False)
+    model.pack_linears(in_place=True)
+    grads = []
+    for m in (model, plain):
+        x = torch.randn(2, TINY.expert.width, dtype=BF16, generator=torch.Generator()
+                        .manual_seed(2)).requires_grad_()
+        mlp = m.expert.layers[0].mlp
+        mlp(x).float().square().sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0].float(), grads[1].float(), atol=3e-2, rtol=3e-2)
+    down = model.expert.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        down.copy_(torch.zeros(down.shape, dtype=BF16, device='meta'))   # moves its version
+    with pytest.raises(RuntimeError, match='released into its packed copy'):
+        model.expert.layers[0].mlp(torch.randn(1, TINY.expert.width, dtype=BF16))
+
+
+def test_prepare_packs_in_place_above_the_compile_range(monkeypatch):
+    """A bf16 model too big to compile on the CPU (pi05; here the bound is lowered) runs eager
+    on weights packed in place, and the plan says so."""
+    monkeypatch.setattr(prepare, 'MAX_CPU_COMPILE_PARAMS', 1000)
+    model, _ = random_setup(TINY, 'libero', seed=1, dtype=BF16)
+    plan = prepare.prepare_model(model, 'cpu', 'auto')
+    assert not plan.any and plan.packed_in_place and model._packed_in_place
+    assert 'weights prepacked in place' in plan.describe()
+    off, _ = random_setup(TINY, 'libero', seed=1, dtype=BF16)
+    assert not prepare.prepare_model(off, 'cpu', 'off').packed_bytes and not off.packed

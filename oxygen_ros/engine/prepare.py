@@ -1,7 +1,8 @@
 """Make a loaded model fast before the first tick: fuse projections, compile the hot loops.
 
 `prepare_model` runs at configure, after the weights, dtype and device are final:
-  1. fuse q/k/v and gate/up into one matmul each (no extra memory; Pi05Model.fuse);
+  1. fuse q/k/v and gate/up into one matmul each (no extra memory; Pi05Model.fuse), and on
+     a CPU in bf16 prepack the linears' weights for oneDNN (model/packed.py);
   2. decide, per pass, whether to compile (`compile_plan`) and set it up: the prefill (vision
      tower, backbone layers over a dynamic number of valid positions), the denoise step (on
      a GPU the whole loop, one CUDA graph) and the decode step (torch.compile: inductor on
@@ -59,7 +60,8 @@ class CompilePlan:
     mode: str = ''                      # torch.compile mode of the compiled passes
     whole_loop: bool = False            # the denoise loop as one graph (else one step's)
     seconds: float = 0.0                # warm-up (compile) time, set by the caller
-    packed_bytes: int = 0               # backbone weights prepacked for oneDNN (model/packed.py)
+    packed_bytes: int = 0               # weights prepacked for oneDNN (model/packed.py)
+    packed_in_place: bool = False       # the packed copies replaced the plain weights
 
     def __post_init__(self):
         if self.prefill is None:
@@ -77,8 +79,9 @@ class CompilePlan:
                                         (denoise, self.denoise),
                                         ('decode step and extend pass', self.decode)) if on]
         what = f'compiled: {", ".join(passes)} ({self.mode})' if passes else 'eager'
-        packed = (f'; backbone and LM head on prepacked weights ({self.packed_bytes / 2**20:.0f} '
-                  'MB)' if self.packed_bytes else '')
+        where = ('backbone and expert layers on weights prepacked in place'
+                 if self.packed_in_place else 'backbone and LM head on prepacked weights')
+        packed = f'; {where} ({self.packed_bytes / 2**20:.0f} MB)' if self.packed_bytes else ''
         return f'{what}: {self.reason}{packed}'
 
 
@@ -160,12 +163,16 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
     """
     model.fuse()
     plan = compile_plan(model, device, setting, row_threads)
-    # Prepacked bf16 weights (no oneDNN reorder per call) where the backbone's passes compile:
-    # a copy of the backbone's linears, ~20 MB at pi05-cpu; not at pi05's size (eager there),
-    # where it would be gigabytes.
-    if (plan.prefill or plan.decode) and not packing_unavailable_reason(
-            device, model.compute_dtype):
-        plan.packed_bytes = model.pack_backbone()
+    # Prepacked bf16 weights (no oneDNN reorder per call, model/packed.py): where the
+    # backbone's passes compile, a copy beside the plain weights (~20 MB at pi05-cpu); where
+    # they run eager because the model is too big to compile (pi05), in place of them (a
+    # second copy would be gigabytes).
+    if not packing_unavailable_reason(device, model.compute_dtype):
+        if plan.prefill or plan.decode:
+            plan.packed_bytes = model.pack_linears()
+        elif setting != 'off' and tower_params(model)[1] > MAX_CPU_COMPILE_PARAMS:
+            plan.packed_bytes = model.pack_linears(in_place=True)
+            plan.packed_in_place = True
     cuda = torch.device(device).type == 'cuda'
     mode, config = compile_settings(device)
     # One denoise step as the graph on the CPU: the unrolled loop was half the first

@@ -23,7 +23,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import GemmaConfig
-from .packed import linear, PACKED
+from .packed import linear, pack_fused
 
 RMS_EPS = 1e-6
 ROPE_THETA = 10_000.0
@@ -94,10 +94,11 @@ class GemmaAttention(nn.Module):
         """Run q/k/v as one matmul (their weights become views of one matrix)."""
         self.qkv_weight, _ = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
-    def pack(self) -> int:
-        """Run the fused q/k/v and o on prepacked weights (packed.py); return bytes packed."""
+    def pack(self, in_place: bool = False) -> int:
+        """Run the fused q/k/v and o on prepacked weights (packed.pack_fused); return bytes."""
         self.packed = True
-        return PACKED.pack(self.qkv_weight) + PACKED.pack(self.o_proj.weight)
+        return pack_fused(self, 'qkv_weight', self.o_proj, (self.q_proj, self.k_proj,
+                                                            self.v_proj), in_place)
 
     def out(self, attended: torch.Tensor) -> torch.Tensor:
         """Output projection of the attended heads [B, Q, N*D] -> [B, Q, W]."""
@@ -131,10 +132,11 @@ class GemmaMLP(nn.Module):
         """Run gate and up as one matmul (their weights become views of one matrix)."""
         self.gate_up_weight, _ = fuse_linears([self.gate_proj, self.up_proj])
 
-    def pack(self) -> int:
-        """Run the fused gate/up and down on prepacked weights (packed.py); return bytes."""
+    def pack(self, in_place: bool = False) -> int:
+        """Run the fused gate/up and down on prepacked weights (packed.pack_fused); bytes."""
         self.packed = True
-        return PACKED.pack(self.gate_up_weight) + PACKED.pack(self.down_proj.weight)
+        return pack_fused(self, 'gate_up_weight', self.down_proj, (self.gate_proj, self.up_proj),
+                          in_place)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.up_proj.weight.dtype)

@@ -14,8 +14,14 @@ recompiles). Here the graph calls `oxygen_packed::linear(x, weight)` with the pl
 and falls back to `F.linear` when there is none or the weight changed since it was packed
 (in place: its version moved), so a stale copy is never used.
 
-Only the backbone packs (prefill, extend, decode, LM head): the expert's denoise matmuls are
-ten rows of small weights, where the op's dispatch costs what the reorder does.
+What packs (Pi05Model.pack_linears, chosen by engine/prepare.py):
+  * a model whose passes compile (pi05-cpu): the backbone (prefill, extend, decode) and the
+    LM head, a copy beside the plain weights (~20 MB); the expert's ten-row matmuls over
+    small weights stay plain (the op's dispatch costs what the reorder does);
+  * a model too big to compile (pi05, eager): the backbone's and the expert's layers, in
+    place: the packed copy replaces the plain weight (a meta tensor keeps its shape), since a
+    second copy would be gigabytes. Eager `linear` finds it by the tensor itself; a gradient
+    (guided real-time chunking) runs on the values unpacked again.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import threading
 import weakref
 
 import torch
+from torch import nn
 import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
@@ -49,6 +56,8 @@ class _Entry:
     def matches(self, weight: torch.Tensor) -> bool:
         """Say whether `weight` is the tensor packed, unchanged (no view, no in-place write)."""
         original = self.weight()
+        if weight.is_meta:   # released in place: the very tensor, nothing written since
+            return original is weight and _version(weight) == self.version
         return (original is not None and original.data_ptr() == weight.data_ptr()
                 and tuple(weight.shape) == self.shape and tuple(weight.stride()) == self.stride
                 and weight.dtype == original.dtype and _version(weight) == self.version)
@@ -59,7 +68,9 @@ class PackedLinears:
 
     The address is only a key: an entry is used when the weight is still alive, has the
     packed shape and strides (a view that starts at the same address, q_proj's rows of the
-    fused q/k/v, does not match) and its version has not moved since.
+    fused q/k/v, does not match) and its version has not moved since. A weight released in
+    place (its data moved to the meta device, only the packed copy holding the values) is
+    found by the tensor itself.
     """
 
     def __init__(self):
@@ -69,9 +80,21 @@ class PackedLinears:
 
     def pack(self, weight: torch.Tensor) -> int:
         """Pack `weight` [N, K] (bf16, CPU); return the bytes the packed copy holds."""
-        # The entry follows the weight itself (a detached alias would die at once).
+        return self._add(weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+
+    def pack_in_place(self, module: nn.Module, name: str) -> int:
+        """Pack `module`'s weight `name` and put a meta tensor of its shape in its place.
+
+        The packed copy is then the only one in memory; only `linear` in eager mode uses it.
+        """
+        weight = getattr(module, name)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        key = weight.data_ptr()
+        release(module, name)
+        return self._add(getattr(module, name), packed)
+
+    def _add(self, weight: torch.Tensor, packed: torch.Tensor) -> int:
+        # The entry follows the weight itself (a detached alias would die at once).
+        key = id(weight) if weight.is_meta else weight.data_ptr()
         entry = _Entry(weakref.ref(weight), tuple(weight.shape), tuple(weight.stride()),
                        _version(weight), packed)
         with self._lock:
@@ -86,14 +109,39 @@ class PackedLinears:
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
         """Return the packed copy of `weight`, or None when there is no valid one."""
-        entry = self._entries.get(weight.data_ptr())
+        entry = self._entries.get(id(weight) if weight.is_meta else weight.data_ptr())
         return entry.packed if entry is not None and entry.matches(weight) else None
 
     def __len__(self) -> int:
         return len(self._entries)
 
 
+def release(module: nn.Module, name: str) -> None:
+    """Replace `module`'s tensor `name` by a meta tensor of its shape (its memory is freed)."""
+    tensor = getattr(module, name)
+    meta = torch.empty_like(tensor, device='meta')
+    if isinstance(tensor, nn.Parameter):
+        meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+    setattr(module, name, meta)
+
+
 PACKED = PackedLinears()
+
+
+def pack_fused(module: nn.Module, fused: str, other: nn.Linear, views: tuple[nn.Linear, ...],
+               in_place: bool) -> int:
+    """Pack `module`'s fused weight `fused` and `other`'s weight; return the bytes packed.
+
+    in_place: the packed copies replace them, and `views` (the linears whose weights are
+    views of the fused one, which would keep its storage alive) are released too.
+    """
+    if not in_place:
+        return PACKED.pack(getattr(module, fused)) + PACKED.pack(other.weight)
+    packed = PACKED.pack_in_place(module, fused) + PACKED.pack_in_place(other, 'weight')
+    for view in views:
+        release(view, 'weight')
+    return packed
+
 
 _library = torch.library.Library('oxygen_packed', 'DEF')
 _library.define('linear(Tensor x, Tensor weight) -> Tensor')
@@ -108,9 +156,13 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                            tuple(weight.shape))
         PACKED.stale_calls += 1
         return F.linear(x, weight)
+    return _packed_matmul(x, packed, weight.shape[0])
+
+
+def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, None, 'none', [], '')
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], out_features)
 
 
 _library.impl('linear', _packed_linear, 'CPU')
@@ -122,10 +174,26 @@ def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool) -> torch.Tensor:
-    """Return x [..., K] @ weight [N, K]^T, through the packed copy when `packed` (no bias)."""
-    if packed:
+    """Return x [..., K] @ weight [N, K]^T, through the packed copy when `packed` (no bias).
+
+    Eager, the copy is looked up here (no op dispatch); traced, the op does it at run time.
+    """
+    if not packed:
+        return F.linear(x, weight)
+    if torch.compiler.is_compiling():
         return torch.ops.oxygen_packed.linear(x, weight)
-    return F.linear(x, weight)
+    copy = PACKED.lookup(weight)
+    if copy is None:
+        if weight.is_meta:
+            raise RuntimeError(f'a linear weight {tuple(weight.shape)} was released into its '
+                               'packed copy at configure and then changed or dropped: its values '
+                               'are gone (build and prepare the model again to change weights)')
+        return _packed_linear(x, weight)   # the plain weight, logged once
+    if x.requires_grad and torch.is_grad_enabled():
+        # oneDNN's packed product has no gradient (guided real-time chunking takes one
+        # through the expert): the plain values, unpacked again where they were released.
+        return F.linear(x, copy.to_dense() if weight.is_meta else weight)
+    return _packed_matmul(x, copy, weight.shape[0])
 
 
 def packing_unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:

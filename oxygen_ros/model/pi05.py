@@ -218,7 +218,9 @@ class Pi05Model(nn.Module):
         self._denoise_fn: CompiledFunction | None = None   # denoise_loop, compile_actions()
         self._vision_fn: CompiledFunction | None = None    # encode_images, compile_prefill()
         self._prefill_fn: CompiledFunction | None = None   # prefill_layers, compile_prefill()
-        self._lm_head_packed = False                       # pack_backbone()
+        self._lm_head_packed = False                       # pack_linears()
+        self._packed_in_place = False                      # pack_linears(in_place=True)
+        self._packed_bytes = 0
 
     # Short names for the towers (properties, so no parameter is registered twice).
     @property
@@ -272,7 +274,10 @@ class Pi05Model(nn.Module):
 
         The separate weights become views of the fused ones: no extra memory, the same
         parameter names. Call it once the weights, dtype and device are final (prepare).
+        A model packed in place stays as it is (its fused weights are the packed ones).
         """
+        if self._packed_in_place:
+            return self
         for layer in [*self.backbone.layers, *self.expert.layers]:
             layer.fuse()
         for layer in self.vision.vision_model.encoder.layers:
@@ -290,27 +295,40 @@ class Pi05Model(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """True once `pack_backbone` ran (and no unpack since)."""
+        """True once `pack_linears` ran (and no unpack since)."""
         return self.backbone.layers[0].mlp.packed
 
-    def pack_backbone(self) -> int:
-        """Run the backbone's linears and the LM head on oneDNN-prepacked weights (packed.py).
+    def pack_linears(self, in_place: bool = False) -> int:
+        """Run linears on oneDNN-prepacked weights (packed.py); return the bytes packed.
 
-        Call after `fuse`, once the weights are final (prepare, bf16 on the CPU); compile after
-        it. Returns the bytes of the packed copies (the plain weights stay: checkpoints,
-        the fallback). The expert stays plain (its ten-row matmuls gain nothing).
+        Call after `fuse`, once the weights are final (prepare, bf16 on the CPU), and compile
+        after it. in_place False (a model whose passes compile): the backbone's layers and
+        the tied LM head get a packed copy beside the plain weights (the graphs' inputs, the
+        fallback); the expert stays plain (its ten-row matmuls over small weights gain
+        nothing). in_place True (an eager model too big to keep two copies, pi05): the
+        backbone's and the expert's layers, the packed copy replacing the plain weight (moved
+        to the meta device); the LM head stays plain, its weight is also the embedding.
+        A model packed in place cannot change its weights any more (build it again).
         """
         if not self.fused:
-            raise RuntimeError('pack_backbone needs the fused projections: call fuse() first')
-        packed = sum(layer.self_attn.pack() + layer.mlp.pack() for layer in self.backbone.layers)
+            raise RuntimeError('packing needs the fused projections: call fuse() first')
+        if self._packed_in_place:   # prepared before (a second engine on the same model)
+            return self._packed_bytes
+        layers = [*self.backbone.layers, *(self.expert.layers if in_place else [])]
+        packed = sum(layer.self_attn.pack(in_place) + layer.mlp.pack(in_place)
+                     for layer in layers)
         embed = self.backbone.embed_tokens.weight
-        if embed.dtype == torch.bfloat16:   # a float32 island stays plain
+        if not in_place and embed.dtype == torch.bfloat16:   # a float32 island stays plain
             packed += PACKED.pack(embed)
             self._lm_head_packed = True
+        self._packed_in_place, self._packed_bytes = in_place, packed
         return packed
 
     def unpack(self) -> Pi05Model:
         """Run every linear on its plain weight again (before the weights are replaced)."""
+        if self._packed_in_place:
+            raise RuntimeError('the weights were packed in place at configure (their plain '
+                               'copies are gone): build the model again to change them')
         for layer in self.backbone.layers:
             layer.self_attn.packed = layer.mlp.packed = False
         self._lm_head_packed = False
