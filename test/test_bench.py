@@ -274,3 +274,16 @@ def test_phases_command_times_prefill_on_a_robots_frame(capsys):
     assert 2 * cfg.tokens_per_image < valid <= 2 * cfg.tokens_per_image + cfg.max_token_len
     assert f'of {cfg.prefix_len} prefix positions valid' in head
     assert '| prefill (vision + backbone) |' in out
+
+
+def test_build_part_measures_a_random_build_and_a_prepared_checkpoint_load():
+    """`bench --parts build`, on the tiny preset: both fresh-process probes run and report
+    the peak over the weights (this part ran nowhere else and had broken on an import)."""
+    from oxygen_ros.bench.build import run_build_part
+
+    rows = run_build_part('tiny', 'bfloat16', progress=False)
+    assert [row['what'] for row in rows] == ['random', 'load']
+    for row in rows:
+        assert row['weights_mb'] > 0 and row['peak_rss_mb'] >= row['runtime_mb']
+        assert math.isfinite(row['peak_over_weights'])
+    assert rows[1]['checkpoint_mb'] > 0 and math.isfinite(rows[1]['load_over_weights'])

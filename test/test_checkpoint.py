@@ -298,3 +298,31 @@ def test_loading_keeps_weights_memory_mapped(ckpt, tiny):
     cast = load_pi05(ckpt, dtype=torch.bfloat16).model
     q = cast.backbone.layers[0].self_attn.q_proj.weight
     assert _mapped_file(q.data_ptr()) != weights
+
+
+def test_pages_no_weight_uses_are_given_back_and_used_ones_kept(tmp_path):
+    """release_unused_pages (configure, after fusing and packing): the mapped pages of a
+    replaced weight leave the RSS; a live weight's values stay; another file's mapping (no
+    tensor of this model in it) is not touched."""
+    from oxygen_ros.model.pages import release_unused_pages
+    from oxygen_ros.runtime.procfs import status_kb
+
+    shape = (4096, 4096)   # 32 MB each in bf16
+    for name in ('ours', 'other'):
+        safetensors.torch.save_file({'a': torch.randn(shape).to(torch.bfloat16),
+                                     'b': torch.randn(shape).to(torch.bfloat16)},
+                                    str(tmp_path / f'{name}.safetensors'))
+    with safe_open(str(tmp_path / 'ours.safetensors'), framework='pt', device='cpu') as f:
+        kept, replaced = f.get_tensor('a'), f.get_tensor('b')
+    with safe_open(str(tmp_path / 'other.safetensors'), framework='pt', device='cpu') as f:
+        other = f.get_tensor('a')
+    module = torch.nn.Linear(1, 1)
+    module.weight = torch.nn.Parameter(kept, requires_grad=False)
+    sums = [float(t.float().sum()) for t in (kept, replaced, other)]   # every page touched
+    del replaced
+    before = status_kb('VmRSS')
+    dropped = release_unused_pages(module)
+    assert 31 * 2**20 <= dropped <= 33 * 2**20   # b's pages; not a's, not the other file's
+    assert before - status_kb('VmRSS') >= 24 * 1024   # KiB: most of b's 32 MB left the RSS
+    assert float(module.weight.float().sum()) == sums[0]
+    assert float(other.float().sum()) == sums[2]

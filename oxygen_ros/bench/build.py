@@ -8,8 +8,9 @@ Run as `python -m oxygen_ros.bench.build --what random|load ...`; prints one JSO
   peak_over_weights above_runtime_mb / weights_mb (target: <= 1.3)
 'random' builds the preset's random weights as `phases`, `bench` and the demo do
 (random_setup). 'load' loads a checkpoint folder with load_pi05 (memory-mapped: the file's
-pages count only where touched), then fuses the projections as configure does; the row
-reports the peak after each. `write_checkpoint` writes a checkpoint of a preset's layout,
+pages count only where touched), then prepares it as configure does (engine/prepare.py: fuse
+the projections, pack the bf16 linears; nothing compiles yet); the row reports the peak after
+each. `write_checkpoint` writes a checkpoint of a preset's layout,
 streamed tensor by tensor (zeros: the values do not matter to memory), so even pi05's 6.6 GB
 never sit in memory.
 """
@@ -27,7 +28,8 @@ import sys
 import tempfile
 import time
 
-from .memory import package_env, probe_main, read_status_kb
+from ..runtime.procfs import status_kb
+from .memory import package_env, probe_main
 
 SAFETENSORS_DTYPES = {'float32': 'F32', 'bfloat16': 'BF16'}
 CHUNK_BYTES = 64 << 20
@@ -73,12 +75,13 @@ def probe(args: argparse.Namespace) -> dict:
     import torch
 
     from ..engine import random_setup
+    from ..engine.prepare import prepare_model
     from ..model import get_preset
     from ..model.checkpoint import load_pi05
 
     torch.set_num_threads(args.threads)
     torch.zeros(1) @ torch.zeros(1)   # lazy initialisation belongs to the runtime
-    runtime_kb = read_status_kb('VmRSS')
+    runtime_kb = status_kb('VmRSS')
     start = time.perf_counter()
     dtype = getattr(torch, args.dtype)
     row = {'what': args.what, 'preset': args.preset, 'dtype': args.dtype}
@@ -86,10 +89,10 @@ def probe(args: argparse.Namespace) -> dict:
         model, _ = random_setup(get_preset(args.preset), 'libero', dtype=dtype)
     else:
         model = load_pi05(args.path, dtype=dtype).model
-        row['load_peak_rss_mb'] = read_status_kb('VmHWM') / 1024
-        model.fuse()
+        row['load_peak_rss_mb'] = status_kb('VmHWM') / 1024
+        prepare_model(model, 'cpu', 'auto')
     row['seconds'] = time.perf_counter() - start
-    peak_kb = read_status_kb('VmHWM')
+    peak_kb = status_kb('VmHWM')
     weights_mb = _weights_mb(model)
     row.update(weights_mb=weights_mb, runtime_mb=runtime_kb / 1024, peak_rss_mb=peak_kb / 1024,
                above_runtime_mb=(peak_kb - runtime_kb) / 1024,

@@ -125,8 +125,8 @@ def build_section(result: BenchResult) -> list[str]:
                   [[r['preset'], r['dtype'], r['what'], r['weights_mb'], r['peak_rss_mb'],
                     r['above_runtime_mb'], r['peak_over_weights'], r['seconds']]
                    for r in result.builds]), '',
-            "'load' = load_pi05 (memory-mapped) then fuse, as configure does; load alone: "
-            f'{loads}.', '']
+            "'load' = load_pi05 (memory-mapped) then prepare_model, as configure does; load "
+            f'alone: {loads}.', '']
 
 
 def robots_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:

@@ -170,7 +170,7 @@ def floor_targets(result: BenchResult) -> list[dict]:
                                   'copy bandwidth',
                         'measured': f'{share:.0%}', 'met': share >= TARGET_DECODE_BANDWIDTH})
     for r in result.builds:
-        what = 'random weights built' if r['what'] == 'random' else 'checkpoint loaded + fused'
+        what = 'random weights built' if r['what'] == 'random' else 'checkpoint loaded + prepared'
         targets.append({'target': f'{r["preset"]} {what}: peak RSS ≤ '
                                   f'{TARGET_BUILD_OVER_WEIGHTS:g} × weights',
                         'measured': f'{r["peak_over_weights"]:.2f}× ({r["above_runtime_mb"]:.0f}'

@@ -1,4 +1,4 @@
-"""Backbone linears with weights prepacked for oneDNN (bfloat16 on the CPU).
+"""Linears on weights prepacked for oneDNN (bfloat16 on the CPU), beside or in place of the plain.
 
 A bf16 `F.linear` on the CPU hands oneDNN a plain [N, K] weight, which oneDNN reorders into
 its blocked layout on every call: for a decode step's one-row GEMVs that reorder reads and

@@ -51,6 +51,7 @@ from .compiled import CompiledFunction
 from .config import Pi05Config
 from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, rope_table
 from .packed import linear, PACKED
+from .pages import release_unused_pages
 from .siglip import MultiModalProjector, SiglipVisionTower
 
 # Parameters that stay float32 when the model runs in bfloat16 (openpi's float32 islands).
@@ -315,8 +316,11 @@ class Pi05Model(nn.Module):
         if self._packed_in_place:   # prepared before (a second engine on the same model)
             return self._packed_bytes
         layers = [*self.backbone.layers, *(self.expert.layers if in_place else [])]
-        packed = sum(layer.self_attn.pack(in_place) + layer.mlp.pack(in_place)
-                     for layer in layers)
+        packed = 0
+        for layer in layers:
+            packed += layer.self_attn.pack(in_place) + layer.mlp.pack(in_place)
+            if in_place:   # a checkpoint's pages the layer no longer uses: now, not at the end
+                release_unused_pages(self)
         embed = self.backbone.embed_tokens.weight
         if not in_place and embed.dtype == torch.bfloat16:   # a float32 island stays plain
             packed += PACKED.pack(embed)
