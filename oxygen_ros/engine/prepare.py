@@ -164,8 +164,12 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
     """
     model.fuse()
     # The fused weights replaced views of a memory-mapped checkpoint: its pages they touched
-    # would stay resident (model/pages.py); so would those of weights packed in place below.
+    # would stay resident (model/pages.py; packing in place, below, gives its pages back
+    # layer by layer itself).
     dropped = release_unused_pages(model)
+    if dropped:
+        logger.info('released %.0f MB of checkpoint pages the fused weights replaced',
+                    dropped / 2**20)
     plan = compile_plan(model, device, setting, row_threads)
     # Prepacked bf16 weights (no oneDNN reorder per call, model/packed.py): where the
     # backbone's passes compile, a copy beside the plain weights (~20 MB at pi05-cpu); where
@@ -177,10 +181,6 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
         elif setting != 'off' and tower_params(model)[1] > MAX_CPU_COMPILE_PARAMS:
             plan.packed_bytes = model.pack_linears(in_place=True)
             plan.packed_in_place = True
-    dropped += release_unused_pages(model)
-    if dropped:
-        logger.info('released %.0f MB of checkpoint pages no weight uses any more',
-                    dropped / 2**20)
     cuda = torch.device(device).type == 'cuda'
     mode, config = compile_settings(device)
     # One denoise step as the graph on the CPU: the unrolled loop was half the first
