@@ -7,6 +7,7 @@ step with the packed op == eager, no graph break, and a weight that changed afte
 """
 
 import logging
+import shutil
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ from oxygen_ros.engine import (FixedBudget, LanguagePolicy, make_engine, random_
                                random_setup)
 from oxygen_ros.engine import prepare
 from oxygen_ros.model import get_preset, KVTensors
-from oxygen_ros.model.packed import linear, PACKED, packing_unavailable_reason
+from oxygen_ros.model import packed_native
+from oxygen_ros.model.compiled import use_persistent_cache
+from oxygen_ros.model.packed import linear, PACKED, packing_unavailable_reason, use_native_kernel
 
 TINY = get_preset('tiny')
 BF16 = torch.bfloat16
@@ -96,10 +99,24 @@ def test_packed_engine_keeps_token_identity():
     assert tokens['oxygen'] and tokens['oxygen'] == tokens['isolated']
 
 
+def native_kernel():
+    """Build (once per machine, cached) and load the op's C++ kernel, as prepare does."""
+    if not shutil.which('g++') and not shutil.which('c++') and not shutil.which('clang++'):
+        pytest.skip('no C++ compiler: prepare keeps the Python kernel (and runs eager)')
+    assert use_native_kernel(use_persistent_cache()) is None
+    return torch.ops.oxygen_packed_native
+
+
+@pytest.mark.parametrize('native', [False, True])
 @torch.no_grad()
-def test_compiled_packed_decode_equals_eager_without_graph_breaks():
-    """The decode step calls the packed op inside one graph (no break) and, compiled by
-    inductor with cpp_wrapper (the node's settings), gives eager's logits."""
+def test_compiled_packed_decode_equals_eager_without_graph_breaks(native, monkeypatch):
+    """The decode step calls the packed op inside one graph (no break), its C++ kernel where
+    it is built, and, compiled by inductor with cpp_wrapper (the node's settings), gives
+    eager's logits."""
+    if native:
+        native_kernel()
+    else:   # the Python kernel, as where no compiler builds the C++ one
+        monkeypatch.setattr(packed_native, 'loaded', lambda: False)
     model, frontend = bf16_model(True, seed=3)
     kv = KVTensors.allocate(TINY, 2, TINY.prefix_len + 8, BF16)
     prefix = model.prefill(*inputs(frontend), kv=kv, slots=torch.tensor([0]))
@@ -109,15 +126,56 @@ def test_compiled_packed_decode_equals_eager_without_graph_breaks():
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(model._decode_layers)(*args)
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
+    code = explanation.graphs[0].code
+    assert ('oxygen_packed_native.linear' in code) is native
+    assert ('oxygen_packed.linear' in code) is not native
     eager = model._decode_layers(*args)
     _, config = prepare.compile_settings('cpu')
     model.compile_decode('default', None, config)
+    stale = PACKED.stale_calls
     try:
         compiled = model._decode_fn(*args)   # rewrites the same K/V entry
     finally:
         model.compile_decode(None)
+        torch._dynamo.reset()
     assert not model._decode_fn
+    assert PACKED.stale_calls == stale
     torch.testing.assert_close(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)
+
+
+@torch.no_grad()
+def test_native_kernel_equals_python_and_never_uses_a_stale_copy():
+    """The C++ kernel keeps the Python registry's contract: the same products (the same
+    oneDNN call), F.linear for a weight written since packing (counted), no match for a
+    view at the packed address, and a dead weight's entry dropped."""
+    ops = native_kernel()
+    for rows, k, n in ((1, 32, 64), (10, 48, 96), (3, 64, 16)):
+        weight = torch.randn(n, k, dtype=BF16)
+        PACKED.pack(weight)
+        x = torch.randn(2, rows, k, dtype=BF16)
+        assert torch.equal(ops.linear(x, weight), torch.ops.oxygen_packed.linear(x, weight))
+        torch.testing.assert_close(ops.linear(x, weight), F.linear(x, weight), atol=2e-2,
+                                   rtol=2e-2)
+    stale = PACKED.stale_calls
+    weight.add_(1)   # its version moves: the packed copy is stale
+    assert torch.equal(ops.linear(x, weight), F.linear(x, weight))
+    assert PACKED.stale_calls == stale + 1
+    fused = torch.randn(48, 64, dtype=BF16)
+    PACKED.pack(fused)
+    rows = fused[:16]   # starts at the packed address: another matrix
+    assert torch.equal(ops.linear(x, rows), F.linear(x, rows))
+    assert PACKED.stale_calls == stale + 2
+    entries = ops.entries()
+    del fused, rows
+    assert ops.entries() == entries - 1
+
+
+def test_a_failed_native_build_says_why_and_leaves_nothing(tmp_path):
+    """A compiler that fails: the reason names it, no half-written library stays behind."""
+    target = tmp_path / 'oxygen_packed' / 'kernel.so'
+    why = packed_native._build('false', target)
+    assert why.startswith('false failed')
+    assert not target.exists() and not list(target.parent.iterdir())
 
 
 @torch.no_grad()
@@ -132,13 +190,13 @@ def test_a_weight_changed_after_packing_runs_plain(caplog):
     assert PACKED.lookup(weight) is not None
     weight.mul_(-1)
     assert PACKED.lookup(weight) is None
-    before = PACKED.stale_calls
+    before, logged = PACKED.stale_calls, PACKED.python_stale_calls
     with caplog.at_level(logging.WARNING, logger='oxygen_ros.model.packed'):
         out = linear(x, weight, True)
     assert torch.equal(out, F.linear(x, weight))
     assert PACKED.stale_calls == before + 1
-    assert not before or not caplog.records   # the warning is logged once per process
-    if not before:
+    assert not logged or not caplog.records   # the warning is logged once per process
+    if not logged:
         assert 'ran unpacked' in caplog.text
 
 
@@ -176,8 +234,10 @@ def test_prepare_packs_bf16_backbones_it_compiles(dtype, setting, packs):
     assert model.packed is packs
     assert (plan.packed_bytes > 0) is packs
     assert ('prepacked weights' in plan.describe()) is packs
-    if packs:   # the backbone's linears and the tied LM head, bf16
-        layers = model.backbone.layers
+    if packs:   # the backbone's linears and the tied LM head, bf16, and (C++ kernel) the expert's
+        assert plan.native_kernel and plan.packed_expert
+        assert 'C++ kernel' in plan.describe()
+        layers = [*model.backbone.layers, *model.expert.layers]
         expected = sum(w.numel() * 2 for layer in layers for w in (
             layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
             layer.mlp.gate_up_weight, layer.mlp.down_proj.weight))

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 
 from oxygen_ros.model.compiled import unavailable_reason, use_persistent_cache
-from oxygen_ros.model.packed import packing_unavailable_reason
+from oxygen_ros.model.packed import packing_unavailable_reason, use_native_kernel
 from oxygen_ros.model.pages import release_unused_pages
 from oxygen_ros.model.pi05 import Pi05Model
 
@@ -63,6 +63,8 @@ class CompilePlan:
     seconds: float = 0.0                # warm-up (compile) time, set by the caller
     packed_bytes: int = 0               # weights prepacked for oneDNN (model/packed.py)
     packed_in_place: bool = False       # the packed copies replaced the plain weights
+    native_kernel: bool = False         # compiled graphs call the packed linear's C++ kernel
+    packed_expert: bool = False         # the expert's layers packed too (beside)
 
     def __post_init__(self):
         if self.prefill is None:
@@ -81,8 +83,12 @@ class CompilePlan:
                                         ('decode step and extend pass', self.decode)) if on]
         what = f'compiled: {", ".join(passes)} ({self.mode})' if passes else 'eager'
         where = ('backbone and expert layers on weights prepacked in place'
-                 if self.packed_in_place else 'backbone and LM head on prepacked weights')
-        packed = f'; {where} ({self.packed_bytes / 2**20:.0f} MB)' if self.packed_bytes else ''
+                 if self.packed_in_place else
+                 f'backbone{", expert" if self.packed_expert else ""} and LM head on '
+                 'prepacked weights')
+        kernel = ', C++ kernel' if self.native_kernel else ''
+        packed = (f'; {where} ({self.packed_bytes / 2**20:.0f} MB{kernel})'
+                  if self.packed_bytes else '')
         return f'{what}: {self.reason}{packed}'
 
 
@@ -177,7 +183,15 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
     # second copy would be gigabytes).
     if not packing_unavailable_reason(device, model.compute_dtype):
         if plan.prefill or plan.decode:
-            plan.packed_bytes = model.pack_linears()
+            # The compiled graphs call the packed linear's C++ kernel where it builds (no
+            # Python frame per call); loaded before anything traces.
+            why = use_native_kernel(use_persistent_cache())
+            plan.native_kernel = why is None
+            if why:
+                logger.warning('packed linears run their Python kernel: its C++ one did not '
+                               'build (%s)', why)
+            plan.packed_bytes = model.pack_linears(expert=plan.denoise and plan.native_kernel)
+            plan.packed_expert = plan.denoise and plan.native_kernel
         elif setting != 'off' and tower_params(model)[1] > MAX_CPU_COMPILE_PARAMS:
             plan.packed_bytes = model.pack_linears(in_place=True)
             plan.packed_in_place = True

@@ -15,13 +15,18 @@ and falls back to `F.linear` when there is none or the weight changed since it w
 (in place: its version moved), so a stale copy is never used.
 
 What packs (Pi05Model.pack_linears, chosen by engine/prepare.py):
-  * a model whose passes compile (pi05-cpu): the backbone (prefill, extend, decode) and the
-    LM head, a copy beside the plain weights (~20 MB); the expert's ten-row matmuls over
-    small weights stay plain (the op's dispatch costs what the reorder does);
+  * a model whose passes compile (pi05-cpu): the backbone (prefill, extend, decode), the
+    LM head and, where the op's C++ kernel is built, the expert, a copy beside the plain
+    weights (~25 MB); through the Python kernel the expert's ten-row matmuls stay plain
+    (its per-call cost is what the reorder saves);
   * a model too big to compile (pi05, eager): the backbone's and the expert's layers, in
     place: the packed copy replaces the plain weight (a meta tensor keeps its shape), since a
     second copy would be gigabytes. Eager `linear` finds it by the tensor itself; a gradient
     (guided real-time chunking) runs on the values unpacked again.
+
+Compiled graphs call the op's C++ kernel where `use_native_kernel` could build it
+(packed_linear.cpp, the same registry kept in C++: no Python frame or GIL per call), else
+its Python kernel here.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import weakref
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+from . import packed_native
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +83,13 @@ class PackedLinears:
     def __init__(self):
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()
-        self.stale_calls = 0     # calls whose weight had no valid packed copy (ran F.linear)
+        self.python_stale_calls = 0   # Python calls whose weight had no valid packed copy
+
+    @property
+    def stale_calls(self) -> int:
+        """Calls whose weight had no valid packed copy (they ran F.linear), both kernels."""
+        native = torch.ops.oxygen_packed_native.stale_calls() if packed_native.loaded() else 0
+        return self.python_stale_calls + native
 
     def pack(self, weight: torch.Tensor) -> int:
         """Pack `weight` [N, K] (bf16, CPU); return the bytes the packed copy holds."""
@@ -99,6 +112,8 @@ class PackedLinears:
                        _version(weight), packed)
         with self._lock:
             self._entries[key] = entry
+            if packed_native.loaded() and not weight.is_meta:
+                torch.ops.oxygen_packed_native.remember(weight, packed)
         weakref.finalize(weight, self._forget, key, entry)
         return weight.numel() * weight.element_size()
 
@@ -106,6 +121,16 @@ class PackedLinears:
         with self._lock:
             if self._entries.get(key) is entry:
                 del self._entries[key]
+                if packed_native.loaded():
+                    torch.ops.oxygen_packed_native.forget(key)
+
+    def share_with_native(self) -> None:
+        """Give the C++ kernel's registry every live copy packed so far (meta ones are eager's)."""
+        with self._lock:
+            for entry in self._entries.values():
+                weight = entry.weight()
+                if weight is not None and not weight.is_meta and entry.matches(weight):
+                    torch.ops.oxygen_packed_native.remember(weight, entry.packed)
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
         """Return the packed copy of `weight`, or None when there is no valid one."""
@@ -150,11 +175,11 @@ _library.define('linear(Tensor x, Tensor weight) -> Tensor')
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     packed = PACKED.lookup(weight)
     if packed is None:
-        if not PACKED.stale_calls:
+        if not PACKED.python_stale_calls:
             logger.warning('a packed linear ran unpacked: its weight %s changed (or was never '
                            'packed) after configure; results stay exact, only slower',
                            tuple(weight.shape))
-        PACKED.stale_calls += 1
+        PACKED.python_stale_calls += 1
         return F.linear(x, weight)
     return _packed_matmul(x, packed, weight.shape[0])
 
@@ -181,6 +206,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool) -> torch.Tensor:
     if not packed:
         return F.linear(x, weight)
     if torch.compiler.is_compiling():
+        if packed_native.loaded():
+            return torch.ops.oxygen_packed_native.linear(x, weight)
         return torch.ops.oxygen_packed.linear(x, weight)
     copy = PACKED.lookup(weight)
     if copy is None:
@@ -194,6 +221,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool) -> torch.Tensor:
         # through the expert): the plain values, unpacked again where they were released.
         return F.linear(x, copy.to_dense() if weight.is_meta else weight)
     return _packed_matmul(x, copy, weight.shape[0])
+
+
+def use_native_kernel(cache_dir) -> str | None:
+    """Build (once, cached in cache_dir) and load the op's C++ kernel; None, or why not.
+
+    From then on traced graphs call oxygen_packed_native::linear and every copy packed is
+    registered with it too. Call before tracing (prepare_model does, at configure).
+    """
+    if packed_native.loaded():
+        return None
+    why = packed_native.load(cache_dir)
+    if why:
+        return why
+    torch.library.register_fake('oxygen_packed_native::linear')(_packed_linear_fake)
+    PACKED.share_with_native()
+    return None
 
 
 def packing_unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
