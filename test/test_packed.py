@@ -176,6 +176,8 @@ def test_a_failed_native_build_says_why_and_leaves_nothing(tmp_path):
     why = packed_native._build('false', target)
     assert why.startswith('false failed')
     assert not target.exists() and not list(target.parent.iterdir())
+    (tmp_path / 'file').write_text('')   # a cache path that cannot be a folder
+    assert 'cannot write' in packed_native._build('false', tmp_path / 'file' / 'kernel.so')
 
 
 @torch.no_grad()

@@ -80,13 +80,16 @@ def load(cache_dir: Path) -> str | None:
 
 
 def _build(compiler: str, path: Path) -> str | None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     logger.info('building the packed-linear kernel (C++, once per machine and torch) ...')
     started = time.perf_counter()
     # Build beside the target and rename: a second process building at once never loads a
     # half-written file.
-    fd, tmp = tempfile.mkstemp(suffix='.so', dir=path.parent)
-    os.close(fd)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix='.so', dir=path.parent)
+        os.close(fd)
+    except OSError as err:
+        return f'cannot write the kernel under {path.parent}: {err}'
     try:
         done = subprocess.run(_command(compiler, Path(tmp)), capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
