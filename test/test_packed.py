@@ -8,6 +8,7 @@ step with the packed op == eager, no graph break, and a weight that changed afte
 
 import logging
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -168,6 +169,36 @@ def test_native_kernel_equals_python_and_never_uses_a_stale_copy():
     entries = ops.entries()
     del fused, rows
     assert ops.entries() == entries - 1
+
+
+@torch.no_grad()
+def test_native_kernel_serves_row_threads_while_weights_are_packed_and_dropped():
+    """A fleet's row threads call the kernel at once (its graphs run without the GIL) while
+    other weights come and go in the registry: every product is the packed one, none stale."""
+    ops = native_kernel()
+    weights = [torch.randn(64, 32, dtype=BF16) for _ in range(2)]
+    for weight in weights:
+        PACKED.pack(weight)
+    x = torch.randn(4, 32, dtype=BF16)
+    want = [torch.ops.oxygen_packed.linear(x, weight) for weight in weights]
+    stale = PACKED.stale_calls
+    wrong = []
+
+    def row(i):
+        for _ in range(300):
+            if not torch.equal(ops.linear(x, weights[i]), want[i]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=row, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for _ in range(100):   # others packed and dropped meanwhile
+        other = torch.randn(16, 32, dtype=BF16)
+        PACKED.pack(other)
+        del other
+    for thread in threads:
+        thread.join()
+    assert not wrong and PACKED.stale_calls == stale
 
 
 def test_a_failed_native_build_says_why_and_leaves_nothing(tmp_path):
