@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from oxygen_ros.bench.phases import PhaseProbe
 from oxygen_ros.bench.systems import make_system
 from oxygen_ros.engine import (FixedBudget, LanguagePolicy, LanguageTask, make_engine,
                                random_observation, random_setup, UnlimitedBudget)
@@ -116,6 +117,13 @@ def test_compiled_passes_equal_eager_and_never_compile_in_a_tick():
     (logits, written), (eager_logits, eager_written) = outputs
     torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(written, eager_written, atol=1e-5, rtol=1e-5)
+    # The benchmark's component model probes this sealed model: its own shapes compile while
+    # it warms up (its decode is another graph than the engine's), so its samples time
+    # compiled passes, never an eager fallback; the model is sealed again after.
+    model._extend_fn = compiled[-1]
+    probe = PhaseProbe(model, batches=(1, 2), frames=[frontend.prepare(observation(7)).tensors])
+    probe.sample()
+    assert [(fn.fallbacks, fn.sealed) for fn in compiled] == [(0, True)] * 5
 
 
 def rtc_chunks(model, frontend, mode: str, frames: int = 4):

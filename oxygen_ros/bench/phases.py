@@ -151,9 +151,19 @@ class PhaseProbe:
         self._valid = self._prefix.valid.expand(max_batch, -1)     # [max_batch, P]
         self._n_valid = self._prefix.n_valid.expand(max_batch)     # [max_batch]
         self.samples: dict[str, list[float]] = {name: [] for name in self._passes()}
-        for _ in range(warmup):
-            for fn in self._passes().values():
-                fn()
+        # A model its engine's warm-up sealed (the benchmark's) compiles the probe's own shapes
+        # here too: its decode keeps the generated entries in the prefix slot, another graph
+        # than the engine's, which a sealed model would run eager in every timed sample.
+        sealed = [fn for fn in model.compiled_functions if fn.sealed]
+        for fn in sealed:
+            fn.seal(False)
+        try:
+            for _ in range(warmup):
+                for fn in self._passes().values():
+                    fn()
+        finally:
+            for fn in sealed:
+                fn.seal()
 
     def _run_prefill(self, slot: int = 0):
         return self.model.prefill(*self._prefill_inputs, kv=self._kv,
