@@ -19,7 +19,12 @@ def test_parallel_matches_isolated(tmp_path):
     policy = LanguagePolicy(max_new_tokens=5, eos_id=None)
     isolated = make_system('isolated', model, frontend, policy)
     reference = [isolated.step(obs(f)) for f in range(3)]
+    addresses = {name: t.data_ptr() for name, t in model.state_dict().items()}
     with make_system('parallel', model, frontend, policy) as parallel:
+        # The workers got copies: the model's weights stay where they were (their packed
+        # copies are found by address; moved into shared memory, every other system of the
+        # benchmark's process ran unpacked).
+        assert {name: t.data_ptr() for name, t in model.state_dict().items()} == addresses
         assert isinstance(parallel, System) and isinstance(isolated, System)
         idle = parallel.advance_language()                   # no frame sent: an empty result
         assert idle.frame_index == -1 and not idle.deltas and parallel.num_live_requests == 0

@@ -103,7 +103,10 @@ class ParallelSystem:
         self.timeout_s = timeout_s
         self.clock = time.perf_counter
         ctx = mp.get_context('spawn')
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        # Copies: a tensor handed to a spawned process moves its storage into shared memory,
+        # in place, and the model's own weights would leave the addresses their packed copies
+        # (model/packed.py) are found by: every other system here would run unpacked.
+        weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         device = str(next(model.parameters()).device)
         self._inbox, self._outbox, self._procs = {}, {}, {}
         for role in ('action', 'language'):
