@@ -40,3 +40,28 @@ def test_parallel_matches_isolated(tmp_path):
         t = got.timings
         assert t.prefill_s > 0 and t.decode_s > 0 and 0 <= t.overhead_s < t.total_s
         assert got.kv_usage['slots_total'] == 1 + 2         # action: frame slot; language: 2
+
+
+def test_parallel_workers_run_the_parents_packed_kernels(tmp_path):
+    """A bf16 model prepared with packed linears (the benchmark's on a CPU with bf16): the
+    workers fuse and pack theirs too, so their tokens are the isolated system's."""
+    import pytest
+    import torch
+
+    from oxygen_ros.model.packed import packing_unavailable_reason
+
+    if packing_unavailable_reason('cpu', torch.bfloat16):
+        pytest.skip(packing_unavailable_reason('cpu', torch.bfloat16))
+    model, frontend = random_setup(CFG, 'libero', seed=3, tokenizer_dir=tmp_path,
+                                   dtype=torch.bfloat16)
+    model.fuse().pack_linears(expert=True)
+    policy = LanguagePolicy(max_new_tokens=5, eos_id=None)
+    isolated = make_system('isolated', model, frontend, policy)
+    reference = [isolated.step(obs(f)) for f in range(3)]
+    with make_system('parallel', model, frontend, policy) as parallel:
+        results = [parallel.step(obs(f)) for f in range(3)]
+        prepared = {'fused': True, 'packed': True, 'expert_packed': True}
+        assert parallel.worker_prepared == {'action': prepared, 'language': prepared}
+    assert [[f.token_ids for f in r.finished] for r in results] == [
+        [f.token_ids for f in r.finished] for r in reference]
+    assert any(r.finished for r in reference)

@@ -50,15 +50,23 @@ def action_only_policy(policy: LanguagePolicy) -> LanguagePolicy:
 # ---- parallel: two processes ---------------------------------------------------------------
 
 def _worker_main(role: str, config: dict, state_dict: dict, dtype: torch.dtype, device: str,
-                 frontend: Frontend, policy: LanguagePolicy, seed: int, threads: int,
-                 inbox, outbox) -> None:
-    """Process body: build a model from config + weights, then serve one frame per message."""
+                 prepared: dict, frontend: Frontend, policy: LanguagePolicy, seed: int,
+                 threads: int, inbox, outbox) -> None:
+    """Process body: build a model from config + weights, then serve one frame per message.
+
+    prepared: how the parent's model was prepared (fused, packed, the expert packed too), so
+    the worker multiplies with the same kernels and its tokens match the other systems'.
+    """
     torch.set_num_threads(threads)
     try:
         model = Pi05Model(Pi05Config.from_dict(config)).to_precision(dtype)
         model.load_state_dict(state_dict)
         model.to(device).eval()
         del state_dict
+        if prepared['fused']:
+            model.fuse()
+        if prepared['packed']:
+            model.pack_linears(expert=prepared['expert_packed'])
         if role == 'action':
             system = make_engine('action-only', model, frontend, action_only_policy(policy),
                                  UnlimitedBudget(), seed=seed)
@@ -68,7 +76,8 @@ def _worker_main(role: str, config: dict, state_dict: dict, dtype: torch.dtype, 
     except Exception as err:   # reported to the parent, which raises
         outbox.put(('error', repr(err)))
         return
-    outbox.put(('ready', None))
+    outbox.put(('ready', {'fused': model.fused, 'packed': model.packed,
+                          'expert_packed': model.expert.layers[0].mlp.packed}))
     while True:
         obs = inbox.get()
         if obs is None:
@@ -108,16 +117,20 @@ class ParallelSystem:
         # (model/packed.py) are found by: every other system here would run unpacked.
         weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         device = str(next(model.parameters()).device)
+        prepared = {'fused': model.fused, 'packed': model.packed,
+                    'expert_packed': model.expert.layers[0].mlp.packed}
         self._inbox, self._outbox, self._procs = {}, {}, {}
         for role in ('action', 'language'):
             self._inbox[role], self._outbox[role] = ctx.Queue(), ctx.Queue()
             self._procs[role] = ctx.Process(
                 target=_worker_main, name=f'oxygen-{role}', daemon=True,
                 args=(role, model.config.to_dict(), weights, model.compute_dtype, device,
-                      frontend, policy, seed, threads, self._inbox[role], self._outbox[role]))
+                      prepared, frontend, policy, seed, threads, self._inbox[role],
+                      self._outbox[role]))
             self._procs[role].start()
-        for role in self._procs:
-            self._receive(role, expect='ready')
+        # how each worker prepared its model (== `prepared`: the parent's kernels)
+        self.worker_prepared = {role: self._receive(role, expect='ready')
+                                for role in self._procs}
         self._next_frame_index = 0
         self._pending: tuple[int, float, float] | None = None   # frame, act start, act_s
         self._action_result: FrameResult | None = None
