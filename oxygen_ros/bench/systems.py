@@ -49,6 +49,12 @@ def action_only_policy(policy: LanguagePolicy) -> LanguagePolicy:
 
 # ---- parallel: two processes ---------------------------------------------------------------
 
+def preparation(model: Pi05Model) -> dict:
+    """How a model was prepared, as far as its kernels go: fused, packed, the expert packed."""
+    return {'fused': model.fused, 'packed': model.packed,
+            'expert_packed': model.expert.layers[0].mlp.packed}
+
+
 def _worker_main(role: str, config: dict, state_dict: dict, dtype: torch.dtype, device: str,
                  prepared: dict, frontend: Frontend, policy: LanguagePolicy, seed: int,
                  threads: int, inbox, outbox) -> None:
@@ -76,8 +82,7 @@ def _worker_main(role: str, config: dict, state_dict: dict, dtype: torch.dtype, 
     except Exception as err:   # reported to the parent, which raises
         outbox.put(('error', repr(err)))
         return
-    outbox.put(('ready', {'fused': model.fused, 'packed': model.packed,
-                          'expert_packed': model.expert.layers[0].mlp.packed}))
+    outbox.put(('ready', preparation(model)))
     while True:
         obs = inbox.get()
         if obs is None:
@@ -117,8 +122,7 @@ class ParallelSystem:
         # (model/packed.py) are found by: every other system here would run unpacked.
         weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         device = str(next(model.parameters()).device)
-        prepared = {'fused': model.fused, 'packed': model.packed,
-                    'expert_packed': model.expert.layers[0].mlp.packed}
+        prepared = preparation(model)
         self._inbox, self._outbox, self._procs = {}, {}, {}
         for role in ('action', 'language'):
             self._inbox[role], self._outbox[role] = ctx.Queue(), ctx.Queue()
