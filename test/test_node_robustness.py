@@ -139,12 +139,8 @@ def test_ctrl_c_with_the_fast_exit_leaves_no_dds_segment_behind():
     import sys
     import threading
 
-    from oxygen_ros.ros.dds import SHM_DIR
+    from oxygen_ros.ros.dds import owned_segments
 
-    def segments():
-        return {p.name for p in SHM_DIR.glob('fastdds_*') if 'port' not in p.name}
-
-    before = segments()
     node = subprocess.Popen(
         [sys.executable, '-c', 'from oxygen_ros.ros.node import main; main()', '--ros-args',
          '-p', 'preset:=tiny'], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -155,7 +151,7 @@ def test_ctrl_c_with_the_fast_exit_leaves_no_dds_segment_behind():
             if 'engine ready' in line:
                 break
         assert node.poll() is None, 'the node ended before its engine was ready'
-        created = segments() - before
+        created = owned_segments(node.pid)   # the node's own: no other process's files count
         if not created:
             pytest.skip('this RMW keeps no Fast DDS segment in /dev/shm')
         node.send_signal(signal.SIGINT)
@@ -165,4 +161,4 @@ def test_ctrl_c_with_the_fast_exit_leaves_no_dds_segment_behind():
         watchdog.cancel()
         if node.poll() is None:
             node.kill()
-    assert not segments() & created
+    assert not [path.name for path in created if path.exists()]

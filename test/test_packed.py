@@ -7,7 +7,6 @@ step with the packed op == eager, no graph break, and a weight that changed afte
 """
 
 import logging
-import shutil
 import threading
 
 import numpy as np
@@ -20,7 +19,7 @@ from oxygen_ros.engine import (FixedBudget, LanguagePolicy, make_engine, random_
 from oxygen_ros.engine import prepare
 from oxygen_ros.model import get_preset, KVTensors
 from oxygen_ros.model import packed_native
-from oxygen_ros.model.compiled import use_persistent_cache
+from oxygen_ros.model.compiled import cxx_compiler, use_persistent_cache
 from oxygen_ros.model.packed import linear, PACKED, packing_unavailable_reason, use_native_kernel
 
 TINY = get_preset('tiny')
@@ -102,7 +101,7 @@ def test_packed_engine_keeps_token_identity():
 
 def native_kernel():
     """Build (once per machine, cached) and load the op's C++ kernel, as prepare does."""
-    if not shutil.which('g++') and not shutil.which('c++') and not shutil.which('clang++'):
+    if cxx_compiler() is None:
         pytest.skip('no C++ compiler: prepare keeps the Python kernel (and runs eager)')
     assert use_native_kernel(use_persistent_cache()) is None
     return torch.ops.oxygen_packed_native

@@ -154,16 +154,14 @@ class PhaseProbe:
         # A model its engine's warm-up sealed (the benchmark's) compiles the probe's own shapes
         # here too: its decode keeps the generated entries in the prefix slot, another graph
         # than the engine's, which a sealed model would run eager in every timed sample.
-        sealed = [fn for fn in model.compiled_functions if fn.sealed]
-        for fn in sealed:
-            fn.seal(False)
+        sealed = any(fn.sealed for fn in model.compiled_functions)
+        model.seal_compiled(False)
         try:
             for _ in range(warmup):
                 for fn in self._passes().values():
                     fn()
         finally:
-            for fn in sealed:
-                fn.seal()
+            model.seal_compiled(sealed)
 
     def _run_prefill(self, slot: int = 0):
         return self.model.prefill(*self._prefill_inputs, kv=self._kv,

@@ -64,13 +64,18 @@ class CompilePlan:
     packed_bytes: int = 0               # weights prepacked for oneDNN (model/packed.py)
     packed_in_place: bool = False       # the packed copies replaced the plain weights
     native_kernel: bool = False         # compiled graphs call the packed linear's C++ kernel
-    packed_expert: bool = False         # the expert's layers packed too (beside)
 
     def __post_init__(self):
         if self.prefill is None:
             self.prefill = self.decode
         if self.vision is None:
             self.vision = self.prefill
+
+    @property
+    def packed_expert(self) -> bool:
+        """The expert's layers run packed: in place, or beside where the C++ kernel calls them."""
+        return bool(self.packed_bytes) and (self.packed_in_place or
+                                            (self.denoise and self.native_kernel))
 
     @property
     def any(self) -> bool:
@@ -191,7 +196,6 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
                 logger.warning('packed linears run their Python kernel: its C++ one did not '
                                'build (%s)', why)
             plan.packed_bytes = model.pack_linears(expert=plan.denoise and plan.native_kernel)
-            plan.packed_expert = plan.denoise and plan.native_kernel
         elif setting != 'off' and tower_params(model)[1] > MAX_CPU_COMPILE_PARAMS:
             plan.packed_bytes = model.pack_linears(in_place=True)
             plan.packed_in_place = True

@@ -45,11 +45,19 @@ def use_persistent_cache(path: str | os.PathLike | None = None) -> Path:
     return cache
 
 
+def cxx_compiler() -> str | None:
+    """Return the C++ compiler on PATH ($CXX first, then g++, c++, clang++), or None."""
+    for name in (os.environ.get('CXX'), 'g++', 'c++', 'clang++'):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
 def unavailable_reason(device: torch.device | str) -> str | None:
     """Why torch.compile (inductor) cannot run on `device` here, or None when it can."""
     kind = torch.device(device).type
     if kind == 'cpu':
-        if not any(shutil.which(cc) for cc in ('g++', 'c++', 'clang++')):
+        if cxx_compiler() is None:
             return 'inductor on the CPU needs a C++ compiler (g++ or clang++); none on PATH'
         return None
     if kind == 'cuda':

@@ -59,6 +59,7 @@ class _Entry:
     stride: tuple[int, ...]
     version: int | None
     packed: torch.Tensor         # oneDNN-blocked copy (an mkldnn tensor)
+    native: bool = False         # also in the C++ kernel's registry (same key)
 
     def matches(self, weight: torch.Tensor) -> bool:
         """Say whether `weight` is the tensor packed, unchanged (no view, no in-place write)."""
@@ -114,6 +115,7 @@ class PackedLinears:
             self._entries[key] = entry
             if packed_native.loaded() and not weight.is_meta:
                 torch.ops.oxygen_packed_native.remember(weight, packed)
+                entry.native = True
         weakref.finalize(weight, self._forget, key, entry)
         return weight.numel() * weight.element_size()
 
@@ -121,7 +123,7 @@ class PackedLinears:
         with self._lock:
             if self._entries.get(key) is entry:
                 del self._entries[key]
-                if packed_native.loaded():
+                if entry.native:   # a meta weight's key is its id(), never the kernel's
                     torch.ops.oxygen_packed_native.forget(key)
 
     def share_with_native(self) -> None:
@@ -131,6 +133,7 @@ class PackedLinears:
                 weight = entry.weight()
                 if weight is not None and not weight.is_meta and entry.matches(weight):
                     torch.ops.oxygen_packed_native.remember(weight, entry.packed)
+                    entry.native = True
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
         """Return the packed copy of `weight`, or None when there is no valid one."""

@@ -40,14 +40,10 @@ struct Entry {
   at::Tensor packed;  // oneDNN-blocked copy
 
   bool matches(const at::Tensor& weight) const {
-    auto original = weight_alive();
+    auto original = this->weight.lock();  // null once the weight is gone
     return original && original->data() == weight.data_ptr() &&
            weight.sizes().vec() == sizes && weight.strides().vec() == strides &&
            weight.scalar_type() == dtype && version_of(weight) == version;
-  }
-
-  c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> weight_alive() const {
-    return weight.lock();
   }
 };
 

@@ -13,7 +13,6 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -21,19 +20,14 @@ import time
 
 import torch
 
+from .compiled import cxx_compiler
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name('packed_linear.cpp')
 BUILD_TIMEOUT_S = 300
 _lock = threading.Lock()
 _loaded: Path | None = None
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get('CXX'), 'g++', 'c++', 'clang++'):
-        if name and shutil.which(name):
-            return name
-    return None
 
 
 def _command(compiler: str, output: Path) -> list[str]:
@@ -63,7 +57,7 @@ def load(cache_dir: Path) -> str | None:
     with _lock:
         if _loaded is not None:
             return None
-        compiler = _compiler()
+        compiler = cxx_compiler()
         if compiler is None:
             return 'no C++ compiler (g++, c++ or clang++) on PATH'
         path = library_path(Path(cache_dir), compiler)

@@ -51,15 +51,11 @@ def default_discovery_to_localhost(environ=os.environ) -> str:
 SHM_DIR = Path('/dev/shm')
 
 
-def release_shared_memory(pid: int | None = None, shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink the Fast DDS shared-memory segment this process owns; return the names removed.
+def owned_segments(pid: int | None = None, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """List the Fast DDS segments process `pid` (default this one) owns, `_el` files too.
 
-    Fast DDS removes a participant's segment (/dev/shm/fastdds_<id>, ~0.5 MB, more under a
-    camera profile) in C++ teardown, which a fast exit (os._exit) skips: every restart left
-    one behind. The owner holds a file lock on the segment's `_el` file (/proc/locks); only
-    those are removed, never another process's segment this one mapped to read, nor the
-    port segments every participant of the domain shares. Call once the ROS context is
-    destroyed. A no-op without /proc/locks or Fast DDS files.
+    The owner holds a file lock on a segment's `_el` file (/proc/locks). Port segments, which
+    every participant of the domain shares, are never counted. [] without /proc/locks.
     """
     pid = os.getpid() if pid is None else pid
     try:
@@ -67,19 +63,27 @@ def release_shared_memory(pid: int | None = None, shm_dir: Path = SHM_DIR) -> li
         owned = {fields[5].rsplit(':', 1)[-1] for fields in map(str.split, locks)
                  if len(fields) > 5 and fields[4] == str(pid)}
         candidates = [p for p in shm_dir.glob('fastdds_*_el') if 'port' not in p.name]
+        return [path for lock in candidates if str(lock.stat().st_ino) in owned
+                for path in (lock.with_name(lock.name[:-len('_el')]), lock)]
     except OSError:
         return []
+
+
+def release_shared_memory(pid: int | None = None, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink the Fast DDS shared-memory segment this process owns; return the names removed.
+
+    Fast DDS removes a participant's segment (/dev/shm/fastdds_<id>, ~0.5 MB, more under a
+    camera profile) in C++ teardown, which a fast exit (os._exit) skips: every restart left
+    one behind. Only the owner's (owned_segments) go, never another process's segment this
+    one mapped to read. Call once the ROS context is destroyed.
+    """
     removed = []
-    for lock in candidates:
+    for path in owned_segments(pid, shm_dir):
         try:
-            if str(lock.stat().st_ino) not in owned:
-                continue
-            segment = lock.with_name(lock.name[:-len('_el')])
-            for path in (segment, lock):
-                path.unlink(missing_ok=True)
-                removed.append(path.name)
+            path.unlink(missing_ok=True)
         except OSError:
             continue
+        removed.append(path.name)
     return removed
 
 
