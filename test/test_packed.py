@@ -6,6 +6,7 @@ step with the packed op == eager, no graph break, and a weight that changed afte
 (or a view at the same address) never meets a stale copy.
 """
 
+import contextlib
 import logging
 import threading
 
@@ -143,17 +144,35 @@ def test_compiled_packed_decode_equals_eager_without_graph_breaks(native, monkey
     torch.testing.assert_close(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)
 
 
+@contextlib.contextmanager
+def small_rows(ops, on: bool):
+    """Run the C++ kernel's few-row products on its own kernel (on) or oneDNN's (off)."""
+    before = ops.use_small_rows(on)
+    try:
+        yield
+    finally:
+        ops.use_small_rows(before)
+
+
+def cpu_has_avx512_bf16() -> bool:
+    with open('/proc/cpuinfo') as info:
+        return any('avx512_bf16' in line.split() for line in info if line.startswith('flags'))
+
+
 @torch.no_grad()
 def test_native_kernel_equals_python_and_never_uses_a_stale_copy():
     """The C++ kernel keeps the Python registry's contract: the same products (the same
-    oneDNN call), F.linear for a weight written since packing (counted), no match for a
-    view at the packed address, and a dead weight's entry dropped."""
+    oneDNN call, its few-row kernel off), F.linear for a weight written since packing
+    (counted), no match for a view at the packed address, and a dead weight's entry
+    dropped."""
     ops = native_kernel()
-    for rows, k, n in ((1, 32, 64), (10, 48, 96), (3, 64, 16)):
+    for rows, k, n in ((1, 32, 64), (10, 48, 96), (3, 64, 16), (40, 64, 32)):
         weight = torch.randn(n, k, dtype=BF16)
         PACKED.pack(weight)
         x = torch.randn(2, rows, k, dtype=BF16)
-        assert torch.equal(ops.linear(x, weight), torch.ops.oxygen_packed.linear(x, weight))
+        with small_rows(ops, False):
+            assert torch.equal(ops.linear(x, weight),
+                               torch.ops.oxygen_packed.linear(x, weight))
         torch.testing.assert_close(ops.linear(x, weight), F.linear(x, weight), atol=2e-2,
                                    rtol=2e-2)
     stale = PACKED.stale_calls
@@ -170,6 +189,59 @@ def test_native_kernel_equals_python_and_never_uses_a_stale_copy():
     assert ops.entries() == entries - 1
 
 
+def test_a_weight_dying_while_the_registry_is_busy_is_forgotten_without_a_deadlock():
+    """A dead weight's finalizer can run inside a call `PACKED` makes under its lock (the
+    garbage collector runs on any allocation; it once hung prepare inside the C++ kernel's
+    `remember`): it must not wait for that lock, and it forgets only its own entry."""
+    keep = torch.randn(32, 16, dtype=BF16)
+    PACKED.pack(keep)
+    done = []
+
+    def inside_a_registry_call():
+        with PACKED._lock:
+            doomed = torch.randn(48, 16, dtype=BF16)
+            PACKED.pack(doomed)
+            del doomed             # its finalizer runs here, on this thread, under the lock
+            done.append(True)
+
+    thread = threading.Thread(target=inside_a_registry_call, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert done, 'the finalizer waited for the lock its own thread held'
+    assert PACKED.lookup(keep) is not None
+
+
+def test_the_few_row_kernel_is_offered_where_the_cpu_has_avx512_bf16():
+    assert native_kernel().small_rows_available() == cpu_has_avx512_bf16()
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason='no AVX512-BF16: oneDNN serves every row '
+                    'count (test_the_few_row_kernel_is_offered_... checks the rule)')
+@torch.no_grad()
+def test_few_row_kernel_rounds_like_onednn_and_keeps_rows_batch_invariant():
+    """The few-row kernel: it runs (counted), each result within one bfloat16 step of the
+    float32 product (as oneDNN's; on the AMX Xeon measured they were equal), an output width
+    that is no multiple of 16 and a K of one pair handled, and each row of a batch equal bit
+    for bit to that row alone (the order of its sums does not depend on the batch)."""
+    ops = native_kernel()
+    for n, k in ((320, 128), (100, 66), (7, 2), (1000, 64)):   # 8 rows: all in its range
+        weight = torch.randn(n, k, dtype=BF16)
+        PACKED.pack(weight)
+        x = torch.randn(8, k, dtype=BF16)
+        want = x.float() @ weight.float().t()
+        step = want.abs() * 2.0 ** -7 + 1e-6          # one bf16 step (8 significant bits)
+        calls = ops.small_row_calls()
+        got = ops.linear(x, weight)
+        assert ops.small_row_calls() == calls + 1, 'the few-row kernel did not run'
+        with small_rows(ops, False):
+            onednn = ops.linear(x, weight)
+        assert ops.small_row_calls() == calls + 1
+        for result in (got, onednn):
+            assert ((result.float() - want).abs() <= step).all(), (n, k)
+        rows_alone = torch.cat([ops.linear(x[i:i + 1], weight) for i in range(8)])
+        assert torch.equal(got, rows_alone), (n, k)
+
+
 @torch.no_grad()
 def test_native_kernel_serves_row_threads_while_weights_are_packed_and_dropped():
     """A fleet's row threads call the kernel at once (its graphs run without the GIL) while
@@ -179,7 +251,7 @@ def test_native_kernel_serves_row_threads_while_weights_are_packed_and_dropped()
     for weight in weights:
         PACKED.pack(weight)
     x = torch.randn(4, 32, dtype=BF16)
-    want = [torch.ops.oxygen_packed.linear(x, weight) for weight in weights]
+    want = [ops.linear(x, weight) for weight in weights]   # before any other thread runs
     stale = PACKED.stale_calls
     wrong = []
 
@@ -270,10 +342,13 @@ def test_prepare_packs_bf16_backbones_it_compiles(dtype, setting, packs):
         assert plan.native_kernel and plan.packed_expert
         assert 'C++ kernel' in plan.describe()
         layers = [*model.backbone.layers, *model.expert.layers]
-        expected = sum(w.numel() * 2 for layer in layers for w in (
+        weights = [model.backbone.embed_tokens.weight] + [w for layer in layers for w in (
             layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
-            layer.mlp.gate_up_weight, layer.mlp.down_proj.weight))
-        assert plan.packed_bytes == expected + model.backbone.embed_tokens.weight.numel() * 2
+            layer.mlp.gate_up_weight, layer.mlp.down_proj.weight)]
+        expected = sum(w.numel() * 2 for w in weights)
+        if torch.ops.oxygen_packed_native.small_rows_available():   # + its few-row copies
+            expected += sum(-(-w.shape[0] // 16) * 16 * w.shape[1] * 2 for w in weights)
+        assert plan.packed_bytes == expected
     model.compile_prefill(None).compile_actions(None).compile_decode(None).compile_extend(None)
 
 

@@ -7,17 +7,29 @@
 // it was packed from is alive, at the same address, with the same shape, strides and dtype,
 // and unwritten since (its version counter); anything else runs at::linear on the plain
 // weight, counted. packed_native.py builds this file at configure; nothing else includes it.
+//
+// Few rows (a denoise step's 10, a decode step's batch) run a kernel of this file instead of
+// oneDNN where the CPU has AVX512-BF16: oneDNN spends ~16 us setting up each call, more than
+// the product of an action expert's layer (10x128 @ 128x320: 0.4 MFLOP). The kernel reads
+// the weight once in pairs along K (the layout `vdpbf16ps` takes) and accumulates in fp32;
+// each output row is computed alone, in the same order whatever the row count, so within
+// its range a batch gives its rows' one-by-one results bit for bit.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -38,6 +50,7 @@ struct Entry {
   c10::ScalarType dtype;
   std::optional<int64_t> version;
   at::Tensor packed;  // oneDNN-blocked copy
+  at::Tensor pairs;   // the small-row kernel's copy (pair_layout), or undefined
 
   bool matches(const at::Tensor& weight) const {
     auto original = this->weight.lock();  // null once the weight is gone
@@ -47,6 +60,114 @@ struct Entry {
   }
 };
 
+// ---------------------------------------------------------------- the small-row kernel
+// Rows run the kernel below while rows * N * K <= kSmallMacs (one row always: a GEMV reads
+// the weight at least as fast as oneDNN's). Measured on an AMX Xeon, 1 thread, alone: it
+// beats oneDNN's ~16 us up to about a million multiply-adds (10x320x128: 9 vs 16 us;
+// 1x2048x256: 13 vs 27 us) and loses past it (AMX multiplies many rows far faster); inside
+// pi05-cpu's graphs, weights cold, it stopped paying at about half a million.
+constexpr int64_t kSmallRows = 16;
+constexpr int64_t kSmallMacs = int64_t(1) << 19;
+constexpr int64_t kBlock = 16;      // output columns per vector (16 fp32 lanes)
+std::atomic<bool> small_rows_on{true};   // use_small_rows(): tests compare both kernels
+std::atomic<int64_t> small_row_count{0};  // products the kernel made (small_row_calls)
+
+bool runs_small(int64_t rows, int64_t N, int64_t K) {
+  return small_rows_on.load(std::memory_order_relaxed) && rows >= 1 && rows <= kSmallRows &&
+         (rows == 1 || rows * N * K <= kSmallMacs);
+}
+
+bool has_avx512_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// A bf16 weight [N, K] (K even) -> [ceil(N/16), K/2, 16, 2]: block b, pair p holds
+// w[16b + j][2p], w[16b + j][2p + 1] for j < 16 (zeros past N), one 64-byte vector per pair.
+at::Tensor pair_layout(const at::Tensor& weight) {
+  const int64_t N = weight.size(0), K = weight.size(1), blocks = (N + kBlock - 1) / kBlock;
+  auto padded = at::zeros({blocks * kBlock, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({blocks, kBlock, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// out[M, 16 NB columns from block b0] = x[M, K] @ pairs^T: M rows, NB blocks at once (enough
+// independent accumulators to hide vdpbf16ps' latency when M is small).
+template <int M, int NB>
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void small_rows_blocks(
+    const uint16_t* x, int64_t K, const uint16_t* pairs, int64_t b0, int64_t N,
+    uint16_t* out) {
+  const int64_t P = K / 2;
+  const int32_t* x_pairs = reinterpret_cast<const int32_t*>(x);  // x[m][2p..2p+1] as one
+  __m512 acc[M][NB];  // all in registers: the loops over m and j unroll
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      acc[m][j] = _mm512_setzero_ps();
+    }
+  }
+  const uint16_t* w = pairs + b0 * P * 2 * kBlock;
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = (__m512bh)_mm512_loadu_si512(w + (j * P + p) * 2 * kBlock);
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      // broadcast straight from memory (an embedded {1to16}), not through a register
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x_pairs[m * P + p]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t col = (b0 + j) * kBlock;
+    const int64_t width = std::min<int64_t>(kBlock, N - col);
+    const __mmask16 keep = width >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
+    for (int m = 0; m < M; ++m) {
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(acc[m][j]);
+      _mm256_mask_storeu_epi16(out + m * N + col, keep, rounded);
+    }
+  }
+}
+
+// All blocks of M rows: NB at a time, then one at a time.
+template <int M>
+void small_rows(const uint16_t* x, int64_t K, const uint16_t* pairs, int64_t N,
+                uint16_t* out) {
+  constexpr int NB = M >= 8 ? 1 : (M >= 4 ? 2 : (M >= 2 ? 4 : 8));
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  int64_t b = 0;
+  for (; b + NB <= blocks; b += NB) {
+    small_rows_blocks<M, NB>(x, K, pairs, b, N, out);
+  }
+  for (; b < blocks; ++b) {
+    small_rows_blocks<M, 1>(x, K, pairs, b, N, out);
+  }
+}
+
+template <int... Ms>
+void dispatch_rows(int64_t rows, const uint16_t* x, int64_t K, const uint16_t* pairs, int64_t N,
+                   uint16_t* out, std::integer_sequence<int, Ms...>) {
+  ((rows == Ms + 1 ? (small_rows<Ms + 1>(x, K, pairs, N, out), true) : false) || ...);
+}
+
+// rows [M, K] bf16 contiguous, M in 1..kSmallRows -> [M, N] bf16
+at::Tensor small_rows_matmul(const at::Tensor& rows, const at::Tensor& pairs, int64_t N) {
+  auto out = at::empty({rows.size(0), N}, rows.options());
+  dispatch_rows(rows.size(0), reinterpret_cast<const uint16_t*>(rows.data_ptr()),
+                rows.size(1), reinterpret_cast<const uint16_t*>(pairs.data_ptr()), N,
+                reinterpret_cast<uint16_t*>(out.data_ptr()),
+                std::make_integer_sequence<int, kSmallRows>{});
+  return out;
+}
+
+// ---------------------------------------------------------------- the registry
 std::mutex registry_lock;
 std::unordered_map<int64_t, Entry> registry;  // key: the plain weight's data pointer
 std::atomic<int64_t> stale_count{0};
@@ -55,13 +176,14 @@ int64_t key_of(const at::Tensor& weight) {
   return static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(weight.data_ptr()));
 }
 
-at::Tensor lookup(const at::Tensor& weight) {
+// (oneDNN copy, small-row copy) of a weight; both undefined when it has no valid entry
+std::pair<at::Tensor, at::Tensor> lookup(const at::Tensor& weight) {
   std::lock_guard<std::mutex> guard(registry_lock);
   auto found = registry.find(key_of(weight));
   if (found == registry.end() || !found->second.matches(weight)) {
-    return at::Tensor();
+    return {};
   }
-  return found->second.packed;
+  return {found->second.packed, found->second.pairs};
 }
 
 // rows [M, K] @ packed^T through oneDNN (the op ATen registers as mkldnn::_linear_pointwise)
@@ -76,7 +198,7 @@ at::Tensor packed_matmul(const at::Tensor& rows, const at::Tensor& packed) {
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
-  at::Tensor packed = lookup(weight);
+  auto [packed, pairs] = lookup(weight);
   if (!packed.defined()) {
     if (stale_count.fetch_add(1) == 0) {
       TORCH_WARN("a packed linear ran unpacked: its weight ", weight.sizes(),
@@ -87,15 +209,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   }
   auto shape = x.sizes().vec();
   shape.back() = weight.size(0);
-  return packed_matmul(x.reshape({-1, x.size(-1)}), packed).view(shape);
+  auto rows = x.reshape({-1, x.size(-1)});
+  if (pairs.defined() && rows.scalar_type() == at::kBFloat16 &&
+      runs_small(rows.size(0), weight.size(0), weight.size(1))) {
+    small_row_count.fetch_add(1, std::memory_order_relaxed);
+    return small_rows_matmul(rows.contiguous(), pairs, weight.size(0)).view(shape);
+  }
+  return packed_matmul(rows, packed).view(shape);
 }
 
 int64_t remember(const at::Tensor& weight, const at::Tensor& packed) {
+  const bool small_rows = has_avx512_bf16() && weight.dim() == 2 &&
+                          weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0;
   Entry entry{WeakImpl(weight.getIntrusivePtr()), weight.sizes().vec(), weight.strides().vec(),
-              weight.scalar_type(), version_of(weight), packed};
+              weight.scalar_type(), version_of(weight), packed,
+              small_rows ? pair_layout(weight) : at::Tensor()};
+  const int64_t extra = entry.pairs.defined() ? entry.pairs.nbytes() : 0;
   std::lock_guard<std::mutex> guard(registry_lock);
   registry.insert_or_assign(key_of(weight), std::move(entry));
-  return key_of(weight);
+  return extra;  // bytes of the few-row kernel's copy
 }
 
 void forget(int64_t key) {
@@ -104,6 +236,13 @@ void forget(int64_t key) {
 }
 
 int64_t stale_calls() { return stale_count.load(); }
+
+// Switch the small-row kernel on or off (every row count then goes to oneDNN); the old value.
+bool use_small_rows(bool on) { return small_rows_on.exchange(on); }
+
+bool small_rows_available() { return has_avx512_bf16(); }
+
+int64_t small_row_calls() { return small_row_count.load(); }
 
 int64_t entries() {
   std::lock_guard<std::mutex> guard(registry_lock);
@@ -120,6 +259,9 @@ TORCH_LIBRARY(oxygen_packed_native, m) {
   m.def("forget(int key) -> ()", forget);
   m.def("stale_calls() -> int", stale_calls);
   m.def("entries() -> int", entries);
+  m.def("use_small_rows(bool on) -> bool", use_small_rows);
+  m.def("small_rows_available() -> bool", small_rows_available);
+  m.def("small_row_calls() -> int", small_row_calls);
 }
 
 TORCH_LIBRARY_IMPL(oxygen_packed_native, CPU, m) { m.impl("linear", linear); }

@@ -11,7 +11,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import SiglipConfig
-from .gemma import fuse_linears
+from .gemma import fuse_linears, gelu_tanh
 
 LN_EPS = 1e-6
 
@@ -66,7 +66,7 @@ class SiglipMLP(nn.Module):
         self.fc2 = nn.Linear(cfg.mlp_dim, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate='tanh'))
+        return self.fc2(gelu_tanh(self.fc1(x)))
 
 
 class SiglipEncoderLayer(nn.Module):
