@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'auto' (default): bfloat16 where a timing probe finds it fast")
     phases.add_argument('--compile', default='auto', choices=['auto', 'max', 'on', 'off'],
                         help='torch.compile prefill, denoise and decode (default auto, as the '
-                        "node; 'max': also the vision tower and the whole denoise loop, minutes "
+                        "node; 'max': also the whole denoise loop as one graph, minutes "
                         'to compile)')
     phases.add_argument('--no-eager', action='store_true',
                         help='do not also time the compiled passes eager, side by side')

@@ -42,26 +42,36 @@ def test_parallel_matches_isolated(tmp_path):
         assert got.kv_usage['slots_total'] == 1 + 2         # action: frame slot; language: 2
 
 
-def test_parallel_workers_run_the_parents_packed_kernels(tmp_path):
-    """A bf16 model prepared with packed linears (the benchmark's on a CPU with bf16): the
-    workers fuse and pack theirs too, so their tokens are the isolated system's."""
+def test_parallel_workers_prepare_and_compile_as_the_parent(tmp_path):
+    """A bf16 model compiled and packed by prepare_model (the benchmark's on a CPU with bf16):
+    the workers prepare theirs with the same setting, the same passes compiled (warmed up on
+    the parent's frames, from the compile cache it filled), so their tokens are the isolated
+    system's. Eager workers beside a compiled parent rounded differently and once emitted
+    other tokens in `oxygen-ros bench`."""
     import pytest
     import torch
 
+    from oxygen_ros.bench.systems import preparation
+    from oxygen_ros.engine.prepare import prepare_model
+    from oxygen_ros.model.compiled import unavailable_reason
     from oxygen_ros.model.packed import packing_unavailable_reason
 
-    if packing_unavailable_reason('cpu', torch.bfloat16):
-        pytest.skip(packing_unavailable_reason('cpu', torch.bfloat16))
+    why = packing_unavailable_reason('cpu', torch.bfloat16) or unavailable_reason('cpu')
+    if why:
+        pytest.skip(why)
     model, frontend = random_setup(CFG, 'libero', seed=3, tokenizer_dir=tmp_path,
                                    dtype=torch.bfloat16)
-    model.fuse().pack_linears(expert=True)
+    plan = prepare_model(model, 'cpu', 'on')
+    assert plan.any and model.packed
     policy = LanguagePolicy(max_new_tokens=5, eos_id=None)
     isolated = make_system('isolated', model, frontend, policy)
     reference = [isolated.step(obs(f)) for f in range(3)]
-    with make_system('parallel', model, frontend, policy) as parallel:
+    options = {'compile_setting': 'on', 'warm_frames': [frontend.prepare(obs(0)).tensors]}
+    with make_system('parallel', model, frontend, policy, parallel=options) as parallel:
         results = [parallel.step(obs(f)) for f in range(3)]
-        prepared = {'fused': True, 'packed': True, 'expert_packed': True}
+        prepared = {**preparation(model), 'passes': plan.describe()}
         assert parallel.worker_prepared == {'action': prepared, 'language': prepared}
     assert [[f.token_ids for f in r.finished] for r in results] == [
         [f.token_ids for f in r.finished] for r in reference]
     assert any(r.finished for r in reference)
+    model.compile_prefill(None).compile_actions(None).compile_decode(None).compile_extend(None)

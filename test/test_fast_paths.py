@@ -290,7 +290,7 @@ def _meta_model(preset: str) -> Pi05Model:
 
 def test_compile_auto_compiles_where_it_pays(monkeypatch):
     plan = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'auto')
-    assert (plan.vision, plan.prefill, plan.denoise, plan.decode) == (False, True, True, True)
+    assert (plan.vision, plan.prefill, plan.denoise, plan.decode) == (True, True, True, True)
     assert not plan.whole_loop
     most = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'max')
     assert (most.vision, most.prefill, most.denoise, most.decode) == (True, True, True, True)

@@ -44,7 +44,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                        "it fast, as the node)")
     bench.add_argument('--compile', default='auto', choices=['auto', 'max', 'on', 'off'],
                        help='torch.compile prefill, denoise and decode (default auto, as the '
-                       "node; 'max': also the vision tower and the whole denoise loop, minutes "
+                       "node; 'max': also the whole denoise loop as one graph, minutes "
                        'to compile)')
     bench.add_argument('--build-preset', default=None,
                        help='part build: model whose build / checkpoint load peak RSS is '

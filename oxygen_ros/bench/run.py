@@ -162,6 +162,7 @@ class ModelCache:
         self._models: dict[int, Pi05Model] = {}
         self._frontends: dict[str, Frontend] = {}
         self.prepared: dict[int, CompilePlan] = {}
+        self.warm_frames: dict[int, list[dict]] = {}   # the frames each model warmed up on
 
     def model(self, steps: int) -> Pi05Model:
         if steps not in self._models:
@@ -170,15 +171,15 @@ class ModelCache:
                                            device=self.opts.device, dtype=self.dtype)
             plan = prepare_model(model, self.opts.device, self.opts.compile)
             started = time.perf_counter()
+            frames = [self.frontend_for(model, frontend, robot).prepare(random_observation(
+                robot, 0, seed=self.opts.seed, image_size=cfg.vision.image_size)).tensors
+                for robot in sorted({get_workload(w).robot for w in self.opts.plan.workloads})]
             if plan.any:   # compile every shape the systems will use, before any timing
-                frames = [self.frontend_for(model, frontend, robot).prepare(random_observation(
-                    robot, 0, seed=self.opts.seed, image_size=cfg.vision.image_size)).tensors
-                    for robot in sorted({get_workload(w).robot
-                                         for w in self.opts.plan.workloads})]
                 runner = ModelRunner(model, 2, 16, **runner_options(plan, self.opts.device))
                 runner.warm_up_compiled(action_rows=(1, 2), frames=frames)
             seal(model, plan, started)
             self.prepared[steps] = plan
+            self.warm_frames[steps] = frames
             self._models[steps] = model
             self._frontends.setdefault('libero', frontend)
         return self._models[steps]
@@ -256,8 +257,9 @@ def run_group(group: Group, models: ModelCache, period_s: float, opts: BenchOpti
     probe = PhaseProbe(model, group_batches(group), seed=opts.seed,
                        frames=[frontend.prepare(sample).tensors])
     options = runner_options(models.prepared[group.steps], opts.device)   # GPU: buckets
+    parallel = {'compile_setting': opts.compile, 'warm_frames': models.warm_frames[group.steps]}
     systems = {spec: make_bench_system(spec, model, frontend, policy, period_s, opts.seed,
-                                       options)
+                                       options, parallel)
                for spec in group.systems}
     logs = {spec: SystemLog() for spec in group.systems}
     first_frame = {spec: group.max_warmup - group.warmup(spec) for spec in group.systems}

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import queue
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.multiprocessing as mp
@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from oxygen_ros.engine.budget import AdaptiveBudget, Budget, FixedBudget, UnlimitedBudget
 from oxygen_ros.engine.engine import Engine, make_engine
 from oxygen_ros.engine.frontend import Frontend
+from oxygen_ros.engine.prepare import prepare_model, seal
 from oxygen_ros.engine.types import ActionOutput, FrameResult, Observation, Timings
 from oxygen_ros.engine.workload import LanguagePolicy
 from oxygen_ros.model.config import Pi05Config
@@ -56,12 +57,14 @@ def preparation(model: Pi05Model) -> dict:
 
 
 def _worker_main(role: str, config: dict, state_dict: dict, dtype: torch.dtype, device: str,
-                 prepared: dict, frontend: Frontend, policy: LanguagePolicy, seed: int,
-                 threads: int, inbox, outbox) -> None:
+                 compile_setting: str, warm_frames: Sequence[dict], frontend: Frontend,
+                 policy: LanguagePolicy, seed: int, threads: int, inbox, outbox) -> None:
     """Process body: build a model from config + weights, then serve one frame per message.
 
-    prepared: how the parent's model was prepared (fused, packed, the expert packed too), so
-    the worker multiplies with the same kernels and its tokens match the other systems'.
+    The model is prepared as the parent's was (`prepare_model` with the parent's compile
+    setting: fused, packed, the same passes compiled, from the compile cache the parent
+    filled, warmed up on `warm_frames` and sealed), so the worker multiplies and rounds as
+    the other systems do and its tokens match theirs.
     """
     torch.set_num_threads(threads)
     try:
@@ -69,20 +72,20 @@ def _worker_main(role: str, config: dict, state_dict: dict, dtype: torch.dtype, 
         model.load_state_dict(state_dict)
         model.to(device).eval()
         del state_dict
-        if prepared['fused']:
-            model.fuse()
-        if prepared['packed']:
-            model.pack_linears(expert=prepared['expert_packed'])
+        plan = prepare_model(model, device, compile_setting)
         if role == 'action':
             system = make_engine('action-only', model, frontend, action_only_policy(policy),
                                  UnlimitedBudget(), seed=seed)
         else:
             system = make_engine('isolated', model, frontend, policy, UnlimitedBudget(),
                                  share_prefix=False, seed=seed)
+        if plan.any and warm_frames:   # else the first frames compile (from the cache)
+            system.runner.warm_up_compiled(frames=warm_frames)
+            seal(model, plan)
     except Exception as err:   # reported to the parent, which raises
         outbox.put(('error', repr(err)))
         return
-    outbox.put(('ready', preparation(model)))
+    outbox.put(('ready', {**preparation(model), 'passes': plan.describe()}))
     while True:
         obs = inbox.get()
         if obs is None:
@@ -110,7 +113,8 @@ class ParallelSystem:
     system = 'parallel'
 
     def __init__(self, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy, *,
-                 seed: int = 0, threads: int = 1, timeout_s: float = 600.0):
+                 seed: int = 0, threads: int = 1, timeout_s: float = 600.0,
+                 compile_setting: str = 'off', warm_frames: Sequence[dict] = ()):
         self.frontend = frontend
         self.policy = policy
         self.budget: Budget = UnlimitedBudget()   # every request completes in its frame
@@ -122,17 +126,16 @@ class ParallelSystem:
         # (model/packed.py) are found by: every other system here would run unpacked.
         weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         device = str(next(model.parameters()).device)
-        prepared = preparation(model)
         self._inbox, self._outbox, self._procs = {}, {}, {}
         for role in ('action', 'language'):
             self._inbox[role], self._outbox[role] = ctx.Queue(), ctx.Queue()
             self._procs[role] = ctx.Process(
                 target=_worker_main, name=f'oxygen-{role}', daemon=True,
                 args=(role, model.config.to_dict(), weights, model.compute_dtype, device,
-                      prepared, frontend, policy, seed, threads, self._inbox[role],
-                      self._outbox[role]))
+                      compile_setting, list(warm_frames), frontend, policy, seed, threads,
+                      self._inbox[role], self._outbox[role]))
             self._procs[role].start()
-        # how each worker prepared its model (== `prepared`: the parent's kernels)
+        # how each worker prepared its model (preparation() and the plan's description)
         self.worker_prepared = {role: self._receive(role, expect='ready')
                                 for role in self._procs}
         self._next_frame_index = 0
@@ -248,7 +251,7 @@ class ParallelSystem:
 def make_system(name: str, model: Pi05Model, frontend: Frontend, policy: LanguagePolicy, *,
                 k: int = 5, frame_period_s: float | None = None, num_slots: int | None = None,
                 seed: int = 0, debug: bool = False, runner_options: dict | None = None,
-                clock: Callable[[], float] = time.perf_counter,
+                clock: Callable[[], float] = time.perf_counter, parallel: dict | None = None,
                 **adaptive_kw) -> Engine | ParallelSystem:
     """Build system `name` (one of SYSTEMS) over one model and frontend.
 
@@ -256,9 +259,11 @@ def make_system(name: str, model: Pi05Model, frontend: Frontend, policy: Languag
     given in adaptive_kw); frame_period_s: the deadline of 'oxygen-adaptive' (required).
     runner_options: ModelRunner options (bucket_sizes, kv_dtype, max_holes_per_row).
     clock: the engine's clock (not the parallel baseline's).
+    parallel: ParallelSystem options: compile_setting (the one `model` was prepared with)
+    and warm_frames (prepared frames its workers warm their compiled passes on).
     """
     if name == 'parallel':
-        return ParallelSystem(model, frontend, policy, seed=seed)
+        return ParallelSystem(model, frontend, policy, seed=seed, **(parallel or {}))
     if name == 'oxygen':
         budget = FixedBudget(k)
     elif name == 'oxygen-adaptive':
@@ -277,8 +282,12 @@ def make_system(name: str, model: Pi05Model, frontend: Frontend, policy: Languag
 
 def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
                       policy: LanguagePolicy, period_s: float, seed: int,
-                      runner_options: dict | None = None) -> System:
-    """Build one system of a group ('action-only' is an Engine with no requests)."""
+                      runner_options: dict | None = None,
+                      parallel: dict | None = None) -> System:
+    """Build one system of a group ('action-only' is an Engine with no requests).
+
+    parallel: how `model` was prepared, for the parallel baseline's workers (make_system).
+    """
     if spec.name == 'action-only':
         return make_engine('action-only', model, frontend, action_only_policy(policy),
                            UnlimitedBudget(), seed=seed)
@@ -288,4 +297,4 @@ def make_bench_system(spec: SystemSpec, model: Pi05Model, frontend: Frontend,
     if spec.name == 'oxygen-adaptive':
         kwargs.update(frame_period_s=period_s, k=spec.k or policy.max_request_len)
     return make_system(spec.name, model, frontend, policy, runner_options=runner_options,
-                       **kwargs)
+                       parallel=parallel, **kwargs)

@@ -18,10 +18,10 @@ compile 'auto' compiles a pass where it pays:
     Below, a test-sized model, compiling (tens of seconds) costs more than it saves; above,
     the pass reads so many weights per op that per-op overhead is a few % (pi05's decode step
     reads 4 GB) while freezing the weights into the graph would copy them.
-  * auto leaves the CPU's vision tower eager and compiles one denoise step, looped: a first
-    configure of about a minute and a restart of seconds (pi05-cpu, docs/bench/phases.md).
-compile 'max' also compiles the vision tower and the whole denoise loop as one graph: ~13%
-off pi05-cpu's action path (58 vs 67 ms) for ~3 minutes at the first configure (~20 s cached).
+  * auto compiles one denoise step, looped, and the vision tower: a first configure of about
+    a minute and a half and a restart of seconds (pi05-cpu, docs/bench/phases.md).
+compile 'max' also compiles the whole denoise loop as one graph: pi05-cpu's denoise ~19 ->
+~15 ms for ~2 more minutes at the first configure (~18 s more cached).
 On the CPU every compiled graph runs as one C++ call that releases the GIL (cpp_wrapper,
 see compile_settings).
 """
@@ -138,15 +138,15 @@ def compile_plan(model: Pi05Model, device: str, setting: str = 'auto',
               f'{MIN_COMPILE_PARAMS / 1e6:.0f}M..{MAX_CPU_COMPILE_PARAMS / 1e6:.0f}M parameters '
               f'(prefill {prefill / 1e6:.1f}M, denoise {expert / 1e6:.1f}M, decode '
               f'{backbone / 1e6:.1f}M)')
-    # auto leaves the vision tower eager: a quarter of the first configure's compile for
-    # ~2-3 ms of a 67 ms action path (pi05-cpu, docs/bench/phases.md); max compiles it, and
-    # so does auto for row threads (above).
+    # The vision tower compiles with the prefill: ~22 s of a first configure (2.3 s cached)
+    # for 13.4 -> 9.1 ms a frame (pi05-cpu, AMX Xeon; its GELU and layer norms fuse). The
+    # whole denoise loop only with max, and for row threads (above).
     most = setting == 'max' or row_threads > 1
     if setting == 'auto' and row_threads > 1:
-        reason += (f'; {row_threads} row threads: the vision tower and the whole denoise loop '
-                   'too (eager ops hold the GIL the row threads share)')
+        reason += (f'; {row_threads} row threads: the whole denoise loop too (eager Python '
+                   'between steps holds the GIL the row threads share)')
     return CompilePlan(pays(expert), pays(backbone), reason, prefill=pays(prefill),
-                       vision=pays(prefill) and most, whole_loop=most)
+                       vision=pays(prefill), whole_loop=most)
 
 
 def compile_settings(device: str) -> tuple[str, dict]:

@@ -317,8 +317,8 @@ PARAMS: tuple[ParamSpec, ...] = (
               check=_check_choice(('auto',) + DTYPES)),
     ParamSpec('compile', 'auto', "torch.compile prefill, denoise and decode at configure "
               "(CUDA graphs on a GPU): 'auto' = where it pays (not test-sized models); 'max' = "
-              "also the vision tower and the whole denoise loop (~13% faster frames on "
-              "pi05-cpu, minutes at the first configure); 'on'; 'off'.",
+              "also the whole denoise loop as one graph (pi05-cpu denoise ~19 -> ~15 ms, "
+              "minutes at the first configure); 'on'; 'off'.",
               check=_check_choice(COMPILE_CHOICES)),
     ParamSpec('torch_threads', 0, "Torch intra-op threads of the control thread's inference; "
               '0 = every core but one (the executor, DDS and camera drivers keep one).',
