@@ -64,10 +64,11 @@ struct Entry {
 // Rows run the kernel below while rows * N * K <= kSmallMacs (one row always: a GEMV reads
 // the weight at least as fast as oneDNN's). Measured on an AMX Xeon, 1 thread, alone: it
 // beats oneDNN's ~16 us up to about a million multiply-adds (10x320x128: 9 vs 16 us;
-// 1x2048x256: 13 vs 27 us) and loses past it (AMX multiplies many rows far faster); inside
-// pi05-cpu's graphs, weights cold, it stopped paying at about half a million.
+// 1x2048x256: 13 vs 27 us) and loses past it (AMX multiplies many rows far faster). In
+// pi05-cpu's compiled passes 2^20 beat 2^19 (denoise 0.93x of oneDNN's vs 0.95x; decode 8
+// 1.00x either way).
 constexpr int64_t kSmallRows = 16;
-constexpr int64_t kSmallMacs = int64_t(1) << 19;
+constexpr int64_t kSmallMacs = int64_t(1) << 20;
 constexpr int64_t kBlock = 16;      // output columns per vector (16 fp32 lanes)
 std::atomic<bool> small_rows_on{true};   // use_small_rows(): tests compare both kernels
 std::atomic<int64_t> small_row_count{0};  // products the kernel made (small_row_calls)
