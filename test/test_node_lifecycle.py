@@ -254,10 +254,13 @@ def test_use_sim_time_follows_clock(harness):
     pub = clock_node.create_publisher(ClockMsg, '/clock', 10)
     sim = {'t': 1000.0}
 
+    # /clock at 20 Hz, sim time at the wall's pace. At 100 Hz, with the node, the feeder and
+    # this clock in one test process on 2 cores, sim time sometimes crawled (2 sim-s in 26 s:
+    # the shared executor fell behind) and CI failed on waits sized for real time.
     def tick():
-        sim['t'] += 0.01
+        sim['t'] += 0.05
         pub.publish(ClockMsg(clock=seconds_to_stamp(sim['t'])))
-    clock_node.create_timer(0.01, tick, clock=Clock(clock_type=ClockType.STEADY_TIME))
+    clock_node.create_timer(0.05, tick, clock=Clock(clock_type=ClockType.STEADY_TIME))
     h.spinner.add(clock_node)
     try:
         h.start()
@@ -265,8 +268,20 @@ def test_use_sim_time_follows_clock(harness):
         stamps = [m.header.stamp.sec + m.header.stamp.nanosec * 1e-9
                   for m, _, _ in h.collector.actions]
         assert all(1000.0 < s < sim['t'] + 0.1 for s in stamps), stamps[:5]
-        assert wait_for(lambda: h.collector.diagnostics and 1000 <= h.collector.diagnostics[
-            -1].header.stamp.sec < 2000, 5), 'diagnostics stamped in sim time'
+
+        # Diagnostics run on a steady timer (they work before /clock starts) and stamp with
+        # the node clock: sec 0 before the node's first /clock, sim time from then on. On a
+        # loaded CI machine the last one had not turned sim within 5 s once; what matters is
+        # that one does, and that none after it goes back to another clock.
+        def sim_stamped(msg) -> bool:
+            return 1000 <= msg.header.stamp.sec < 2000
+
+        assert wait_for(lambda: any(sim_stamped(m) for m in list(h.collector.diagnostics)),
+                        20), 'diagnostics stamped in sim time'
+        received = list(h.collector.diagnostics)
+        first = next(i for i, m in enumerate(received) if sim_stamped(m))
+        assert all(sim_stamped(m) for m in received[first:]), [
+            m.header.stamp.sec for m in received]
         # /clock stops: the control timer (sim time) stops with it; diagnostics go on.
         h.spinner.remove(clock_node)
         diagnostics = len(h.collector.diagnostics)
