@@ -51,7 +51,6 @@ def test_parallel_workers_prepare_and_compile_as_the_parent(tmp_path):
     import pytest
     import torch
 
-    from oxygen_ros.bench.systems import preparation
     from oxygen_ros.engine.prepare import prepare_model
     from oxygen_ros.model.compiled import unavailable_reason
     from oxygen_ros.model.packed import packing_unavailable_reason
@@ -69,7 +68,8 @@ def test_parallel_workers_prepare_and_compile_as_the_parent(tmp_path):
     options = {'compile_setting': 'on', 'warm_frames': [frontend.prepare(obs(0)).tensors]}
     with make_system('parallel', model, frontend, policy, parallel=options) as parallel:
         results = [parallel.step(obs(f)) for f in range(3)]
-        prepared = {**preparation(model), 'passes': plan.describe()}
+        prepared = plan.describe()   # passes compiled, weights packed (and where, how much)
+        assert 'prepacked weights' in prepared
         assert parallel.worker_prepared == {'action': prepared, 'language': prepared}
     assert [[f.token_ids for f in r.finished] for r in results] == [
         [f.token_ids for f in r.finished] for r in reference]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from oxygen_ros.engine import (FixedBudget, LanguagePolicy, make_engine, random_observation,
                                random_setup)
 from oxygen_ros.engine import prepare
+from oxygen_ros.engine.hardware import cpu_flags
 from oxygen_ros.model import get_preset, KVTensors
 from oxygen_ros.model import packed_native
 from oxygen_ros.model.compiled import cxx_compiler, use_persistent_cache
@@ -155,8 +156,7 @@ def small_rows(ops, on: bool):
 
 
 def cpu_has_avx512_bf16() -> bool:
-    with open('/proc/cpuinfo') as info:
-        return any('avx512_bf16' in line.split() for line in info if line.startswith('flags'))
+    return {'avx512f', 'avx512_bf16'} <= set(cpu_flags())
 
 
 @torch.no_grad()

@@ -50,12 +50,6 @@ def action_only_policy(policy: LanguagePolicy) -> LanguagePolicy:
 
 # ---- parallel: two processes ---------------------------------------------------------------
 
-def preparation(model: Pi05Model) -> dict:
-    """How a model was prepared, as far as its kernels go: fused, packed, the expert packed."""
-    return {'fused': model.fused, 'packed': model.packed,
-            'expert_packed': model.expert.layers[0].mlp.packed}
-
-
 def _worker_main(role: str, config: dict, state_dict: dict, dtype: torch.dtype, device: str,
                  compile_setting: str, warm_frames: Sequence[dict], frontend: Frontend,
                  policy: LanguagePolicy, seed: int, threads: int, inbox, outbox) -> None:
@@ -85,7 +79,7 @@ def _worker_main(role: str, config: dict, state_dict: dict, dtype: torch.dtype, 
     except Exception as err:   # reported to the parent, which raises
         outbox.put(('error', repr(err)))
         return
-    outbox.put(('ready', {**preparation(model), 'passes': plan.describe()}))
+    outbox.put(('ready', plan.describe()))
     while True:
         obs = inbox.get()
         if obs is None:
@@ -135,7 +129,7 @@ class ParallelSystem:
                       compile_setting, list(warm_frames), frontend, policy, seed, threads,
                       self._inbox[role], self._outbox[role]))
             self._procs[role].start()
-        # how each worker prepared its model (preparation() and the plan's description)
+        # how each worker prepared its model (its CompilePlan.describe(): passes, packing)
         self.worker_prepared = {role: self._receive(role, expect='ready')
                                 for role in self._procs}
         self._next_frame_index = 0
