@@ -155,10 +155,48 @@ def test_ctrl_c_with_the_fast_exit_leaves_no_dds_segment_behind():
         if not created:
             pytest.skip('this RMW keeps no Fast DDS segment in /dev/shm')
         node.send_signal(signal.SIGINT)
-        node.stdout.read()
-        assert node.wait(timeout=20) == 0
+        said = node.stdout.read()
+        assert node.wait(timeout=20) == 0, f'Ctrl-C did not end the node cleanly:\n{said[-3000:]}'
     finally:
         watchdog.cancel()
         if node.poll() is None:
             node.kill()
     assert not [path.name for path in created if path.exists()]
+
+
+def test_an_error_in_spin_or_on_the_way_out_exits_1_and_still_tears_everything_down(capfd):
+    """A real error ends run_node with 1 and its traceback; a step of the teardown that fails
+    no longer skips the steps after it (the context stayed up and the fast exit's segment
+    release ran on a live participant). Ctrl-C's own errors are told apart by the context
+    going down, which a real error is not followed by."""
+    from rclpy.node import Node
+
+    from oxygen_ros.ros.dds import run_node
+
+    made = []
+
+    class Faulty(Node):
+        def __init__(self, fail_in):
+            super().__init__('faulty_node')
+            self.fail_in = fail_in
+            self.create_timer(0.01, self.tick)
+            made.append(self)
+
+        def tick(self):
+            if self.fail_in == 'spin':
+                raise RuntimeError('a callback failed')
+            raise KeyboardInterrupt   # what Ctrl-C raises in the spinning thread
+
+        def destroy_node(self):
+            super().destroy_node()
+            if self.fail_in == 'destroy':
+                raise RuntimeError('destroy failed')
+
+    assert run_node(lambda: Faulty('spin'), [], fast_exit=False) == 1
+    assert 'stopped by an error' in capfd.readouterr().err
+    assert not rclpy.ok(), 'the context was shut down after the error'
+    assert run_node(lambda: Faulty('destroy'), [], fast_exit=False) == 1
+    err = capfd.readouterr().err
+    assert 'failed to destroy the node on the way out' in err and 'destroy failed' in err
+    assert not rclpy.ok(), 'the steps after the failing one still ran'
+    assert len(made) == 2

@@ -10,6 +10,7 @@ import logging
 import os
 from pathlib import Path
 import sys
+import time
 import traceback
 from typing import Callable
 
@@ -87,6 +88,49 @@ def release_shared_memory(pid: int | None = None, shm_dir: Path = SHM_DIR) -> li
     return removed
 
 
+def _shutting_down(grace_s: float = 1.0) -> bool:
+    """Whether the ROS context is going down (Ctrl-C), waiting up to grace_s for it.
+
+    rclpy shuts the context down from its own signal thread, so the executor can raise (a take
+    or a wait on a context being invalidated) a moment before rclpy.ok() turns False. An
+    error that is not followed by a shutdown is a real one.
+    """
+    deadline = time.monotonic() + grace_s
+    try:
+        while rclpy.ok():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+    except KeyboardInterrupt:
+        pass
+    return True
+
+
+def _tear_down(node, executor) -> int:
+    """Destroy the node, the executor and the ROS context; return 1 if a step failed, else 0.
+
+    Every step runs even when one before it failed, so the fast exit after it still finds the
+    context destroyed and the segment its own; a failure is printed with its traceback.
+    """
+    steps = (('destroy the node', lambda: node is not None and node.destroy_node()),
+             ('shut the executor down', executor.shutdown),
+             ('shut rclpy down', lambda: rclpy.ok() and rclpy.shutdown()),
+             # leave the DDS graph now (rclpy 4+ has Context.destroy)
+             ('destroy the context', lambda: getattr(rclpy.get_default_context(), 'destroy',
+                                                     lambda: None)()))
+    code = 0
+    for what, step in steps:
+        try:
+            step()
+        except KeyboardInterrupt:
+            return code   # a second Ctrl-C: the user wants out now
+        except Exception:   # noqa: BLE001 - reported; the next steps still run
+            code = 1
+            print(f'oxygen_node: failed to {what} on the way out:', file=sys.stderr)
+            traceback.print_exc()
+    return code
+
+
 def run_node(make_node: Callable[[], object], args=None, *, fast_exit: bool = True) -> int:
     """Spin the node make_node() builds in the I/O executor until Ctrl-C; return the exit code.
 
@@ -110,23 +154,12 @@ def run_node(make_node: Callable[[], object], args=None, *, fast_exit: bool = Tr
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     except Exception:   # noqa: BLE001 - decided below
-        if rclpy.ok():
+        if not _shutting_down():
             code = 1
+            print('oxygen_node: stopped by an error:', file=sys.stderr)
             traceback.print_exc()
-        # else: Ctrl-C shut the context down under the executor while it took a message
-        # (rclpy raises from take_message then); that is a normal shutdown.
     finally:
-        try:
-            if node is not None:
-                node.destroy_node()
-            executor.shutdown()
-            if rclpy.ok():
-                rclpy.shutdown()
-            context = rclpy.get_default_context()
-            if hasattr(context, 'destroy'):   # leave the DDS graph now (rclpy 4+)
-                context.destroy()
-        except KeyboardInterrupt:
-            pass   # a second Ctrl-C: the user wants out now
+        code = max(code, _tear_down(node, executor))
     if fast_exit:
         release_shared_memory()
         logging.shutdown()
