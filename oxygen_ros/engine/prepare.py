@@ -36,6 +36,7 @@ from typing import Sequence
 
 import torch
 
+from oxygen_ros.model import packed_native
 from oxygen_ros.model.compiled import unavailable_reason, use_persistent_cache
 from oxygen_ros.model.packed import packing_unavailable_reason, use_native_kernel
 from oxygen_ros.model.pages import release_unused_pages
@@ -91,7 +92,10 @@ class CompilePlan:
                  if self.packed_in_place else
                  f'backbone{", expert" if self.packed_expert else ""} and LM head on '
                  'prepacked weights')
-        kernel = ', C++ kernel' if self.native_kernel else ''
+        kernel = ''
+        if self.native_kernel:   # the attention comes with the packed linear's library
+            kernel = ', C++ kernel' + (' and AMX attention' if packed_native.attention_ready()
+                                       else '')
         packed = (f'; {where} ({self.packed_bytes / 2**20:.0f} MB{kernel})'
                   if self.packed_bytes else '')
         return f'{what}: {self.reason}{packed}'

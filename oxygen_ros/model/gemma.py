@@ -23,6 +23,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import GemmaConfig
+from . import packed_native
 from .packed import linear, pack_fused
 
 RMS_EPS = 1e-6
@@ -290,19 +291,38 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (True = may attend), or None when every query sees every key (no mask is materialized).
     Returns [B, Q, N*D]. Scale is D^-0.5 as in Gemma.
     With one mask row for all queries (prefill, decode) the heads of a group are folded into
-    rows of one K/V head (fold_heads) instead of repeating K/V per head.
+    rows of one K/V head (fold_heads) instead of repeating K/V per head, and attend through
+    the AMX kernel where it applies (amx_attention_applies), SDPA elsewhere.
     """
     B, Q, N, D = q.shape
     G = k.shape[2]
     if key_mask is None or key_mask.shape[1] == 1:
-        out = F.scaled_dot_product_attention(
-            fold_heads(q, G), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=None if key_mask is None else key_mask[:, None])          # [B, G, rQ, D]
+        folded, keys, values = fold_heads(q, G), k.transpose(1, 2), v.transpose(1, 2)
+        if amx_attention_applies(folded):
+            bias = None if key_mask is None else key_bias(key_mask[:, 0], torch.float32)
+            out = torch.ops.oxygen_attention.attention(folded, keys, values, bias)
+        else:
+            out = F.scaled_dot_product_attention(
+                folded, keys, values,
+                attn_mask=None if key_mask is None else key_mask[:, None])      # [B, G, rQ, D]
         return unfold_heads(out, Q)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=key_mask[:, None], enable_gqa=G != N)                         # [B, N, Q, D]
     return out.transpose(1, 2).reshape(B, Q, N * D)
+
+
+def amx_attention_applies(folded: torch.Tensor) -> bool:
+    """Whether heads folded into rows [B, G, rQ, D] attend through the AMX kernel, not SDPA.
+
+    It takes bf16 at a head dim of 32 on a CPU with AMX-BF16 (packed_native.attention_ready;
+    attention_kernel.cpp says why), 32 rows or more a group: it computes rows 32 at a time,
+    and a decode step's 8 run faster in SDPA. It has no gradient: a pass that takes one
+    (guided real-time chunking) keeps SDPA.
+    """
+    return (folded.shape[-1] == 32 and folded.shape[2] >= 32 and folded.dtype == torch.bfloat16
+            and folded.device.type == 'cpu' and packed_native.attention_ready()
+            and not (folded.requires_grad and torch.is_grad_enabled()))
 
 
 def key_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -323,8 +343,9 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
     keys, except with bias2 [B, Q, K2]: a mask per query over the second block (an extend
     pass: causal over its own tokens). Equals
     `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, mask2)[:, None])`, and is computed
-    so: the heads sharing a K/V head fold into rows (fold_heads) and one fused SDPA
-    kernel runs. Why the copy: with a head dim of 32 (pi05-cpu), four separate matmuls and a
+    so: the heads sharing a K/V head fold into rows (fold_heads) and one fused kernel runs
+    (the AMX attention where amx_attention_applies: a denoise step's rows; else SDPA). Why
+    the copy: with a head dim of 32 (pi05-cpu), four separate matmuls and a
     softmax over the two blocks cost ~3x the concatenation plus one SDPA in bfloat16 (1.4x in
     float32). Returns [B, Q, N*D].
     """
@@ -340,6 +361,10 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
     else:
         bias = torch.cat([bias1.to(q.dtype), bias2], dim=1)                   # [B, K1+K2]
         mask = bias[:, None, None, :]                                         # [B, 1, 1, K]
-    out = F.scaled_dot_product_attention(fold_heads(q, G), keys, values,
-                                         attn_mask=mask)                      # [B, G, rQ, D]
+    folded = fold_heads(q, G)
+    if bias.dim() == 2 and amx_attention_applies(folded):
+        out = torch.ops.oxygen_attention.attention(folded, keys, values, bias.float())
+    else:
+        out = F.scaled_dot_product_attention(folded, keys, values,
+                                             attn_mask=mask)                  # [B, G, rQ, D]
     return unfold_heads(out, Q)                                               # [B, Q, N*D]

@@ -1,10 +1,11 @@
-"""Build and load packed_linear.cpp, the C++ kernel of the packed linear, once per machine.
+"""Build and load the C++ kernels once per machine: the packed linear and the AMX attention.
 
-Compiled at the first configure that packs weights for compiled passes (~20 s with g++,
-the same compiler inductor needs), into the compile cache next to inductor's kernels, so a
-restart loads it in milliseconds. The file name carries a hash of the source, the torch
+packed_linear.cpp (oxygen_packed_native) and attention_kernel.cpp (oxygen_attention) make one
+library, compiled at the first configure that packs weights for compiled passes (~30 s with
+g++, the same compiler inductor needs), into the compile cache next to inductor's kernels, so
+a restart loads it in milliseconds. The file name carries a hash of the sources, the torch
 version and the command, so an upgrade builds it again. Where it cannot build (no compiler,
-an error), `load` says why and model/packed.py keeps its Python kernel.
+an error), `load` says why: model/packed.py keeps its Python kernel and model/gemma.py SDPA.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from .compiled import cxx_compiler
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name('packed_linear.cpp')
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ('packed_linear.cpp', 'attention_kernel.cpp'))
 BUILD_TIMEOUT_S = 300
 _lock = threading.Lock()
 _loaded: Path | None = None
+_attention = False   # the AMX attention runs on this CPU (oxygen_attention::available)
+_attention_on = True
 
 
 def _command(compiler: str, output: Path) -> list[str]:
@@ -37,7 +41,7 @@ def _command(compiler: str, output: Path) -> list[str]:
     return ([compiler, '-O2', '-std=c++20', '-shared', '-fPIC', '-w',
              f'-D_GLIBCXX_USE_CXX11_ABI={abi}']
             + [f'-I{path}' for path in cpp_extension.include_paths()]
-            + [str(SOURCE), '-o', str(output)]
+            + [str(source) for source in SOURCES] + ['-o', str(output)]
             + [f'-L{path}' for path in cpp_extension.library_paths()]
             + ['-lc10', '-ltorch_cpu', '-ltorch'])
 
@@ -45,15 +49,16 @@ def _command(compiler: str, output: Path) -> list[str]:
 def library_path(cache_dir: Path, compiler: str) -> Path:
     """Where the built kernel for this source, torch and compiler lives under cache_dir."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(' '.join(_command(compiler, Path('out'))).encode())
-    return cache_dir / 'oxygen_packed' / f'packed_linear-{key.hexdigest()[:16]}.so'
+    return cache_dir / 'oxygen_packed' / f'kernels-{key.hexdigest()[:16]}.so'
 
 
 def load(cache_dir: Path) -> str | None:
     """Load the kernel (building it first if no cached build fits); None, or why it failed."""
-    global _loaded
+    global _loaded, _attention
     with _lock:
         if _loaded is not None:
             return None
@@ -70,11 +75,14 @@ def load(cache_dir: Path) -> str | None:
         except (OSError, RuntimeError) as err:
             return f'loading {path} failed: {err}'
         _loaded = path
+        _attention = bool(torch.ops.oxygen_attention.available())
+        if _attention:
+            torch.library.register_fake('oxygen_attention::attention')(_attention_fake)
         return None
 
 
 def _build(compiler: str, path: Path) -> str | None:
-    logger.info('building the packed-linear kernel (C++, once per machine and torch) ...')
+    logger.info('building the C++ kernels (once per machine and torch) ...')
     started = time.perf_counter()
     # Build beside the target and rename: a second process building at once never loads a
     # half-written file.
@@ -98,7 +106,7 @@ def _build(compiler: str, path: Path) -> str | None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info('built the packed-linear kernel in %.1f s: %s', time.perf_counter() - started,
+    logger.info('built the C++ kernels in %.1f s: %s', time.perf_counter() - started,
                 path)
     return None
 
@@ -106,3 +114,19 @@ def _build(compiler: str, path: Path) -> str | None:
 def loaded() -> bool:
     """Whether the C++ kernel is loaded in this process."""
     return _loaded is not None
+
+
+def attention_ready() -> bool:
+    """Whether oxygen_attention::attention runs: loaded, the CPU has AMX-BF16, switched on."""
+    return _attention and _attention_on
+
+
+def use_attention_kernel(on: bool) -> bool:
+    """Switch the AMX attention on or off (SDPA then); return the old setting (A/B, tests)."""
+    global _attention_on
+    old, _attention_on = _attention_on, on
+    return old
+
+
+def _attention_fake(q, k, v, key_bias):
+    return q.new_empty(q.shape)

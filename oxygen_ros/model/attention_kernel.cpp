@@ -1,0 +1,365 @@
+// Softmax attention on AMX tiles: oxygen_attention::attention, for prefill and denoise.
+//
+// Why: pi05-cpu's prefill attends 8 query heads x 555 positions to one K/V head of 555 keys
+// at a head dim of 32, in six layers. ATen's flash kernel takes ~1.9 ms a layer for it (0.8 ns
+// a score): at K = 32 its matmuls are too thin for their set-up, and its exp is the accurate
+// one. Here 32 query rows meet all keys at once (a row's 555 scores fit in L1): QK^T and PV
+// run on AMX tiles (one TDPBF16PS per 16 rows x 16 keys x 32 dims), the softmax in AVX-512
+// with a short polynomial exp (relative error ~3e-6, far under bf16's 4e-3): ~1.0 ms a layer,
+// measured alone on the AMX Xeon.
+//
+// Contract (model/gemma.py `amx_attention_applies` decides when it runs): q [B, G, R, 32]
+// (the heads sharing a K/V head folded into rows), k, v [B, G, K, 32], bf16 on the CPU, any
+// strides; key_bias [B, K] fp32 or bf16, added to the scores (0, or -inf for a masked key),
+// or none; scale 32^-0.5. Returns [B, G, R, 32] bf16: SDPA's result within bf16 rounding
+// (P is rounded to bf16 for PV as in ATen's kernel; maxima and sums are fp32). A masked key
+// weighs exactly 0, and every row is computed alone: a row's result does not depend on the
+// others. packed_native.py builds this file with packed_linear.cpp; nothing else includes it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kHeadDim = 32;  // the one head dim this kernel takes
+constexpr int64_t kTileRows = 16;  // rows of a tile
+constexpr int64_t kRows = 32;     // query rows a step (two row tiles)
+constexpr int64_t kKeys = 16;     // keys per QK^T tile (its N)
+constexpr int64_t kChunk = 32;    // keys per PV tile (its K: 16 pairs)
+std::atomic<int64_t> call_count{0};
+
+// AMX needs the CPU (CPUID.7.0:EDX bits 22 and 24) and the kernel's leave to use the tile
+// state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once per process.
+bool amx_ready() {
+  static const bool ready = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool bf16 = (d >> 22) & 1, tile = (d >> 24) & 1;
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return bf16 && tile && avx512 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// e^x for x <= 0 (a score minus its row's max): 2^n e^r, |r| <= ln2/2, degree-5 Taylor.
+__attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 120);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One (batch, group): keys in the two layouts the tiles read, padded to whole chunks of 32.
+//   k_pairs [2 * chunks][16 pairs][16 keys][2]: a QK^T B tile per block of 16 keys
+//   v_pairs [chunks][2 halves][16 pairs][16 dims][2]: a PV B tile per 32 keys and 16 dims
+//   bias [chunks * 32]: the key's bias (0, or -inf for a masked key); -inf for padding
+// The buffers are reused from call to call (arrange_keys overwrites all of them).
+struct Keys {
+  std::vector<uint16_t> k_pairs, v_pairs;
+  std::vector<float> bias;
+  int64_t chunks = 0;
+};
+
+// A [K, 32] bf16 matrix as its pointer and strides (keys, dims).
+struct Rows {
+  const uint16_t* data;
+  int64_t key_stride, dim_stride;
+};
+
+// A key's bias, from fp32 or bf16 (its upper half); none: 0.
+struct Bias {
+  const void* data = nullptr;
+  bool bf16 = false;
+  float at(int64_t key) const {
+    if (data == nullptr) return 0.0f;
+    if (!bf16) return static_cast<const float*>(data)[key];
+    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(data)[key]) << 16;
+    float value;
+    std::memcpy(&value, &bits, 4);
+    return value;
+  }
+};
+
+// V rows 2p and 2p + 1 [32 dims] -> their pairs, dims 0-15 and 16-31 (a B tile's row each)
+__attribute__((target("avx512f,avx512bw"))) void interleave_rows(const uint16_t* a,
+                                                                 const uint16_t* b,
+                                                                 uint16_t* low, uint16_t* high) {
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6,
+                                                38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12,
+                                                44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(kLow);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const __m512i ra = _mm512_loadu_si512(a), rb = _mm512_loadu_si512(b);
+  _mm512_storeu_si512(low, _mm512_permutex2var_epi16(ra, lo, rb));
+  _mm512_storeu_si512(high, _mm512_permutex2var_epi16(ra, hi, rb));
+}
+
+void arrange_keys(Rows k, Rows v, int64_t K, Bias bias, Keys& keys) {
+  keys.chunks = (K + kChunk - 1) / kChunk;
+  const int64_t width = keys.chunks * kChunk;
+  keys.k_pairs.resize(width * kHeadDim);
+  keys.v_pairs.resize(width * kHeadDim);
+  keys.bias.resize(width);
+  // padding keys: zero (finite scores, which their -inf bias then drops)
+  const int64_t last = (keys.chunks - 1) * kChunk;
+  std::fill(keys.k_pairs.begin() + last * kHeadDim, keys.k_pairs.end(), 0);
+  std::fill(keys.v_pairs.begin() + last * kHeadDim, keys.v_pairs.end(), 0);
+  std::fill(keys.bias.begin() + K, keys.bias.end(), -std::numeric_limits<float>::infinity());
+  const bool dense = k.dim_stride == 1 && v.dim_stride == 1 && k.key_stride % 2 == 0;
+  auto* k32 = reinterpret_cast<uint32_t*>(keys.k_pairs.data());
+  for (int64_t key = 0; key < K; ++key) {
+    const int64_t blk = key / kKeys, j = key % kKeys;
+    const uint16_t* row = k.data + key * k.key_stride;
+    if (dense) {  // a pair of dims is one 32-bit word
+      const auto* pairs = reinterpret_cast<const uint32_t*>(row);
+      for (int64_t p = 0; p < kHeadDim / 2; ++p) {
+        k32[(blk * (kHeadDim / 2) + p) * kKeys + j] = pairs[p];
+      }
+    } else {
+      for (int64_t d = 0; d < kHeadDim; ++d) {
+        keys.k_pairs[((blk * (kHeadDim / 2) + d / 2) * kKeys + j) * 2 + d % 2] =
+            row[d * k.dim_stride];
+      }
+    }
+    keys.bias[key] = bias.at(key);
+  }
+  static const uint16_t zero[kHeadDim] = {};
+  for (int64_t key = 0; key < K; key += 2) {
+    const int64_t chunk = key / kChunk, pair = (key % kChunk) / 2;
+    uint16_t* low = keys.v_pairs.data() + ((chunk * 2 + 0) * 16 + pair) * 32;
+    uint16_t* high = keys.v_pairs.data() + ((chunk * 2 + 1) * 16 + pair) * 32;
+    if (dense) {
+      interleave_rows(v.data + key * v.key_stride,
+                      key + 1 < K ? v.data + (key + 1) * v.key_stride : zero, low, high);
+    } else {
+      for (int64_t e = 0; e < 2 && key + e < K; ++e) {
+        for (int64_t d = 0; d < kHeadDim; ++d) {
+          (d < 16 ? low : high)[(d % 16) * 2 + e] =
+              v.data[(key + e) * v.key_stride + d * v.dim_stride];
+        }
+      }
+    }
+  }
+}
+
+// 32 query rows of one (batch, group): q_rows [32][32] bf16 (rows past n zero) -> out [n][32].
+// Two row tiles at once give the tile unit independent products to overlap: QK^T keeps four
+// accumulators (2 row halves x 2 key blocks), PV four (2 row halves x 2 dim halves).
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,amx-tile,amx-bf16"))) void
+attend_rows(const uint16_t* q_rows, const Keys& keys, int64_t n, float scale, float* scores,
+            uint16_t* probs, float* acc, uint16_t* out) {
+  const int64_t width = keys.chunks * kChunk;  // scores per row
+  const uint16_t* kp = keys.k_pairs.data();
+  // S = Q K^T: tiles 0, 1 the row halves; 2, 5 two key blocks; 3, 4, 6, 7 their scores
+  _tile_loadd(0, q_rows, kHeadDim * 2);
+  _tile_loadd(1, q_rows + kTileRows * kHeadDim, kHeadDim * 2);
+  for (int64_t c = 0; c < keys.chunks; ++c) {
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_loadd(2, kp + (2 * c) * kKeys * kHeadDim, 64);
+    _tile_loadd(5, kp + (2 * c + 1) * kKeys * kHeadDim, 64);
+    _tile_dpbf16ps(3, 0, 2);
+    _tile_dpbf16ps(4, 1, 2);
+    _tile_dpbf16ps(6, 0, 5);
+    _tile_dpbf16ps(7, 1, 5);
+    float* at = scores + c * kChunk;
+    _tile_stored(3, at, width * 4);
+    _tile_stored(4, at + kTileRows * width, width * 4);
+    _tile_stored(6, at + kKeys, width * 4);
+    _tile_stored(7, at + kTileRows * width + kKeys, width * 4);
+  }
+  // P = exp(S scale + bias - max), unnormalised, in bf16; the row sums in fp32. A row is
+  // read twice (max, then exp) rather than stored scaled: the fmadd is cheaper than a store.
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 floor = _mm512_set1_ps(-1e30f);
+  const float* bias = keys.bias.data();
+  float inv_sum[kRows];
+  for (int64_t r = 0; r < kRows; ++r) {
+    const float* row = scores + r * width;
+    __m512 max0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), max1 = max0;
+    for (int64_t c = 0; c < width; c += 32) {  // width is whole chunks of 32
+      max0 = _mm512_max_ps(max0, _mm512_fmadd_ps(_mm512_loadu_ps(row + c), vscale,
+                                                 _mm512_loadu_ps(bias + c)));
+      max1 = _mm512_max_ps(max1, _mm512_fmadd_ps(_mm512_loadu_ps(row + c + 16), vscale,
+                                                 _mm512_loadu_ps(bias + c + 16)));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(max0, max1)));
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+    for (int64_t c = 0; c < width; c += 32) {
+      const __m512 s0 = _mm512_fmadd_ps(_mm512_loadu_ps(row + c), vscale,
+                                        _mm512_loadu_ps(bias + c));
+      const __m512 s1 = _mm512_fmadd_ps(_mm512_loadu_ps(row + c + 16), vscale,
+                                        _mm512_loadu_ps(bias + c + 16));
+      // a masked key's -inf gives exactly 0, not the clamped exp's tiny value
+      const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, floor, _CMP_GT_OQ),
+                                            exp_nonpositive(_mm512_sub_ps(s0, m)));
+      const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, floor, _CMP_GT_OQ),
+                                            exp_nonpositive(_mm512_sub_ps(s1, m)));
+      _mm512_storeu_si512(probs + r * width + c, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      sum0 = _mm512_add_ps(sum0, p0);
+      sum1 = _mm512_add_ps(sum1, p1);
+    }
+    inv_sum[r] = 1.0f / _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+  }
+  // O = P V, 32 keys a step: tiles 0, 1 the row halves of P; 2, 3 the dim halves of V
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  const uint16_t* vp = keys.v_pairs.data();
+  for (int64_t c = 0; c < keys.chunks; ++c) {
+    _tile_loadd(0, probs + c * kChunk, width * 2);
+    _tile_loadd(1, probs + kTileRows * width + c * kChunk, width * 2);
+    _tile_loadd(2, vp + (c * 2 + 0) * 16 * 32, 64);
+    _tile_loadd(3, vp + (c * 2 + 1) * 16 * 32, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+  _tile_stored(4, acc, kHeadDim * 4);
+  _tile_stored(5, acc + 16, kHeadDim * 4);
+  _tile_stored(6, acc + kTileRows * kHeadDim, kHeadDim * 4);
+  _tile_stored(7, acc + kTileRows * kHeadDim + 16, kHeadDim * 4);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t half = 0; half < 2; ++half) {
+      const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + r * kHeadDim + half * 16),
+                                     _mm512_set1_ps(inv_sum[r]));
+      const __m256bh rounded = _mm512_cvtneps_pbh(o);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * kHeadDim + half * 16),
+                          (__m256i)rounded);
+    }
+  }
+}
+
+// Eight tiles of 16 rows x 64 bytes: QK^T uses 0 (Q), 1 (K pairs), 2 (S); PV 3 (P), 4 and 5
+// (V pairs, dims 0-15 and 16-31), 6 and 7 (O). A global, not a local: GCC 12 drops the stores
+// to a local config as dead (it does not see ldtilecfg read them), and the load then faults.
+const TileConfig kTiles = [] {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  return config;
+}();
+
+__attribute__((target("amx-tile"))) void configure_tiles() { _tile_loadconfig(&kTiles); }
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+bool available() { return amx_ready(); }
+
+int64_t calls() { return call_count.load(); }
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& key_bias) {
+  TORCH_CHECK(amx_ready(), "oxygen_attention::attention needs AMX-BF16 (available() says)");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, G, rows, D]");
+  TORCH_CHECK(q.size(3) == kHeadDim && k.size(3) == kHeadDim && v.size(3) == kHeadDim,
+              "head dim must be 32");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "q, k, v must be bfloat16");
+  const int64_t B = q.size(0), G = q.size(1), R = q.size(2), K = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == G && v.sizes() == k.sizes(), "k, v shapes differ");
+  at::Tensor bias;
+  if (key_bias.has_value()) {
+    bias = key_bias->scalar_type() == at::kBFloat16 ? key_bias->contiguous()
+                                                    : key_bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.dim() == 2 && bias.size(0) == B && bias.size(1) == K,
+                "key_bias must be [B, K], got ", key_bias->sizes());
+  }
+  call_count.fetch_add(1, std::memory_order_relaxed);
+  auto out = at::empty({B, G, R, kHeadDim}, q.options());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  thread_local std::vector<Keys> keys;  // this caller's; the workers below only read them
+  if (static_cast<int64_t>(keys.size()) < B * G) keys.resize(B * G);
+  const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  for (int64_t bg = 0; bg < B * G; ++bg) {
+    const int64_t b = bg / G, g = bg % G;
+    Bias row_bias;
+    if (bias.defined()) {
+      row_bias.bf16 = bias.scalar_type() == at::kBFloat16;
+      row_bias.data = static_cast<const char*>(bias.data_ptr()) + b * K * bias.element_size();
+    }
+    arrange_keys({kd + b * k.stride(0) + g * k.stride(1), k.stride(2), k.stride(3)},
+                 {vd + b * v.stride(0) + g * v.stride(1), v.stride(2), v.stride(3)}, K,
+                 row_bias, keys[bg]);
+  }
+  const int64_t row_blocks = (R + kRows - 1) / kRows;
+  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto qs = q.strides();
+  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, B * G * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t width = keys[0].chunks * kChunk;
+    thread_local std::vector<float> scores, acc;
+    thread_local std::vector<uint16_t> probs, q_rows;
+    scores.resize(kRows * width);
+    probs.resize(kRows * width);
+    acc.resize(kRows * kHeadDim);
+    q_rows.resize(kRows * kHeadDim);
+    configure_tiles();
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bg = item / row_blocks, r0 = (item % row_blocks) * kRows;
+      const int64_t b = bg / G, g = bg % G, n = std::min(kRows, R - r0);
+      std::fill(q_rows.begin(), q_rows.end(), 0);
+      const uint16_t* first = qd + b * qs[0] + g * qs[1] + r0 * qs[2];
+      for (int64_t r = 0; r < n; ++r) {
+        if (qs[3] == 1) {
+          std::memcpy(&q_rows[r * kHeadDim], first + r * qs[2], kHeadDim * 2);
+        } else {
+          for (int64_t d = 0; d < kHeadDim; ++d) {
+            q_rows[r * kHeadDim + d] = first[r * qs[2] + d * qs[3]];
+          }
+        }
+      }
+      attend_rows(q_rows.data(), keys[bg], n, scale, scores.data(), probs.data(), acc.data(),
+                  od + ((b * G + g) * R + r0) * kHeadDim);
+    }
+    release_tiles();
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(oxygen_attention, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_bias) -> Tensor");
+  m.def("available() -> bool", available);
+  m.def("calls() -> int", calls);
+}
+
+TORCH_LIBRARY_IMPL(oxygen_attention, CPU, m) { m.impl("attention", attention); }

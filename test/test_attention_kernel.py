@@ -1,0 +1,149 @@
+"""The AMX attention (model/attention_kernel.cpp): SDPA's result within bf16, where it runs.
+
+It serves the folded heads of prefill and denoise at a head dim of 32 in bf16 on a CPU with
+AMX-BF16 (model/gemma.py `amx_attention_applies`). Its speed is the benchmark's
+(`oxygen-ros phases`); here: equal to SDPA within bf16 rounding, masked keys weigh nothing,
+rows independent of each other, the model's passes run it (counted) and give SDPA's
+actions, compiled without a graph break.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oxygen_ros.engine import random_observation, random_setup
+from oxygen_ros.engine.hardware import cpu_flags
+from oxygen_ros.model import packed_native
+from oxygen_ros.model.compiled import cxx_compiler, use_persistent_cache
+from oxygen_ros.model.config import _small
+from oxygen_ros.model.packed import use_native_kernel
+
+BF16 = torch.bfloat16
+# tiny's structure at pi05-cpu's head dim: 4 heads x 8 actions = 32 denoise rows a group
+HEAD_DIM_32 = _small(width=64, expert_width=32, depth=2, heads=4, head_dim=32, vocab=512,
+                     v_hidden=32, v_depth=2, v_heads=2, image_size=28, patch=7, max_tokens=24,
+                     action_horizon=8, num_steps=3)
+
+
+def kernel():
+    """Build (once per machine, cached) and load the C++ kernels, as prepare does."""
+    if cxx_compiler() is None:
+        pytest.skip('no C++ compiler: the model keeps SDPA')
+    assert use_native_kernel(use_persistent_cache()) is None
+    if not packed_native.attention_ready():
+        pytest.skip('no AMX-BF16 on this CPU: the model keeps SDPA '
+                    '(test_the_kernel_is_offered_where_the_cpu_has_amx checks the rule)')
+    return torch.ops.oxygen_attention
+
+
+def test_the_kernel_is_offered_where_the_cpu_has_amx():
+    if cxx_compiler() is None:
+        pytest.skip('no C++ compiler: the model keeps SDPA')
+    assert use_native_kernel(use_persistent_cache()) is None
+    assert torch.ops.oxygen_attention.available() == ('amx_bf16' in cpu_flags())
+    assert packed_native.attention_ready() == torch.ops.oxygen_attention.available()
+
+
+def sdpa_reference(q, k, v, bias):
+    mask = None if bias is None else bias.float()[:, None, None, :]
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+
+
+@pytest.mark.parametrize('B, G, R, K', [(1, 1, 4440, 555), (2, 1, 37, 40), (1, 2, 80, 565),
+                                        (1, 1, 5, 17)])
+@torch.no_grad()
+def test_kernel_equals_sdpa_within_bf16_and_keeps_rows_independent(B, G, R, K):
+    """Rows and keys that are no multiple of a tile, batches and groups, masked keys, and K/V
+    read through the strides the model passes (a transposed [B, K, G, D] cache)."""
+    ops = kernel()
+    g = torch.Generator().manual_seed(R + K)
+    q = (torch.randn(B, G, R, 32, generator=g) * 2).to(BF16)
+    k = torch.randn(B, K, G, 32, generator=g).to(BF16).transpose(1, 2)
+    v = torch.randn(B, K, G, 32, generator=g).to(BF16).transpose(1, 2)
+    valid = torch.rand(B, K, generator=g) > 0.25
+    valid[:, 0] = True
+    bias = torch.zeros(B, K).masked_fill(~valid, float('-inf'))
+    want = sdpa_reference(q, k, v, bias)
+    stock = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(BF16)[:, None, None])
+    calls = ops.calls()
+    got = ops.attention(q, k, v, bias)
+    assert ops.calls() == calls + 1
+    # as close to the float32 result as the stock bf16 kernel, up to one rounding more
+    error, stock_error = ((t.float() - want).abs().max().item() for t in (got, stock))
+    assert error <= 1.5 * stock_error + 2e-3, (error, stock_error)
+    assert torch.equal(ops.attention(q, k, v, bias.to(BF16)), got), 'bf16 bias reads the same'
+    assert torch.equal(ops.attention(q, k.contiguous(), v.contiguous(), bias), got)
+    # a masked key weighs exactly nothing: changing its value changes no output bit
+    v_changed = v.clone()
+    v_changed.masked_fill_(~valid[:, None, :, None], 100.0)
+    assert torch.equal(ops.attention(q, k, v_changed, bias), got)
+    # each row alone gives its result in the batch, bit for bit
+    assert torch.equal(ops.attention(q[:, :, :3].contiguous(), k, v, bias), got[:, :, :3])
+    unmasked = ops.attention(q, k, v, None)
+    assert (unmasked.float() - sdpa_reference(q, k, v, None)).abs().max() <= 2 * stock_error + 2e-3
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    ops = kernel()
+    q = torch.randn(1, 1, 32, 16, dtype=BF16)
+    with pytest.raises(RuntimeError, match='head dim must be 32'):
+        ops.attention(q, q, q, None)
+    q = torch.randn(1, 1, 32, 32)
+    with pytest.raises(RuntimeError, match='bfloat16'):
+        ops.attention(q, q, q, None)
+    q = q.to(BF16)
+    with pytest.raises(RuntimeError, match=r'key_bias must be \[B, K\]'):
+        ops.attention(q, q, q, torch.zeros(1, 31))
+
+
+@torch.no_grad()
+def test_prefill_and_denoise_attend_through_the_kernel_and_give_sdpa_actions():
+    ops = kernel()
+    model, frontend = random_setup(HEAD_DIM_32, 'libero', seed=3, dtype=BF16)
+    obs = random_observation('libero', 0, seed=5, image_size=HEAD_DIM_32.vision.image_size,
+                             instruction='pick up the bowl')
+    t = frontend.prepare(obs).tensors
+    frame = (t['images'], t['image_masks'], t['tokens'], t['token_masks'])
+    noise = torch.randn(1, HEAD_DIM_32.action_horizon, HEAD_DIM_32.action_dim,
+                        generator=torch.Generator().manual_seed(0))
+    results = {}
+    for on in (True, False):
+        old = packed_native.use_attention_kernel(on)
+        try:
+            calls = ops.calls()
+            prefix = model.prefill(*frame)
+            actions = model.sample_actions(prefix, noise)
+            results[on] = (prefix.kv.k.float(), actions, ops.calls() - calls)
+        finally:
+            packed_native.use_attention_kernel(old)
+    depth, steps = HEAD_DIM_32.backbone.depth, HEAD_DIM_32.num_steps
+    assert results[True][2] == depth + depth * steps, 'every prefill and denoise layer'
+    assert results[False][2] == 0
+    # K of the second layer depends on the first layer's attention
+    torch.testing.assert_close(results[True][0], results[False][0], atol=0.05, rtol=0.02)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=0.05, rtol=0.05)
+
+
+@torch.no_grad()
+def test_compiled_prefill_calls_the_kernel_in_one_graph():
+    kernel()
+    model, frontend = random_setup(HEAD_DIM_32, 'libero', seed=3, dtype=BF16)
+    obs = random_observation('libero', 0, seed=5, image_size=HEAD_DIM_32.vision.image_size)
+    t = frontend.prepare(obs).tensors
+    frame = (t['images'], t['image_masks'], t['tokens'], t['token_masks'])
+    captured = {}
+    layers = model.prefill_layers
+
+    def capture(*args, **kwargs):
+        captured['args'], captured['kwargs'] = args, kwargs
+        return layers(*args, **kwargs)
+
+    model.prefill_layers = capture
+    model.prefill(*frame)
+    del model.prefill_layers
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(model.prefill_layers)
+    explanation = explain(*captured['args'], **captured['kwargs'])
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
+    ops = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
+    assert any('oxygen_attention.attention' in op for op in ops), 'SDPA was traced instead'
