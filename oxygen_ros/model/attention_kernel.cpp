@@ -32,6 +32,8 @@
 #include <limits>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
 
 constexpr int64_t kHeadDim = 32;  // the one head dim this kernel takes
@@ -62,22 +64,6 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-// e^x for x <= 0 (a score minus its row's max): 2^n e^r, |r| <= ln2/2, degree-5 Taylor.
-__attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 120);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // One (batch, group): keys in the two layouts the tiles read, padded to whole chunks of 32.
 //   k_pairs [2 * chunks][16 pairs][16 keys][2]: a QK^T B tile per block of 16 keys
@@ -224,9 +210,9 @@ attend_rows(const uint16_t* q_rows, const Keys& keys, int64_t n, float scale, fl
                                         _mm512_loadu_ps(bias + c + 16));
       // a masked key's -inf gives exactly 0, not the clamped exp's tiny value
       const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, floor, _CMP_GT_OQ),
-                                            exp_nonpositive(_mm512_sub_ps(s0, m)));
+                                            oxygen::fast_exp(_mm512_sub_ps(s0, m)));
       const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, floor, _CMP_GT_OQ),
-                                            exp_nonpositive(_mm512_sub_ps(s1, m)));
+                                            oxygen::fast_exp(_mm512_sub_ps(s1, m)));
       _mm512_storeu_si512(probs + r * width + c, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
       sum0 = _mm512_add_ps(sum0, p0);
       sum1 = _mm512_add_ps(sum1, p1);

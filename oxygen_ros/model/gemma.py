@@ -145,7 +145,7 @@ class GemmaMLP(nn.Module):
             gate, up = linear(x, self.gate_up_weight, self.packed).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return linear(gelu_tanh(gate) * up, self.down_proj.weight, self.packed)
+        return linear(gelu_tanh(gate, up), self.down_proj.weight, self.packed)
 
 
 class GemmaLayer(nn.Module):
@@ -227,20 +227,30 @@ def _concat_params(modules: list[nn.Module], name: str) -> torch.Tensor:
     return out
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU, tanh approximation (Gemma's and SigLIP's activation).
+def gelu_tanh(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """GELU, tanh approximation (Gemma's and SigLIP's activation), times `up` when given.
 
-    Compiled, it is written x * sigmoid(2u) with u = sqrt(2/pi) (x + 0.044715 x^3): the same
-    function (0.5 (1 + tanh u) = sigmoid(2u)), but inductor's CPU kernels take tanh from
-    Sleef at ~2x the cost of the exp a sigmoid needs (pi05-cpu, a prefill layer's [555, 1024]
-    activation in bfloat16: 1113 -> 486 us; in float32 the results differ by rounding only).
-    Eager keeps torch's fused kernel, which is faster there.
+    bf16 on a CPU with AVX512-BF16 (the C++ kernels loaded: packed_native.activation_ready),
+    16k values or more (a prefill's or the vision tower's; a decode or denoise step's few
+    rows stay in inductor's fused kernels): activation_kernel.cpp, one pass with a polynomial
+    exp (a pi05-cpu prefill layer's [555, 1024] gated activation 0.24 ms vs 0.44 compiled).
+    Elsewhere, compiled: x * sigmoid(2u) with u = sqrt(2/pi) (x + 0.044715 x^3), the same
+    function (0.5 (1 + tanh u) = sigmoid(2u)), as inductor's CPU kernels take tanh from Sleef
+    at ~2x the cost of the exp a sigmoid needs; eager: torch's fused kernel. The C++ kernel has
+    no gradient: a pass that takes one keeps torch's.
     """
+    if (x.dtype == torch.bfloat16 and x.device.type == 'cpu' and x.numel() >= 2**14
+            and packed_native.activation_ready()
+            and not (torch.is_grad_enabled() and (x.requires_grad or (
+                up is not None and up.requires_grad)))):
+        return torch.ops.oxygen_activation.gelu_tanh(x, up)
     if not torch.compiler.is_compiling():
-        return F.gelu(x, approximate='tanh')
-    x32 = x.float()
-    u = 0.7978845608028654 * (x32 + 0.044715 * x32 * x32 * x32)
-    return (x32 * torch.sigmoid(2.0 * u)).to(x.dtype)
+        y = F.gelu(x, approximate='tanh')
+    else:
+        x32 = x.float()
+        u = 0.7978845608028654 * (x32 + 0.044715 * x32 * x32 * x32)
+        y = (x32 * torch.sigmoid(2.0 * u)).to(x.dtype)
+    return y if up is None else y * up
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

@@ -55,7 +55,7 @@ PACK_FOR_ROWS = 64
 
 
 def reorder(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's packed copy of a bf16 weight [N, K] (an mkldnn tensor)."""
+    """Return oneDNN's packed copy of a bf16 weight [N, K] (an mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
 
 

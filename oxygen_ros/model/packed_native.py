@@ -1,11 +1,13 @@
-"""Build and load the C++ kernels once per machine: the packed linear and the AMX attention.
+"""Build and load the C++ kernels once per machine: packed linear, attention, activation.
 
-packed_linear.cpp (oxygen_packed_native) and attention_kernel.cpp (oxygen_attention) make one
-library, compiled at the first configure that packs weights for compiled passes (~30 s with
-g++, the same compiler inductor needs), into the compile cache next to inductor's kernels, so
-a restart loads it in milliseconds. The file name carries a hash of the sources, the torch
+packed_linear.cpp (oxygen_packed_native), attention_kernel.cpp (oxygen_attention, AMX) and
+activation_kernel.cpp (oxygen_activation, AVX-512) make one library, compiled at the first
+configure that packs weights for compiled passes (~30 s with g++, the same compiler inductor
+needs), into the compile cache next to inductor's kernels, so a restart loads it in
+milliseconds. The file name carries a hash of the sources, the torch
 version and the command, so an upgrade builds it again. Where it cannot build (no compiler,
-an error), `load` says why: model/packed.py keeps its Python kernel and model/gemma.py SDPA.
+an error), `load` says why: model/packed.py keeps its Python kernel and model/gemma.py SDPA
+and torch's GELU.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ from .compiled import cxx_compiler
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ('packed_linear.cpp', 'attention_kernel.cpp'))
+SOURCES = tuple(Path(__file__).with_name(name) for name in
+                ('packed_linear.cpp', 'attention_kernel.cpp', 'activation_kernel.cpp'))
+HEADERS = (Path(__file__).with_name('fast_exp.h'),)
 BUILD_TIMEOUT_S = 300
 _lock = threading.Lock()
 _loaded: Path | None = None
 _attention = False   # the AMX attention runs on this CPU (oxygen_attention::available)
 _attention_on = True
+_activation = False   # the AVX-512 GELU runs on this CPU (oxygen_activation::available)
+_activation_on = True
 
 
 def _command(compiler: str, output: Path) -> list[str]:
@@ -49,7 +54,7 @@ def _command(compiler: str, output: Path) -> list[str]:
 def library_path(cache_dir: Path, compiler: str) -> Path:
     """Where the built kernel for this source, torch and compiler lives under cache_dir."""
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(' '.join(_command(compiler, Path('out'))).encode())
@@ -58,7 +63,7 @@ def library_path(cache_dir: Path, compiler: str) -> Path:
 
 def load(cache_dir: Path) -> str | None:
     """Load the kernel (building it first if no cached build fits); None, or why it failed."""
-    global _loaded, _attention
+    global _loaded, _attention, _activation
     with _lock:
         if _loaded is not None:
             return None
@@ -78,6 +83,9 @@ def load(cache_dir: Path) -> str | None:
         _attention = bool(torch.ops.oxygen_attention.available())
         if _attention:
             torch.library.register_fake('oxygen_attention::attention')(_attention_fake)
+        _activation = bool(torch.ops.oxygen_activation.available())
+        if _activation:
+            torch.library.register_fake('oxygen_activation::gelu_tanh')(_gelu_fake)
         return None
 
 
@@ -130,3 +138,19 @@ def use_attention_kernel(on: bool) -> bool:
 
 def _attention_fake(q, k, v, key_bias):
     return q.new_empty(q.shape)
+
+
+def activation_ready() -> bool:
+    """Whether oxygen_activation::gelu_tanh runs: loaded, the CPU has AVX512-BF16, on."""
+    return _activation and _activation_on
+
+
+def use_activation_kernel(on: bool) -> bool:
+    """Switch the AVX-512 GELU on or off (torch's then); return the old setting (A/B, tests)."""
+    global _activation_on
+    old, _activation_on = _activation_on, on
+    return old
+
+
+def _gelu_fake(x, up):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -1,10 +1,12 @@
-"""The AMX attention (model/attention_kernel.cpp): SDPA's result within bf16, where it runs.
+"""The C++ kernels of attention and activation: torch's results within bf16, where they run.
 
-It serves the folded heads of prefill and denoise at a head dim of 32 in bf16 on a CPU with
-AMX-BF16 (model/gemma.py `amx_attention_applies`). Its speed is the benchmark's
-(`oxygen-ros phases`); here: equal to SDPA within bf16 rounding, masked keys weigh nothing,
-rows independent of each other, the model's passes run it (counted) and give SDPA's
-actions, compiled without a graph break.
+The AMX attention (model/attention_kernel.cpp) serves the folded heads of prefill and denoise
+at a head dim of 32 in bf16 on a CPU with AMX-BF16 (model/gemma.py `amx_attention_applies`);
+the AVX-512 GELU (model/activation_kernel.cpp) a prefill's and the vision tower's activations
+in bf16 (gemma.py `gelu_tanh`). Their speed is the benchmark's (`oxygen-ros phases`); here:
+equal to torch's within bf16 rounding, masked keys weigh nothing, rows independent of each
+other, the model's passes run them (counted) and give torch's results, compiled without a
+graph break.
 """
 
 import pytest
@@ -15,7 +17,9 @@ from oxygen_ros.engine import random_observation, random_setup
 from oxygen_ros.engine.hardware import cpu_flags
 from oxygen_ros.model import packed_native
 from oxygen_ros.model.compiled import cxx_compiler, use_persistent_cache
+from oxygen_ros.model import get_preset
 from oxygen_ros.model.config import _small
+from oxygen_ros.model.gemma import gelu_tanh
 from oxygen_ros.model.packed import use_native_kernel
 
 BF16 = torch.bfloat16
@@ -147,3 +151,77 @@ def test_compiled_prefill_calls_the_kernel_in_one_graph():
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
     ops = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
     assert any('oxygen_attention.attention' in op for op in ops), 'SDPA was traced instead'
+
+
+def activation():
+    """Build (once per machine, cached) and load the C++ kernels; the GELU's ops."""
+    if cxx_compiler() is None:
+        pytest.skip("no C++ compiler: the model keeps torch's GELU")
+    assert use_native_kernel(use_persistent_cache()) is None
+    if not packed_native.activation_ready():
+        pytest.skip("no AVX512-BF16 on this CPU: the model keeps torch's GELU "
+                    '(test_the_gelu_is_offered_where_the_cpu_has_avx512_bf16 checks the rule)')
+    return torch.ops.oxygen_activation
+
+
+def test_the_gelu_is_offered_where_the_cpu_has_avx512_bf16():
+    if cxx_compiler() is None:
+        pytest.skip("no C++ compiler: the model keeps torch's GELU")
+    assert use_native_kernel(use_persistent_cache()) is None
+    assert torch.ops.oxygen_activation.available() == ('avx512_bf16' in cpu_flags())
+
+
+@torch.no_grad()
+def test_gelu_equals_torch_within_a_rounding_gated_and_strided():
+    ops = activation()
+    g = torch.Generator().manual_seed(0)
+    fused = (torch.randn(3, 37, 2 * 100, generator=g) * 3).to(BF16)   # H = 100: a tail of 4
+    gate, up = fused.chunk(2, dim=-1)                     # strided rows, as Gemma's MLP has
+    want = F.gelu(gate.float(), approximate='tanh') * up.float()
+    calls = ops.calls()
+    got = ops.gelu_tanh(gate, up)
+    assert ops.calls() == calls + 1 and got.is_contiguous() and got.shape == gate.shape
+    step = want.abs() * 2.0 ** -7 + 1e-6        # one bf16 step (rounded once, in float32)
+    assert ((got.float() - want).abs() <= step).all()
+    assert torch.equal(got, ops.gelu_tanh(gate.contiguous(), up.contiguous()))
+    alone = ops.gelu_tanh(gate, None).float()
+    assert ((alone - F.gelu(gate.float(), approximate='tanh')).abs()
+            <= F.gelu(gate.float(), approximate='tanh').abs() * 2.0 ** -7 + 1e-6).all()
+    x32 = torch.randn(5, 48, generator=g) * 4         # float32: the polynomial's own error
+    torch.testing.assert_close(ops.gelu_tanh(x32, None), F.gelu(x32, approximate='tanh'),
+                               rtol=1e-4, atol=1e-6)
+    extremes = torch.tensor([-1e4, -30.0, 0.0, 30.0, 1e4], dtype=BF16)
+    assert torch.isfinite(ops.gelu_tanh(extremes, None)).all()
+    with pytest.raises(RuntimeError, match="up must have x's shape"):
+        ops.gelu_tanh(gate, up[:, :5])
+    with pytest.raises(RuntimeError, match='bfloat16 or float32'):
+        ops.gelu_tanh(torch.ones(4, 4, dtype=torch.int32), None)
+
+
+@torch.no_grad()
+def test_a_prefill_and_the_vision_tower_run_the_gelu_and_give_torchs_result():
+    """pi05-cpu's prefill (its [n, 1024] gates and [512, 768] vision activations, over the
+    kernel's 16k-value threshold) runs the kernel; a decode step's few rows do not."""
+    ops = activation()
+    model, frontend = random_setup(get_preset('pi05-cpu'), 'libero', seed=3, dtype=BF16)
+    obs = random_observation('libero', 0, seed=5, image_size=224, instruction='pick up')
+    t = frontend.prepare(obs).tensors
+    frame = (t['images'], t['image_masks'], t['tokens'], t['token_masks'])
+    results = {}
+    for on in (True, False):
+        old = packed_native.use_activation_kernel(on)
+        try:
+            calls = ops.calls()
+            prefix = model.prefill(*frame)
+            results[on] = (prefix.kv.k.float(), prefix.last_hidden.float(), ops.calls() - calls)
+        finally:
+            packed_native.use_activation_kernel(old)
+    cfg = model.config
+    assert results[True][2] == cfg.backbone.depth + cfg.vision.depth
+    assert results[False][2] == 0
+    torch.testing.assert_close(results[True][0], results[False][0], atol=0.05, rtol=0.02)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=0.1, rtol=0.05)
+    few = torch.randn(8, 1024, dtype=BF16)
+    calls = ops.calls()
+    gelu_tanh(few, few)
+    assert ops.calls() == calls, 'a decode step keeps inductor\'s fused activation'
