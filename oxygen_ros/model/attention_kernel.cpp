@@ -210,9 +210,9 @@ attend_rows(const uint16_t* q_rows, const Keys& keys, int64_t n, float scale, fl
                                         _mm512_loadu_ps(bias + c + 16));
       // a masked key's -inf gives exactly 0, not the clamped exp's tiny value
       const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, floor, _CMP_GT_OQ),
-                                            oxygen::fast_exp(_mm512_sub_ps(s0, m)));
+                                            oxygen::fast_exp_nonpositive(_mm512_sub_ps(s0, m)));
       const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, floor, _CMP_GT_OQ),
-                                            oxygen::fast_exp(_mm512_sub_ps(s1, m)));
+                                            oxygen::fast_exp_nonpositive(_mm512_sub_ps(s1, m)));
       _mm512_storeu_si512(probs + r * width + c, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
       sum0 = _mm512_add_ps(sum0, p0);
       sum1 = _mm512_add_ps(sum1, p1);
