@@ -428,5 +428,9 @@ def test_prepare_packs_in_place_above_the_compile_range(monkeypatch):
     plan = prepare.prepare_model(model, 'cpu', 'auto')
     assert not plan.any and plan.packed_in_place and model._packed_in_place
     assert 'weights prepacked in place' in plan.describe()
+    # its eager passes run the library's GELU (full pi05's gates); its linears stay eager's
+    if cxx_compiler() is not None:
+        assert plan.native_kernel and 'packed linear' not in plan.describe()
+        assert ('AVX-512 GELU' in plan.describe()) == packed_native.activation_ready()
     off, _ = random_setup(TINY, 'libero', seed=1, dtype=BF16)
     assert not prepare.prepare_model(off, 'cpu', 'off').packed_bytes and not off.packed

@@ -64,7 +64,7 @@ class CompilePlan:
     seconds: float = 0.0                # warm-up (compile) time, set by the caller
     packed_bytes: int = 0               # weights prepacked for oneDNN (model/packed.py)
     packed_in_place: bool = False       # the packed copies replaced the plain weights
-    native_kernel: bool = False         # compiled graphs call the packed linear's C++ kernel
+    native_kernel: bool = False         # packed_native's C++ library is loaded (its kernels)
 
     def __post_init__(self):
         if self.prefill is None:
@@ -92,13 +92,15 @@ class CompilePlan:
                  if self.packed_in_place else
                  f'backbone{", expert" if self.packed_expert else ""} and LM head on '
                  'prepacked weights')
-        kernel = ''
-        if self.native_kernel:   # the attention comes with the packed linear's library
-            kernel = ', C++ kernel' + (' and AMX attention' if packed_native.attention_ready()
-                                       else '')
-        packed = (f'; {where} ({self.packed_bytes / 2**20:.0f} MB{kernel})'
+        # the kernels of packed_native's library that run (the library is the process's)
+        kernels = [name for name, on in (
+            ('packed linear', self.native_kernel and not self.packed_in_place),
+            ('AMX attention', self.native_kernel and packed_native.attention_ready()),
+            ('AVX-512 GELU', self.native_kernel and packed_native.activation_ready())) if on]
+        kernel = f'; C++ kernels: {", ".join(kernels)}' if kernels else ''
+        packed = (f'; {where} ({self.packed_bytes / 2**20:.0f} MB)'
                   if self.packed_bytes else '')
-        return f'{what}: {self.reason}{packed}'
+        return f'{what}: {self.reason}{packed}{kernel}'
 
 
 def tower_params(model: Pi05Model) -> tuple[int, int, int]:
@@ -203,6 +205,13 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
         elif setting != 'off' and tower_params(model)[1] > MAX_CPU_COMPILE_PARAMS:
             plan.packed_bytes = model.pack_linears(in_place=True)
             plan.packed_in_place = True
+            # eager passes too run the library's GELU (full pi05: its [n, 16384] gates) and,
+            # at a head dim of 32, its attention; the packed linears stay eager's
+            why = use_native_kernel(use_persistent_cache())
+            plan.native_kernel = why is None
+            if why:
+                logger.warning('GELU and attention run torch\'s kernels: the C++ ones did not '
+                               'build (%s)', why)
     cuda = torch.device(device).type == 'cuda'
     mode, config = compile_settings(device)
     # One denoise step as the graph on the CPU: the unrolled loop was half the first
