@@ -225,3 +225,40 @@ def test_a_prefill_and_the_vision_tower_run_the_gelu_and_give_torchs_result():
     calls = ops.calls()
     gelu_tanh(few, few)
     assert ops.calls() == calls, 'a decode step keeps inductor\'s fused activation'
+
+
+@torch.no_grad()
+def test_kernels_serve_threads_at_once():
+    """A fleet's row threads run their graphs at once (without the GIL): each thread's
+    results equal the same calls made alone (the scratch buffers and tile state are per
+    thread)."""
+    import threading
+
+    attention = kernel()
+    gelu = torch.ops.oxygen_activation if packed_native.activation_ready() else None
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for rows, keys in ((80, 565), (300, 555), (33, 40)):
+        q = torch.randn(1, 1, rows, 32, generator=g).to(BF16)
+        k = torch.randn(1, 1, keys, 32, generator=g).to(BF16)
+        v = torch.randn(1, 1, keys, 32, generator=g).to(BF16)
+        x = torch.randn(rows, 512, generator=g).to(BF16)
+        cases.append((q, k, v, x))
+    want = [(attention.attention(q, k, v, None), gelu.gelu_tanh(x, x) if gelu else None)
+            for q, k, v, x in cases]
+    wrong = []
+
+    def row(i):
+        q, k, v, x = cases[i % len(cases)]
+        for _ in range(40):
+            if not torch.equal(attention.attention(q, k, v, None), want[i % len(cases)][0]):
+                wrong.append(('attention', i))
+            if gelu and not torch.equal(gelu.gelu_tanh(x, x), want[i % len(cases)][1]):
+                wrong.append(('gelu', i))
+
+    threads = [threading.Thread(target=row, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not wrong, wrong[:5]
