@@ -53,17 +53,19 @@ def sdpa_reference(q, k, v, bias):
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
 
 
-@pytest.mark.parametrize('B, G, R, K', [(1, 1, 4440, 555), (2, 1, 37, 40), (1, 2, 80, 565),
-                                        (1, 1, 5, 17)])
+@pytest.mark.parametrize('B, G, R, K, D', [(1, 1, 4440, 555, 32), (2, 1, 37, 40, 32),
+                                           (1, 2, 80, 565, 32), (1, 1, 5, 17, 32),
+                                           (2, 4, 256, 256, 48), (1, 2, 45, 70, 64)])
 @torch.no_grad()
-def test_kernel_equals_sdpa_within_bf16_and_keeps_rows_independent(B, G, R, K):
-    """Rows and keys that are no multiple of a tile, batches and groups, masked keys, and K/V
-    read through the strides the model passes (a transposed [B, K, G, D] cache)."""
+def test_kernel_equals_sdpa_within_bf16_and_keeps_rows_independent(B, G, R, K, D):
+    """Rows and keys that are no multiple of a tile, batches and groups, masked keys, K/V
+    read through the strides the model passes (a transposed [B, K, G, D] cache), the head
+    dims of one tile (32: pi05-cpu's backbone) and of two (48: its vision tower, 64)."""
     ops = kernel()
     g = torch.Generator().manual_seed(R + K)
-    q = (torch.randn(B, G, R, 32, generator=g) * 2).to(BF16)
-    k = torch.randn(B, K, G, 32, generator=g).to(BF16).transpose(1, 2)
-    v = torch.randn(B, K, G, 32, generator=g).to(BF16).transpose(1, 2)
+    q = (torch.randn(B, G, R, D, generator=g) * 2).to(BF16)
+    k = torch.randn(B, K, G, D, generator=g).to(BF16).transpose(1, 2)
+    v = torch.randn(B, K, G, D, generator=g).to(BF16).transpose(1, 2)
     valid = torch.rand(B, K, generator=g) > 0.25
     valid[:, 0] = True
     bias = torch.zeros(B, K).masked_fill(~valid, float('-inf'))
@@ -90,8 +92,10 @@ def test_kernel_equals_sdpa_within_bf16_and_keeps_rows_independent(B, G, R, K):
 def test_bad_inputs_are_refused_with_the_reason():
     ops = kernel()
     q = torch.randn(1, 1, 32, 16, dtype=BF16)
-    with pytest.raises(RuntimeError, match='head dim must be 32'):
+    with pytest.raises(RuntimeError, match='head dim must be 32, 48 or 64'):
         ops.attention(q, q, q, None)
+    with pytest.raises(RuntimeError, match='head dim must be 32, 48 or 64'):
+        ops.attention(torch.randn(1, 1, 32, 48, dtype=BF16), q, q, None)
     q = torch.randn(1, 1, 32, 32)
     with pytest.raises(RuntimeError, match='bfloat16'):
         ops.attention(q, q, q, None)
@@ -201,22 +205,27 @@ def test_gelu_equals_torch_within_a_rounding_gated_and_strided():
 @torch.no_grad()
 def test_a_prefill_and_the_vision_tower_run_the_gelu_and_give_torchs_result():
     """pi05-cpu's prefill (its [n, 1024] gates and [512, 768] vision activations, over the
-    kernel's 16k-value threshold) runs the kernel; a decode step's few rows do not."""
+    kernel's 16k-value threshold) runs the kernel; a decode step's few rows do not. Its
+    attention (backbone and vision tower) runs on AMX tiles where the CPU has them."""
     ops = activation()
     model, frontend = random_setup(get_preset('pi05-cpu'), 'libero', seed=3, dtype=BF16)
     obs = random_observation('libero', 0, seed=5, image_size=224, instruction='pick up')
     t = frontend.prepare(obs).tensors
     frame = (t['images'], t['image_masks'], t['tokens'], t['token_masks'])
     results = {}
+    attention_calls = torch.ops.oxygen_attention.calls if packed_native.attention_ready() else None
     for on in (True, False):
         old = packed_native.use_activation_kernel(on)
         try:
             calls = ops.calls()
+            attended = attention_calls() if attention_calls else 0
             prefix = model.prefill(*frame)
             results[on] = (prefix.kv.k.float(), prefix.last_hidden.float(), ops.calls() - calls)
         finally:
             packed_native.use_activation_kernel(old)
     cfg = model.config
+    if attention_calls:   # the backbone's head dim 32 and the vision tower's 48 on AMX tiles
+        assert attention_calls() - attended == cfg.backbone.depth + cfg.vision.depth
     assert results[True][2] == cfg.backbone.depth + cfg.vision.depth
     assert results[False][2] == 0
     torch.testing.assert_close(results[True][0], results[False][0], atol=0.05, rtol=0.02)

@@ -1,20 +1,22 @@
-// Softmax attention on AMX tiles: oxygen_attention::attention, for prefill and denoise.
+// Softmax attention on AMX tiles: oxygen_attention::attention (prefill, denoise, vision).
 //
 // Why: pi05-cpu's prefill attends 8 query heads x 555 positions to one K/V head of 555 keys
 // at a head dim of 32, in six layers. ATen's flash kernel takes ~1.9 ms a layer for it (0.8 ns
 // a score): at K = 32 its matmuls are too thin for their set-up, and its exp is the accurate
 // one. Here 32 query rows meet all keys at once (a row's 555 scores fit in L1): QK^T and PV
 // run on AMX tiles (one TDPBF16PS per 16 rows x 16 keys x 32 dims), the softmax in AVX-512
-// with a short polynomial exp (relative error ~3e-6, far under bf16's 4e-3): ~1.0 ms a layer,
-// measured alone on the AMX Xeon.
+// with a short polynomial exp (fast_exp.h; relative error ~3e-6, far under bf16's 4e-3):
+// ~1.0 ms a layer, measured alone on the AMX Xeon. Head dims 48 and 64 (the vision tower's
+// 48) take a second tile for the dims past 32.
 //
-// Contract (model/gemma.py `amx_attention_applies` decides when it runs): q [B, G, R, 32]
-// (the heads sharing a K/V head folded into rows), k, v [B, G, K, 32], bf16 on the CPU, any
-// strides; key_bias [B, K] fp32 or bf16, added to the scores (0, or -inf for a masked key),
-// or none; scale 32^-0.5. Returns [B, G, R, 32] bf16: SDPA's result within bf16 rounding
-// (P is rounded to bf16 for PV as in ATen's kernel; maxima and sums are fp32). A masked key
-// weighs exactly 0, and every row is computed alone: a row's result does not depend on the
-// others. packed_native.py builds this file with packed_linear.cpp; nothing else includes it.
+// Contract (model/gemma.py `amx_attention_applies` decides when it runs): q [B, G, R, D]
+// (the heads sharing a K/V head folded into rows, or one head's rows), k, v [B, G, K, D],
+// D in {32, 48, 64}, bf16 on the CPU, any strides; key_bias [B, K] fp32 or bf16, added to the
+// scores (0, or -inf for a masked key), or none; scale D^-0.5. Returns [B, G, R, D] bf16:
+// SDPA's result within bf16 rounding (P is rounded to bf16 for PV as in ATen's kernel;
+// maxima and sums are fp32). A masked key weighs exactly 0, and every row is computed alone:
+// a row's result does not depend on the others. packed_native.py builds this file with the
+// other kernels; nothing else includes it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,7 +38,7 @@
 
 namespace {
 
-constexpr int64_t kHeadDim = 32;  // the one head dim this kernel takes
+constexpr int64_t kMaxHeadDim = 64;  // head dims taken: 32 (one tile wide), 48, 64 (two)
 constexpr int64_t kTileRows = 16;  // rows of a tile
 constexpr int64_t kRows = 32;     // query rows a step (two row tiles)
 constexpr int64_t kKeys = 16;     // keys per QK^T tile (its N)
@@ -66,17 +68,19 @@ struct alignas(64) TileConfig {
 };
 
 // One (batch, group): keys in the two layouts the tiles read, padded to whole chunks of 32.
-//   k_pairs [2 * chunks][16 pairs][16 keys][2]: a QK^T B tile per block of 16 keys
-//   v_pairs [chunks][2 halves][16 pairs][16 dims][2]: a PV B tile per 32 keys and 16 dims
+//   k_pairs [2 * chunks][D/2 pairs][16 keys][2]: QK^T B tiles per block of 16 keys (16 pairs
+//     of dims a tile, a second for dims past 32)
+//   v_pairs [chunks][D/16 dim tiles][16 pairs][16 dims][2]: a PV B tile per 32 keys, 16 dims
 //   bias [chunks * 32]: the key's bias (0, or -inf for a masked key); -inf for padding
 // The buffers are reused from call to call (arrange_keys overwrites all of them).
 struct Keys {
   std::vector<uint16_t> k_pairs, v_pairs;
   std::vector<float> bias;
   int64_t chunks = 0;
+  int64_t dim = 0;  // D
 };
 
-// A [K, 32] bf16 matrix as its pointer and strides (keys, dims).
+// A [K, D] bf16 matrix as its pointer and strides (keys, dims).
 struct Rows {
   const uint16_t* data;
   int64_t key_stride, dim_stride;
@@ -96,30 +100,29 @@ struct Bias {
   }
 };
 
-// V rows 2p and 2p + 1 [32 dims] -> their pairs, dims 0-15 and 16-31 (a B tile's row each)
+// V rows 2p and 2p + 1, dims 16t..16t+15 -> their pairs (one B tile's row)
 __attribute__((target("avx512f,avx512bw"))) void interleave_rows(const uint16_t* a,
                                                                  const uint16_t* b,
-                                                                 uint16_t* low, uint16_t* high) {
-  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6,
-                                                38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12,
-                                                44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo = _mm512_load_si512(kLow);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  const __m512i ra = _mm512_loadu_si512(a), rb = _mm512_loadu_si512(b);
-  _mm512_storeu_si512(low, _mm512_permutex2var_epi16(ra, lo, rb));
-  _mm512_storeu_si512(high, _mm512_permutex2var_epi16(ra, hi, rb));
+                                                                 uint16_t* out) {
+  alignas(64) static const uint16_t kPairs[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
+                                                  6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
+                                                  12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i ra = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a));
+  const __m512i rb = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)b));
+  _mm512_storeu_si512(out, _mm512_permutex2var_epi16(ra, _mm512_load_si512(kPairs), rb));
 }
 
-void arrange_keys(Rows k, Rows v, int64_t K, Bias bias, Keys& keys) {
+void arrange_keys(Rows k, Rows v, int64_t K, int64_t D, Bias bias, Keys& keys) {
   keys.chunks = (K + kChunk - 1) / kChunk;
+  keys.dim = D;
   const int64_t width = keys.chunks * kChunk;
-  keys.k_pairs.resize(width * kHeadDim);
-  keys.v_pairs.resize(width * kHeadDim);
+  keys.k_pairs.resize(width * D);
+  keys.v_pairs.resize(width * D);
   keys.bias.resize(width);
   // padding keys: zero (finite scores, which their -inf bias then drops)
   const int64_t last = (keys.chunks - 1) * kChunk;
-  std::fill(keys.k_pairs.begin() + last * kHeadDim, keys.k_pairs.end(), 0);
-  std::fill(keys.v_pairs.begin() + last * kHeadDim, keys.v_pairs.end(), 0);
+  std::fill(keys.k_pairs.begin() + last * D, keys.k_pairs.end(), 0);
+  std::fill(keys.v_pairs.begin() + last * D, keys.v_pairs.end(), 0);
   std::fill(keys.bias.begin() + K, keys.bias.end(), -std::numeric_limits<float>::infinity());
   const bool dense = k.dim_stride == 1 && v.dim_stride == 1 && k.key_stride % 2 == 0;
   auto* k32 = reinterpret_cast<uint32_t*>(keys.k_pairs.data());
@@ -128,54 +131,53 @@ void arrange_keys(Rows k, Rows v, int64_t K, Bias bias, Keys& keys) {
     const uint16_t* row = k.data + key * k.key_stride;
     if (dense) {  // a pair of dims is one 32-bit word
       const auto* pairs = reinterpret_cast<const uint32_t*>(row);
-      for (int64_t p = 0; p < kHeadDim / 2; ++p) {
-        k32[(blk * (kHeadDim / 2) + p) * kKeys + j] = pairs[p];
+      for (int64_t p = 0; p < D / 2; ++p) {
+        k32[(blk * (D / 2) + p) * kKeys + j] = pairs[p];
       }
     } else {
-      for (int64_t d = 0; d < kHeadDim; ++d) {
-        keys.k_pairs[((blk * (kHeadDim / 2) + d / 2) * kKeys + j) * 2 + d % 2] =
-            row[d * k.dim_stride];
+      for (int64_t d = 0; d < D; ++d) {
+        keys.k_pairs[((blk * (D / 2) + d / 2) * kKeys + j) * 2 + d % 2] = row[d * k.dim_stride];
       }
     }
     keys.bias[key] = bias.at(key);
   }
-  static const uint16_t zero[kHeadDim] = {};
+  static const uint16_t zero[kMaxHeadDim] = {};
   for (int64_t key = 0; key < K; key += 2) {
     const int64_t chunk = key / kChunk, pair = (key % kChunk) / 2;
-    uint16_t* low = keys.v_pairs.data() + ((chunk * 2 + 0) * 16 + pair) * 32;
-    uint16_t* high = keys.v_pairs.data() + ((chunk * 2 + 1) * 16 + pair) * 32;
-    if (dense) {
-      interleave_rows(v.data + key * v.key_stride,
-                      key + 1 < K ? v.data + (key + 1) * v.key_stride : zero, low, high);
-    } else {
-      for (int64_t e = 0; e < 2 && key + e < K; ++e) {
-        for (int64_t d = 0; d < kHeadDim; ++d) {
-          (d < 16 ? low : high)[(d % 16) * 2 + e] =
-              v.data[(key + e) * v.key_stride + d * v.dim_stride];
+    for (int64_t t = 0; t < D / 16; ++t) {
+      uint16_t* out = keys.v_pairs.data() + ((chunk * (D / 16) + t) * 16 + pair) * 32;
+      if (dense) {
+        interleave_rows(v.data + key * v.key_stride + 16 * t,
+                        key + 1 < K ? v.data + (key + 1) * v.key_stride + 16 * t : zero, out);
+      } else {
+        for (int64_t e = 0; e < 2 && key + e < K; ++e) {
+          for (int64_t d = 0; d < 16; ++d) {
+            out[d * 2 + e] = v.data[(key + e) * v.key_stride + (16 * t + d) * v.dim_stride];
+          }
         }
       }
     }
   }
 }
 
-// 32 query rows of one (batch, group): q_rows [32][32] bf16 (rows past n zero) -> out [n][32].
-// Two row tiles at once give the tile unit independent products to overlap: QK^T keeps four
-// accumulators (2 row halves x 2 key blocks), PV four (2 row halves x 2 dim halves).
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,amx-tile,amx-bf16"))) void
-attend_rows(const uint16_t* q_rows, const Keys& keys, int64_t n, float scale, float* scores,
-            uint16_t* probs, float* acc, uint16_t* out) {
-  const int64_t width = keys.chunks * kChunk;  // scores per row
+// The tile unit gets independent products to overlap from two row tiles of 16 at once.
+//
+// QK^T at D = 32 (one tile wide): tiles 0, 1 the row halves of Q; 2, 5 two key blocks; 3, 4,
+// 6, 7 their scores (four accumulators).
+__attribute__((target("amx-tile,amx-bf16"))) void scores_narrow(const uint16_t* q_rows,
+                                                                const Keys& keys,
+                                                                float* scores) {
+  const int64_t width = keys.chunks * kChunk, D = keys.dim;
   const uint16_t* kp = keys.k_pairs.data();
-  // S = Q K^T: tiles 0, 1 the row halves; 2, 5 two key blocks; 3, 4, 6, 7 their scores
-  _tile_loadd(0, q_rows, kHeadDim * 2);
-  _tile_loadd(1, q_rows + kTileRows * kHeadDim, kHeadDim * 2);
+  _tile_loadd(0, q_rows, D * 2);
+  _tile_loadd(1, q_rows + kTileRows * D, D * 2);
   for (int64_t c = 0; c < keys.chunks; ++c) {
     _tile_zero(3);
     _tile_zero(4);
     _tile_zero(6);
     _tile_zero(7);
-    _tile_loadd(2, kp + (2 * c) * kKeys * kHeadDim, 64);
-    _tile_loadd(5, kp + (2 * c + 1) * kKeys * kHeadDim, 64);
+    _tile_loadd(2, kp + (2 * c) * kKeys * D, 64);
+    _tile_loadd(5, kp + (2 * c + 1) * kKeys * D, 64);
     _tile_dpbf16ps(3, 0, 2);
     _tile_dpbf16ps(4, 1, 2);
     _tile_dpbf16ps(6, 0, 5);
@@ -186,12 +188,41 @@ attend_rows(const uint16_t* q_rows, const Keys& keys, int64_t n, float scale, fl
     _tile_stored(6, at + kKeys, width * 4);
     _tile_stored(7, at + kTileRows * width + kKeys, width * 4);
   }
-  // P = exp(S scale + bias - max), unnormalised, in bf16; the row sums in fp32. A row is
-  // read twice (max, then exp) rather than stored scaled: the fmadd is cheaper than a store.
+}
+
+// QK^T at D = 48 or 64 (two tiles wide: dims 0-31, then the rest): tiles 0, 1 the first row
+// half's two parts, 2, 3 the second's; 4, 5 a key block's two parts; 6, 7 its scores.
+__attribute__((target("amx-tile,amx-bf16"))) void scores_wide(const uint16_t* q_rows,
+                                                              const Keys& keys, float* scores) {
+  const int64_t width = keys.chunks * kChunk, D = keys.dim;
+  const uint16_t* kp = keys.k_pairs.data();
+  _tile_loadd(0, q_rows, D * 2);
+  _tile_loadd(1, q_rows + 32, D * 2);
+  _tile_loadd(2, q_rows + kTileRows * D, D * 2);
+  _tile_loadd(3, q_rows + kTileRows * D + 32, D * 2);
+  for (int64_t b = 0; b < 2 * keys.chunks; ++b) {
+    const uint16_t* block = kp + b * kKeys * D;  // [D/2 pairs][16 keys][2]
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_loadd(4, block, 64);
+    _tile_loadd(5, block + 16 * 32, 64);  // from pair 16 (dim 32) on
+    _tile_dpbf16ps(6, 0, 4);
+    _tile_dpbf16ps(7, 2, 4);
+    _tile_dpbf16ps(6, 1, 5);
+    _tile_dpbf16ps(7, 3, 5);
+    _tile_stored(6, scores + b * kKeys, width * 4);
+    _tile_stored(7, scores + kTileRows * width + b * kKeys, width * 4);
+  }
+}
+
+// P = exp(S scale + bias - max), unnormalised, in bf16; 1 / the row sums (fp32) in inv_sum.
+// A row is read twice (max, then exp) rather than stored scaled: the fmadd costs less.
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void softmax_rows(
+    const Keys& keys, float scale, const float* scores, uint16_t* probs, float* inv_sum) {
+  const int64_t width = keys.chunks * kChunk;
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 floor = _mm512_set1_ps(-1e30f);
   const float* bias = keys.bias.data();
-  float inv_sum[kRows];
   for (int64_t r = 0; r < kRows; ++r) {
     const float* row = scores + r * width;
     __m512 max0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), max1 = max0;
@@ -219,50 +250,96 @@ attend_rows(const uint16_t* q_rows, const Keys& keys, int64_t n, float scale, fl
     }
     inv_sum[r] = 1.0f / _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
   }
-  // O = P V, 32 keys a step: tiles 0, 1 the row halves of P; 2, 3 the dim halves of V
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+}
+
+// O = P V [32][D] fp32 into acc, 32 keys a step. D = 32: tiles 0, 1 the row halves of P; 2, 3
+// the dim halves of V; 4-7 the four outputs. Wider: one dim tile of 16 at a time, tiles 0, 2
+// the row halves of P, 4 the V tile, 6, 7 the outputs.
+__attribute__((target("amx-tile,amx-bf16"))) void values(const Keys& keys,
+                                                         const uint16_t* probs, float* acc) {
+  const int64_t width = keys.chunks * kChunk, D = keys.dim;
   const uint16_t* vp = keys.v_pairs.data();
-  for (int64_t c = 0; c < keys.chunks; ++c) {
-    _tile_loadd(0, probs + c * kChunk, width * 2);
-    _tile_loadd(1, probs + kTileRows * width + c * kChunk, width * 2);
-    _tile_loadd(2, vp + (c * 2 + 0) * 16 * 32, 64);
-    _tile_loadd(3, vp + (c * 2 + 1) * 16 * 32, 64);
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_dpbf16ps(5, 0, 3);
-    _tile_dpbf16ps(6, 1, 2);
-    _tile_dpbf16ps(7, 1, 3);
+  if (D == 32) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t c = 0; c < keys.chunks; ++c) {
+      _tile_loadd(0, probs + c * kChunk, width * 2);
+      _tile_loadd(1, probs + kTileRows * width + c * kChunk, width * 2);
+      _tile_loadd(2, vp + (c * 2 + 0) * 16 * 32, 64);
+      _tile_loadd(3, vp + (c * 2 + 1) * 16 * 32, 64);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 0, 3);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+    _tile_stored(4, acc, D * 4);
+    _tile_stored(5, acc + 16, D * 4);
+    _tile_stored(6, acc + kTileRows * D, D * 4);
+    _tile_stored(7, acc + kTileRows * D + 16, D * 4);
+    return;
   }
-  _tile_stored(4, acc, kHeadDim * 4);
-  _tile_stored(5, acc + 16, kHeadDim * 4);
-  _tile_stored(6, acc + kTileRows * kHeadDim, kHeadDim * 4);
-  _tile_stored(7, acc + kTileRows * kHeadDim + 16, kHeadDim * 4);
+  for (int64_t t = 0; t < D / 16; ++t) {
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t c = 0; c < keys.chunks; ++c) {
+      _tile_loadd(0, probs + c * kChunk, width * 2);
+      _tile_loadd(2, probs + kTileRows * width + c * kChunk, width * 2);
+      _tile_loadd(4, vp + (c * (D / 16) + t) * 16 * 32, 64);
+      _tile_dpbf16ps(6, 0, 4);
+      _tile_dpbf16ps(7, 2, 4);
+    }
+    _tile_stored(6, acc + 16 * t, D * 4);
+    _tile_stored(7, acc + kTileRows * D + 16 * t, D * 4);
+  }
+}
+
+// 32 query rows of one (batch, group): q_rows [32][D] bf16 (rows past n zero) -> out [n][D].
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void attend_rows(
+    const uint16_t* q_rows, const Keys& keys, int64_t n, float scale, float* scores,
+    uint16_t* probs, float* acc, uint16_t* out) {
+  const int64_t D = keys.dim;
+  if (D == 32) {
+    scores_narrow(q_rows, keys, scores);
+  } else {
+    scores_wide(q_rows, keys, scores);
+  }
+  float inv_sum[kRows];
+  softmax_rows(keys, scale, scores, probs, inv_sum);
+  values(keys, probs, acc);
   for (int64_t r = 0; r < n; ++r) {
-    for (int64_t half = 0; half < 2; ++half) {
-      const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + r * kHeadDim + half * 16),
+    for (int64_t t = 0; t < D / 16; ++t) {
+      const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + t * 16),
                                      _mm512_set1_ps(inv_sum[r]));
-      const __m256bh rounded = _mm512_cvtneps_pbh(o);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * kHeadDim + half * 16),
-                          (__m256i)rounded);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * D + t * 16),
+                          (__m256i)_mm512_cvtneps_pbh(o));
     }
   }
 }
 
-// Eight tiles of 16 rows x 64 bytes: QK^T uses 0 (Q), 1 (K pairs), 2 (S); PV 3 (P), 4 and 5
-// (V pairs, dims 0-15 and 16-31), 6 and 7 (O). A global, not a local: GCC 12 drops the stores
-// to a local config as dead (it does not see ldtilecfg read them), and the load then faults.
-const TileConfig kTiles = [] {
+// The tile shapes, one config per head dim (see scores_narrow, scores_wide, values). Globals,
+// not locals: GCC 12 drops the stores to a local config as dead (it does not see ldtilecfg
+// read them), and the load then faults.
+TileConfig tile_config(int64_t D) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = 16;
     config.colsb[t] = 64;
   }
+  if (D > 32) {   // the second parts: Q's dims past 32 (tiles 1, 3), K's pairs past 16 (5)
+    config.colsb[1] = config.colsb[3] = static_cast<uint16_t>((D - 32) * 2);
+    config.rows[5] = static_cast<uint8_t>((D - 32) / 2);
+  }
   return config;
-}();
+}
 
-__attribute__((target("amx-tile"))) void configure_tiles() { _tile_loadconfig(&kTiles); }
+const TileConfig kTiles32 = tile_config(32), kTiles48 = tile_config(48),
+                 kTiles64 = tile_config(64);
+
+__attribute__((target("amx-tile"))) void configure_tiles(int64_t D) {
+  _tile_loadconfig(D == 32 ? &kTiles32 : D == 48 ? &kTiles48 : &kTiles64);
+}
 
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
@@ -274,8 +351,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const std::optional<at::Tensor>& key_bias) {
   TORCH_CHECK(amx_ready(), "oxygen_attention::attention needs AMX-BF16 (available() says)");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, G, rows, D]");
-  TORCH_CHECK(q.size(3) == kHeadDim && k.size(3) == kHeadDim && v.size(3) == kHeadDim,
-              "head dim must be 32");
+  const int64_t D = q.size(3);
+  TORCH_CHECK((D == 32 || D == 48 || D == 64) && k.size(3) == D && v.size(3) == D,
+              "head dim must be 32, 48 or 64 (q, k and v alike), got ", D);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16, "q, k, v must be bfloat16");
   const int64_t B = q.size(0), G = q.size(1), R = q.size(2), K = k.size(2);
@@ -288,8 +366,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                 "key_bias must be [B, K], got ", key_bias->sizes());
   }
   call_count.fetch_add(1, std::memory_order_relaxed);
-  auto out = at::empty({B, G, R, kHeadDim}, q.options());
-  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  auto out = at::empty({B, G, R, D}, q.options());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   thread_local std::vector<Keys> keys;  // this caller's; the workers below only read them
   if (static_cast<int64_t>(keys.size()) < B * G) keys.resize(B * G);
   const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
@@ -302,7 +380,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       row_bias.data = static_cast<const char*>(bias.data_ptr()) + b * K * bias.element_size();
     }
     arrange_keys({kd + b * k.stride(0) + g * k.stride(1), k.stride(2), k.stride(3)},
-                 {vd + b * v.stride(0) + g * v.stride(1), v.stride(2), v.stride(3)}, K,
+                 {vd + b * v.stride(0) + g * v.stride(1), v.stride(2), v.stride(3)}, K, D,
                  row_bias, keys[bg]);
   }
   const int64_t row_blocks = (R + kRows - 1) / kRows;
@@ -315,9 +393,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     thread_local std::vector<uint16_t> probs, q_rows;
     scores.resize(kRows * width);
     probs.resize(kRows * width);
-    acc.resize(kRows * kHeadDim);
-    q_rows.resize(kRows * kHeadDim);
-    configure_tiles();
+    acc.resize(kRows * D);
+    q_rows.resize(kRows * D);
+    configure_tiles(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bg = item / row_blocks, r0 = (item % row_blocks) * kRows;
       const int64_t b = bg / G, g = bg % G, n = std::min(kRows, R - r0);
@@ -325,15 +403,15 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       const uint16_t* first = qd + b * qs[0] + g * qs[1] + r0 * qs[2];
       for (int64_t r = 0; r < n; ++r) {
         if (qs[3] == 1) {
-          std::memcpy(&q_rows[r * kHeadDim], first + r * qs[2], kHeadDim * 2);
+          std::memcpy(&q_rows[r * D], first + r * qs[2], D * 2);
         } else {
-          for (int64_t d = 0; d < kHeadDim; ++d) {
-            q_rows[r * kHeadDim + d] = first[r * qs[2] + d * qs[3]];
+          for (int64_t d = 0; d < D; ++d) {
+            q_rows[r * D + d] = first[r * qs[2] + d * qs[3]];
           }
         }
       }
       attend_rows(q_rows.data(), keys[bg], n, scale, scores.data(), probs.data(), acc.data(),
-                  od + ((b * G + g) * R + r0) * kHeadDim);
+                  od + ((b * G + g) * R + r0) * D);
     }
     release_tiles();
   });

@@ -323,14 +323,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def amx_attention_applies(folded: torch.Tensor) -> bool:
-    """Whether heads folded into rows [B, G, rQ, D] attend through the AMX kernel, not SDPA.
+    """Whether the rows of queries [B, G, rows, D] attend through the AMX kernel, not SDPA.
 
-    It takes bf16 at a head dim of 32 on a CPU with AMX-BF16 (packed_native.attention_ready;
-    attention_kernel.cpp says why), 32 rows or more a group: it computes rows 32 at a time,
-    and a decode step's 8 run faster in SDPA. It has no gradient: a pass that takes one
+    It takes bf16 at a head dim of 32, 48 or 64 on a CPU with AMX-BF16
+    (packed_native.attention_ready; attention_kernel.cpp says why), 32 rows or more a group
+    (heads sharing a K/V head folded into rows, or one head's): it computes rows 32 at a
+    time, and a decode step's 8 run faster in SDPA. It has no gradient: a pass that takes one
     (guided real-time chunking) keeps SDPA.
     """
-    return (folded.shape[-1] == 32 and folded.shape[2] >= 32 and folded.dtype == torch.bfloat16
+    return (folded.shape[-1] in (32, 48, 64) and folded.shape[2] >= 32
+            and folded.dtype == torch.bfloat16
             and folded.device.type == 'cpu' and packed_native.attention_ready()
             and not (folded.requires_grad and torch.is_grad_enabled()))
 

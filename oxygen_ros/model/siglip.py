@@ -11,7 +11,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import SiglipConfig
-from .gemma import fuse_linears, gelu_tanh
+from .gemma import amx_attention_applies, fuse_linears, gelu_tanh
 
 LN_EPS = 1e-6
 
@@ -55,7 +55,11 @@ class SiglipAttention(nn.Module):
             q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).chunk(3, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
+        q, k, v = heads(q), heads(k), heads(v)
+        if amx_attention_applies(q):   # pi05-cpu's head dim 48 (So400m's 72 is not taken)
+            out = torch.ops.oxygen_attention.attention(q, k, v, None)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v)
         return self.out_proj(out.transpose(1, 2).reshape(B, Ti, Wv))
 
 
