@@ -29,23 +29,37 @@ HEAD_DIM_32 = _small(width=64, expert_width=32, depth=2, heads=4, head_dim=32, v
                      action_horizon=8, num_steps=3)
 
 
-def kernel():
+def library():
     """Build (once per machine, cached) and load the C++ kernels, as prepare does."""
     if cxx_compiler() is None:
-        pytest.skip('no C++ compiler: the model keeps SDPA')
+        pytest.skip("no C++ compiler: the model keeps torch's attention and GELU")
     assert use_native_kernel(use_persistent_cache()) is None
-    if not packed_native.attention_ready():
-        pytest.skip('no AMX-BF16 on this CPU: the model keeps SDPA '
-                    '(test_the_kernel_is_offered_where_the_cpu_has_amx checks the rule)')
-    return torch.ops.oxygen_attention
 
 
-def test_the_kernel_is_offered_where_the_cpu_has_amx():
-    if cxx_compiler() is None:
-        pytest.skip('no C++ compiler: the model keeps SDPA')
-    assert use_native_kernel(use_persistent_cache()) is None
-    assert torch.ops.oxygen_attention.available() == ('amx_bf16' in cpu_flags())
-    assert packed_native.attention_ready() == torch.ops.oxygen_attention.available()
+def loaded(space: str, needs: str):
+    """The ops of kernel `space` (oxygen_attention, oxygen_activation); skip without `needs`."""
+    library()
+    if not packed_native.ready(space):
+        pytest.skip(f"no {needs} on this CPU: the model keeps torch's op "
+                    '(test_each_kernel_is_offered_where_the_cpu_has_what_it_needs checks it)')
+    return getattr(torch.ops, space)
+
+
+def kernel():
+    return loaded('oxygen_attention', 'AMX-BF16')
+
+
+def activation():
+    return loaded('oxygen_activation', 'AVX512-BF16')
+
+
+@pytest.mark.parametrize('space, flag', [('oxygen_attention', 'amx_bf16'),
+                                         ('oxygen_activation', 'avx512_bf16')])
+def test_each_kernel_is_offered_where_the_cpu_has_what_it_needs(space, flag):
+    library()
+    ops = getattr(torch.ops, space)
+    assert ops.available() == (flag in cpu_flags())
+    assert packed_native.ready(space) == ops.available()
 
 
 def sdpa_reference(q, k, v, bias):
@@ -116,14 +130,14 @@ def test_prefill_and_denoise_attend_through_the_kernel_and_give_sdpa_actions():
                         generator=torch.Generator().manual_seed(0))
     results = {}
     for on in (True, False):
-        old = packed_native.use_attention_kernel(on)
+        old = packed_native.use_kernel('oxygen_attention', on)
         try:
             calls = ops.calls()
             prefix = model.prefill(*frame)
             actions = model.sample_actions(prefix, noise)
             results[on] = (prefix.kv.k.float(), actions, ops.calls() - calls)
         finally:
-            packed_native.use_attention_kernel(old)
+            packed_native.use_kernel('oxygen_attention', old)
     depth, steps = HEAD_DIM_32.backbone.depth, HEAD_DIM_32.num_steps
     assert results[True][2] == depth + depth * steps, 'every prefill and denoise layer'
     assert results[False][2] == 0
@@ -155,24 +169,6 @@ def test_compiled_prefill_calls_the_kernel_in_one_graph():
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
     ops = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
     assert any('oxygen_attention.attention' in op for op in ops), 'SDPA was traced instead'
-
-
-def activation():
-    """Build (once per machine, cached) and load the C++ kernels; the GELU's ops."""
-    if cxx_compiler() is None:
-        pytest.skip("no C++ compiler: the model keeps torch's GELU")
-    assert use_native_kernel(use_persistent_cache()) is None
-    if not packed_native.activation_ready():
-        pytest.skip("no AVX512-BF16 on this CPU: the model keeps torch's GELU "
-                    '(test_the_gelu_is_offered_where_the_cpu_has_avx512_bf16 checks the rule)')
-    return torch.ops.oxygen_activation
-
-
-def test_the_gelu_is_offered_where_the_cpu_has_avx512_bf16():
-    if cxx_compiler() is None:
-        pytest.skip("no C++ compiler: the model keeps torch's GELU")
-    assert use_native_kernel(use_persistent_cache()) is None
-    assert torch.ops.oxygen_activation.available() == ('avx512_bf16' in cpu_flags())
 
 
 @torch.no_grad()
@@ -213,16 +209,17 @@ def test_a_prefill_and_the_vision_tower_run_the_gelu_and_give_torchs_result():
     t = frontend.prepare(obs).tensors
     frame = (t['images'], t['image_masks'], t['tokens'], t['token_masks'])
     results = {}
-    attention_calls = torch.ops.oxygen_attention.calls if packed_native.attention_ready() else None
+    attention = packed_native.ready('oxygen_attention')
+    attention_calls = torch.ops.oxygen_attention.calls if attention else None
     for on in (True, False):
-        old = packed_native.use_activation_kernel(on)
+        old = packed_native.use_kernel('oxygen_activation', on)
         try:
             calls = ops.calls()
             attended = attention_calls() if attention_calls else 0
             prefix = model.prefill(*frame)
             results[on] = (prefix.kv.k.float(), prefix.last_hidden.float(), ops.calls() - calls)
         finally:
-            packed_native.use_activation_kernel(old)
+            packed_native.use_kernel('oxygen_activation', old)
     cfg = model.config
     if attention_calls:   # the backbone's head dim 32 and the vision tower's 48 on AMX tiles
         assert attention_calls() - attended == cfg.backbone.depth + cfg.vision.depth
@@ -244,7 +241,7 @@ def test_kernels_serve_threads_at_once():
     import threading
 
     attention = kernel()
-    gelu = torch.ops.oxygen_activation if packed_native.activation_ready() else None
+    gelu = torch.ops.oxygen_activation if packed_native.ready('oxygen_activation') else None
     g = torch.Generator().manual_seed(7)
     cases = []
     for rows, keys in ((80, 565), (300, 555), (33, 40)):

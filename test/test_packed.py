@@ -431,6 +431,6 @@ def test_prepare_packs_in_place_above_the_compile_range(monkeypatch):
     # its eager passes run the library's GELU (full pi05's gates); its linears stay eager's
     if cxx_compiler() is not None:
         assert plan.native_kernel and 'packed linear' not in plan.describe()
-        assert ('AVX-512 GELU' in plan.describe()) == packed_native.activation_ready()
+        assert ('AVX-512 GELU' in plan.describe()) == packed_native.ready('oxygen_activation')
     off, _ = random_setup(TINY, 'libero', seed=1, dtype=BF16)
     assert not prepare.prepare_model(off, 'cpu', 'off').packed_bytes and not off.packed

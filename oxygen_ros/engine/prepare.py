@@ -94,9 +94,10 @@ class CompilePlan:
                  'prepacked weights')
         # the kernels of packed_native's library that run (the library is the process's)
         kernels = [name for name, on in (
-            ('packed linear', self.native_kernel and not self.packed_in_place),
-            ('AMX attention', self.native_kernel and packed_native.attention_ready()),
-            ('AVX-512 GELU', self.native_kernel and packed_native.activation_ready())) if on]
+            ('packed linear', not self.packed_in_place),
+            ('AMX attention', packed_native.ready('oxygen_attention')),
+            ('AVX-512 GELU', packed_native.ready('oxygen_activation'))) if on]
+        kernels = kernels if self.native_kernel else []
         kernel = f'; C++ kernels: {", ".join(kernels)}' if kernels else ''
         packed = (f'; {where} ({self.packed_bytes / 2**20:.0f} MB)'
                   if self.packed_bytes else '')

@@ -230,7 +230,7 @@ def _concat_params(modules: list[nn.Module], name: str) -> torch.Tensor:
 def gelu_tanh(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """GELU, tanh approximation (Gemma's and SigLIP's activation), times `up` when given.
 
-    bf16 on a CPU with AVX512-BF16 (the C++ kernels loaded: packed_native.activation_ready),
+    bf16 on a CPU with AVX512-BF16 (the C++ kernels loaded: packed_native.ready),
     16k values or more (a prefill's or the vision tower's; a decode or denoise step's few
     rows stay in inductor's fused kernels): activation_kernel.cpp, one pass with a polynomial
     exp (a pi05-cpu prefill layer's [555, 1024] gated activation 0.24 ms vs 0.44 compiled).
@@ -240,7 +240,7 @@ def gelu_tanh(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     no gradient: a pass that takes one keeps torch's.
     """
     if (x.dtype == torch.bfloat16 and x.device.type == 'cpu' and x.numel() >= 2**14
-            and packed_native.activation_ready()
+            and packed_native.ready('oxygen_activation')
             and not (torch.is_grad_enabled() and (x.requires_grad or (
                 up is not None and up.requires_grad)))):
         return torch.ops.oxygen_activation.gelu_tanh(x, up)
@@ -326,14 +326,14 @@ def amx_attention_applies(folded: torch.Tensor) -> bool:
     """Whether the rows of queries [B, G, rows, D] attend through the AMX kernel, not SDPA.
 
     It takes bf16 at a head dim of 32, 48 or 64 on a CPU with AMX-BF16
-    (packed_native.attention_ready; attention_kernel.cpp says why), 32 rows or more a group
+    (packed_native.ready; attention_kernel.cpp says why), 32 rows or more a group
     (heads sharing a K/V head folded into rows, or one head's): it computes rows 32 at a
     time, and a decode step's 8 run faster in SDPA. It has no gradient: a pass that takes one
     (guided real-time chunking) keeps SDPA.
     """
     return (folded.shape[-1] in (32, 48, 64) and folded.shape[2] >= 32
             and folded.dtype == torch.bfloat16
-            and folded.device.type == 'cpu' and packed_native.attention_ready()
+            and folded.device.type == 'cpu' and packed_native.ready('oxygen_attention')
             and not (folded.requires_grad and torch.is_grad_enabled()))
 
 

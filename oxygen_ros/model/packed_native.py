@@ -33,10 +33,9 @@ HEADERS = (Path(__file__).with_name('fast_exp.h'),)
 BUILD_TIMEOUT_S = 300
 _lock = threading.Lock()
 _loaded: Path | None = None
-_attention = False   # the AMX attention runs on this CPU (oxygen_attention::available)
-_attention_on = True
-_activation = False   # the AVX-512 GELU runs on this CPU (oxygen_activation::available)
-_activation_on = True
+# The library's kernels beside the packed linear: op namespace -> [runs on this CPU (its
+# available() op, once loaded), switched on (use_kernel)]
+_KERNELS = {'oxygen_attention': [False, True], 'oxygen_activation': [False, True]}
 
 
 def _command(compiler: str, output: Path) -> list[str]:
@@ -63,7 +62,7 @@ def library_path(cache_dir: Path, compiler: str) -> Path:
 
 def load(cache_dir: Path) -> str | None:
     """Load the kernel (building it first if no cached build fits); None, or why it failed."""
-    global _loaded, _attention, _activation
+    global _loaded
     with _lock:
         if _loaded is not None:
             return None
@@ -80,12 +79,12 @@ def load(cache_dir: Path) -> str | None:
         except (OSError, RuntimeError) as err:
             return f'loading {path} failed: {err}'
         _loaded = path
-        _attention = bool(torch.ops.oxygen_attention.available())
-        if _attention:
-            torch.library.register_fake('oxygen_attention::attention')(_attention_fake)
-        _activation = bool(torch.ops.oxygen_activation.available())
-        if _activation:
-            torch.library.register_fake('oxygen_activation::gelu_tanh')(_gelu_fake)
+        for name, fake in (('oxygen_attention::attention', _attention_fake),
+                           ('oxygen_activation::gelu_tanh', _gelu_fake)):
+            space = name.split('::')[0]
+            _KERNELS[space][0] = bool(getattr(torch.ops, space).available())
+            if _KERNELS[space][0]:
+                torch.library.register_fake(name)(fake)
         return None
 
 
@@ -124,32 +123,23 @@ def loaded() -> bool:
     return _loaded is not None
 
 
-def attention_ready() -> bool:
-    """Whether oxygen_attention::attention runs: loaded, the CPU has AMX-BF16, switched on."""
-    return _attention and _attention_on
+def ready(kernel: str) -> bool:
+    """Whether `kernel` runs: the library loaded, the CPU has what it needs, switched on.
+
+    kernel: 'oxygen_attention' (AMX-BF16) or 'oxygen_activation' (AVX512-BF16).
+    """
+    available, on = _KERNELS[kernel]
+    return available and on
 
 
-def use_attention_kernel(on: bool) -> bool:
-    """Switch the AMX attention on or off (SDPA then); return the old setting (A/B, tests)."""
-    global _attention_on
-    old, _attention_on = _attention_on, on
+def use_kernel(kernel: str, on: bool) -> bool:
+    """Switch `kernel` on or off (torch's ops then); return the old setting (A/B, tests)."""
+    old, _KERNELS[kernel][1] = _KERNELS[kernel][1], on
     return old
 
 
 def _attention_fake(q, k, v, key_bias):
     return q.new_empty(q.shape)
-
-
-def activation_ready() -> bool:
-    """Whether oxygen_activation::gelu_tanh runs: loaded, the CPU has AVX512-BF16, on."""
-    return _activation and _activation_on
-
-
-def use_activation_kernel(on: bool) -> bool:
-    """Switch the AVX-512 GELU on or off (torch's then); return the old setting (A/B, tests)."""
-    global _activation_on
-    old, _activation_on = _activation_on, on
-    return old
 
 
 def _gelu_fake(x, up):
