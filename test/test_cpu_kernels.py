@@ -114,6 +114,8 @@ def test_bad_inputs_are_refused_with_the_reason():
     with pytest.raises(RuntimeError, match='bfloat16'):
         ops.attention(q, q, q, None)
     q = q.to(BF16)
+    with pytest.raises(RuntimeError, match='at least one key'):
+        ops.attention(q, q[:, :, :0], q[:, :, :0], None)
     with pytest.raises(RuntimeError, match=r'key_bias must be \[B, K\]'):
         ops.attention(q, q, q, torch.zeros(1, 31))
 

@@ -358,6 +358,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                   v.scalar_type() == at::kBFloat16, "q, k, v must be bfloat16");
   const int64_t B = q.size(0), G = q.size(1), R = q.size(2), K = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == G && v.sizes() == k.sizes(), "k, v shapes differ");
+  TORCH_CHECK(K > 0, "attention needs at least one key");
   at::Tensor bias;
   if (key_bias.has_value()) {
     bias = key_bias->scalar_type() == at::kBFloat16 ? key_bias->contiguous()
