@@ -38,14 +38,19 @@ _loaded: Path | None = None
 _KERNELS = {'oxygen_attention': [False, True], 'oxygen_activation': [False, True]}
 
 
-def _command(compiler: str, output: Path) -> list[str]:
+def _compile_command(compiler: str, source: Path, output: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return ([compiler, '-O2', '-std=c++20', '-shared', '-fPIC', '-w',
-             f'-D_GLIBCXX_USE_CXX11_ABI={abi}']
+    return ([compiler, '-O2', '-std=c++20', '-fPIC', '-w', f'-D_GLIBCXX_USE_CXX11_ABI={abi}']
             + [f'-I{path}' for path in cpp_extension.include_paths()]
-            + [str(source) for source in SOURCES] + ['-o', str(output)]
+            + ['-c', str(source), '-o', str(output)])
+
+
+def _link_command(compiler: str, objects: list[Path], output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    return ([compiler, '-shared'] + [str(o) for o in objects] + ['-o', str(output)]
             + [f'-L{path}' for path in cpp_extension.library_paths()]
             + ['-lc10', '-ltorch_cpu', '-ltorch'])
 
@@ -56,7 +61,8 @@ def library_path(cache_dir: Path, compiler: str) -> Path:
     for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
-    key.update(' '.join(_command(compiler, Path('out'))).encode())
+    key.update(' '.join(_compile_command(compiler, Path('in'), Path('out'))
+                        + _link_command(compiler, [], Path('out'))).encode())
     return cache_dir / 'oxygen_packed' / f'kernels-{key.hexdigest()[:16]}.so'
 
 
@@ -100,14 +106,16 @@ def _build(compiler: str, path: Path) -> str | None:
     except OSError as err:
         return f'cannot write the kernel under {path.parent}: {err}'
     try:
-        done = subprocess.run(_command(compiler, Path(tmp)), capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ['(no output)'])[:3]
-            return f'{compiler} failed ({done.returncode}): ' + ' | '.join(first)[:400]
+        with tempfile.TemporaryDirectory(dir=path.parent) as objects:
+            # the sources compile at once (one core each), then link
+            jobs = [(source, Path(objects) / f'{source.stem}.o') for source in SOURCES]
+            why = _run_all([_compile_command(compiler, source, obj) for source, obj in jobs],
+                           compiler)
+            why = why or _run_all([_link_command(compiler, [obj for _, obj in jobs],
+                                                 Path(tmp))], compiler)
+            if why:
+                return why
         os.replace(tmp, path)
-    except subprocess.TimeoutExpired:
-        return f'{compiler} ran over {BUILD_TIMEOUT_S} s'
     except OSError as err:
         return f'running {compiler} failed: {err}'
     finally:
@@ -116,6 +124,26 @@ def _build(compiler: str, path: Path) -> str | None:
     logger.info('built the C++ kernels in %.1f s: %s', time.perf_counter() - started,
                 path)
     return None
+
+
+def _run_all(commands: list[list[str]], compiler: str) -> str | None:
+    """Run the commands at once; None, or why the first that failed did (BUILD_TIMEOUT_S)."""
+    running = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True) for command in commands]
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    why = None
+    for process in running:
+        try:
+            _, stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            why = why or f'{compiler} ran over {BUILD_TIMEOUT_S} s'
+            continue
+        if process.returncode != 0 and why is None:
+            first = (stderr.strip().splitlines() or ['(no output)'])[:3]
+            why = f'{compiler} failed ({process.returncode}): ' + ' | '.join(first)[:400]
+    return why
 
 
 def loaded() -> bool:
