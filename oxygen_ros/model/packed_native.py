@@ -1,11 +1,11 @@
 """Build and load the C++ kernels once per machine: packed linear, attention, activation.
 
 packed_linear.cpp (oxygen_packed_native), attention_kernel.cpp (oxygen_attention, AMX) and
-activation_kernel.cpp (oxygen_activation, AVX-512) make one library, compiled at the first
-configure that packs weights for compiled passes (~30 s with g++, the same compiler inductor
-needs), into the compile cache next to inductor's kernels, so a restart loads it in
-milliseconds. The file name carries a hash of the sources, the torch
-version and the command, so an upgrade builds it again. Where it cannot build (no compiler,
+activation_kernel.cpp (oxygen_activation, AVX-512) make one library, built at the first
+configure that packs weights (~13 s with g++ on 2 cores, the sources compiled at once; g++ is
+the compiler inductor needs too), into the compile cache next to inductor's kernels, so a
+restart loads it in milliseconds. The file name carries a hash of the sources, the torch
+version and the commands, so an upgrade builds it again. Where it cannot build (no compiler,
 an error), `load` says why: model/packed.py keeps its Python kernel and model/gemma.py SDPA
 and torch's GELU.
 """
