@@ -92,6 +92,7 @@ def test_kernel_equals_sdpa_within_bf16_and_keeps_rows_independent(B, G, R, K, D
     error, stock_error = ((t.float() - want).abs().max().item() for t in (got, stock))
     assert error <= 1.5 * stock_error + 2e-3, (error, stock_error)
     assert torch.equal(ops.attention(q, k, v, bias.to(BF16)), got), 'bf16 bias reads the same'
+    assert torch.equal(ops.attention(q, k, v, valid), got), 'a bool mask is the same bias'
     assert torch.equal(ops.attention(q, k.contiguous(), v.contiguous(), bias), got)
     # a masked key weighs exactly nothing: changing its value changes no output bit
     v_changed = v.clone()

@@ -58,7 +58,6 @@ class CompilePlan:
     decode: bool
     reason: str
     prefill: bool | None = None         # the backbone's prefill layers; None: as decode
-    vision: bool | None = None          # the vision tower; None: as prefill
     mode: str = ''                      # torch.compile mode of the compiled passes
     whole_loop: bool = False            # the denoise loop as one graph (else one step's)
     seconds: float = 0.0                # warm-up (compile) time, set by the caller
@@ -69,8 +68,11 @@ class CompilePlan:
     def __post_init__(self):
         if self.prefill is None:
             self.prefill = self.decode
-        if self.vision is None:
-            self.vision = self.prefill
+
+    @property
+    def vision(self) -> bool:
+        """The vision tower compiles with the prefill (its GELU and layer norms fuse)."""
+        return self.prefill
 
     @property
     def packed_expert(self) -> bool:
@@ -80,7 +82,7 @@ class CompilePlan:
 
     @property
     def any(self) -> bool:
-        return self.vision or self.prefill or self.denoise or self.decode
+        return self.prefill or self.denoise or self.decode
 
     def describe(self) -> str:
         denoise = 'denoise loop' if self.whole_loop else 'denoise step'
@@ -153,7 +155,7 @@ def compile_plan(model: Pi05Model, device: str, setting: str = 'auto',
         reason += (f'; {row_threads} row threads: the whole denoise loop too (eager Python '
                    'between steps holds the GIL the row threads share)')
     return CompilePlan(pays(expert), pays(backbone), reason, prefill=pays(prefill),
-                       vision=pays(prefill), whole_loop=most)
+                       whole_loop=most)
 
 
 def compile_settings(device: str) -> tuple[str, dict]:
@@ -193,26 +195,23 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
     # backbone's passes compile, a copy beside the plain weights (~20 MB at pi05-cpu); where
     # they run eager because the model is too big to compile (pi05), in place of them (a
     # second copy would be gigabytes).
-    if not packing_unavailable_reason(device, model.compute_dtype):
-        if plan.prefill or plan.decode:
-            # The compiled graphs call the packed linear's C++ kernel where it builds (no
-            # Python frame per call); loaded before anything traces.
-            why = use_native_kernel(use_persistent_cache())
-            plan.native_kernel = why is None
-            if why:
-                logger.warning('packed linears run their Python kernel: its C++ one did not '
-                               'build (%s)', why)
-            plan.packed_bytes = model.pack_linears(expert=plan.denoise and plan.native_kernel)
-        elif setting != 'off' and tower_params(model)[1] > MAX_CPU_COMPILE_PARAMS:
+    compiled = plan.prefill or plan.decode
+    in_place = (not compiled and setting != 'off'
+                and tower_params(model)[1] > MAX_CPU_COMPILE_PARAMS)
+    if not packing_unavailable_reason(device, model.compute_dtype) and (compiled or in_place):
+        # The C++ kernels where they build, loaded before anything traces: the packed
+        # linear's (the compiled graphs call it, no Python frame per call), the attention and
+        # the GELU (eager passes too: full pi05's [n, 16384] gates).
+        why = use_native_kernel(use_persistent_cache())
+        plan.native_kernel = why is None
+        if why:
+            logger.warning('packed linears, attention and GELU run in Python and torch: the '
+                           'C++ kernels did not build (%s)', why)
+        if in_place:
             plan.packed_bytes = model.pack_linears(in_place=True)
             plan.packed_in_place = True
-            # eager passes too run the library's GELU (full pi05: its [n, 16384] gates) and,
-            # at a head dim of 32, its attention; the packed linears stay eager's
-            why = use_native_kernel(use_persistent_cache())
-            plan.native_kernel = why is None
-            if why:
-                logger.warning('GELU and attention run torch\'s kernels: the C++ ones did not '
-                               'build (%s)', why)
+        else:
+            plan.packed_bytes = model.pack_linears(expert=plan.denoise and plan.native_kernel)
     cuda = torch.device(device).type == 'cuda'
     mode, config = compile_settings(device)
     # One denoise step as the graph on the CPU: the unrolled loop was half the first

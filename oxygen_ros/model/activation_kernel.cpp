@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "cpu_features.h"
 #include "fast_exp.h"
 
 namespace {
@@ -28,12 +29,7 @@ std::atomic<int64_t> call_count{0};
 
 int64_t calls() { return call_count.load(); }
 
-bool available() {
-  static const bool yes = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512bf16");
-  return yes;
-}
+bool available() { return oxygen::has_avx512_bf16(); }
 
 __attribute__((target("avx512f"))) inline __m512 gelu(__m512 x) {
   const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);

@@ -12,7 +12,8 @@
 // Contract (model/gemma.py `amx_attention_applies` decides when it runs): q [B, G, R, D]
 // (the heads sharing a K/V head folded into rows, or one head's rows), k, v [B, G, K, D],
 // D in {32, 48, 64}, bf16 on the CPU, any strides; key_bias [B, K] fp32 or bf16, added to the
-// scores (0, or -inf for a masked key), or none; scale D^-0.5. Returns [B, G, R, D] bf16:
+// scores (0, or -inf for a masked key), or a bool mask [B, K] (True = may attend), or none;
+// scale D^-0.5. Returns [B, G, R, D] bf16:
 // SDPA's result within bf16 rounding (P is rounded to bf16 for PV as in ATen's kernel;
 // maxima and sums are fp32). A masked key weighs exactly 0, and every row is computed alone:
 // a row's result does not depend on the others. packed_native.py builds this file with the
@@ -34,6 +35,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_features.h"
 #include "fast_exp.h"
 
 namespace {
@@ -45,16 +47,17 @@ constexpr int64_t kKeys = 16;     // keys per QK^T tile (its N)
 constexpr int64_t kChunk = 32;    // keys per PV tile (its K: 16 pairs)
 std::atomic<int64_t> call_count{0};
 
-// AMX needs the CPU (CPUID.7.0:EDX bits 22 and 24) and the kernel's leave to use the tile
+// AMX needs the CPU (CPUID.7.0:EDX bits 22 and 24), AVX512-BF16 for the softmax, and the
+// kernel's leave to use the tile
 // state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once per process.
 bool amx_ready() {
   static const bool ready = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     const bool bf16 = (d >> 22) & 1, tile = (d >> 24) & 1;
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return bf16 && tile && avx512 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+    return bf16 && tile && oxygen::has_avx512_bf16() &&   // the softmax is AVX-512 (bf16)
+           syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
   }();
   return ready;
 }
@@ -86,20 +89,6 @@ struct Rows {
   int64_t key_stride, dim_stride;
 };
 
-// A key's bias, from fp32 or bf16 (its upper half); none: 0.
-struct Bias {
-  const void* data = nullptr;
-  bool bf16 = false;
-  float at(int64_t key) const {
-    if (data == nullptr) return 0.0f;
-    if (!bf16) return static_cast<const float*>(data)[key];
-    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(data)[key]) << 16;
-    float value;
-    std::memcpy(&value, &bits, 4);
-    return value;
-  }
-};
-
 // V rows 2p and 2p + 1, dims 16t..16t+15 -> their pairs (one B tile's row)
 __attribute__((target("avx512f,avx512bw"))) void interleave_rows(const uint16_t* a,
                                                                  const uint16_t* b,
@@ -112,7 +101,7 @@ __attribute__((target("avx512f,avx512bw"))) void interleave_rows(const uint16_t*
   _mm512_storeu_si512(out, _mm512_permutex2var_epi16(ra, _mm512_load_si512(kPairs), rb));
 }
 
-void arrange_keys(Rows k, Rows v, int64_t K, int64_t D, Bias bias, Keys& keys) {
+void arrange_keys(Rows k, Rows v, int64_t K, int64_t D, const float* bias, Keys& keys) {
   keys.chunks = (K + kChunk - 1) / kChunk;
   keys.dim = D;
   const int64_t width = keys.chunks * kChunk;
@@ -139,7 +128,7 @@ void arrange_keys(Rows k, Rows v, int64_t K, int64_t D, Bias bias, Keys& keys) {
         keys.k_pairs[((blk * (D / 2) + d / 2) * kKeys + j) * 2 + d % 2] = row[d * k.dim_stride];
       }
     }
-    keys.bias[key] = bias.at(key);
+    keys.bias[key] = bias == nullptr ? 0.0f : bias[key];
   }
   static const uint16_t zero[kMaxHeadDim] = {};
   for (int64_t key = 0; key < K; key += 2) {
@@ -359,12 +348,15 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t B = q.size(0), G = q.size(1), R = q.size(2), K = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == G && v.sizes() == k.sizes(), "k, v shapes differ");
   TORCH_CHECK(K > 0, "attention needs at least one key");
-  at::Tensor bias;
+  at::Tensor bias;  // fp32 [B, K]
   if (key_bias.has_value()) {
-    bias = key_bias->scalar_type() == at::kBFloat16 ? key_bias->contiguous()
-                                                    : key_bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias.dim() == 2 && bias.size(0) == B && bias.size(1) == K,
+    TORCH_CHECK(key_bias->dim() == 2 && key_bias->size(0) == B && key_bias->size(1) == K,
                 "key_bias must be [B, K], got ", key_bias->sizes());
+    bias = key_bias->scalar_type() == at::kBool
+               ? at::zeros({B, K}, q.options().dtype(at::kFloat))
+                     .masked_fill_(key_bias->logical_not(),
+                                   -std::numeric_limits<float>::infinity())
+               : key_bias->to(at::kFloat).contiguous();
   }
   call_count.fetch_add(1, std::memory_order_relaxed);
   auto out = at::empty({B, G, R, D}, q.options());
@@ -375,14 +367,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
   for (int64_t bg = 0; bg < B * G; ++bg) {
     const int64_t b = bg / G, g = bg % G;
-    Bias row_bias;
-    if (bias.defined()) {
-      row_bias.bf16 = bias.scalar_type() == at::kBFloat16;
-      row_bias.data = static_cast<const char*>(bias.data_ptr()) + b * K * bias.element_size();
-    }
     arrange_keys({kd + b * k.stride(0) + g * k.stride(1), k.stride(2), k.stride(3)},
                  {vd + b * v.stride(0) + g * v.stride(1), v.stride(2), v.stride(3)}, K, D,
-                 row_bias, keys[bg]);
+                 bias.defined() ? bias.data_ptr<float>() + b * K : nullptr, keys[bg]);
   }
   const int64_t row_blocks = (R + kRows - 1) / kRows;
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr());

@@ -309,8 +309,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if key_mask is None or key_mask.shape[1] == 1:
         folded, keys, values = fold_heads(q, G), k.transpose(1, 2), v.transpose(1, 2)
         if amx_attention_applies(folded):
-            bias = None if key_mask is None else key_bias(key_mask[:, 0], torch.float32)
-            out = torch.ops.oxygen_attention.attention(folded, keys, values, bias)
+            out = torch.ops.oxygen_attention.attention(
+                folded, keys, values, None if key_mask is None else key_mask[:, 0])
         else:
             out = F.scaled_dot_product_attention(
                 folded, keys, values,
@@ -375,7 +375,7 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
         mask = bias[:, None, None, :]                                         # [B, 1, 1, K]
     folded = fold_heads(q, G)
     if bias.dim() == 2 and amx_attention_applies(folded):
-        out = torch.ops.oxygen_attention.attention(folded, keys, values, bias.float())
+        out = torch.ops.oxygen_attention.attention(folded, keys, values, bias)
     else:
         out = F.scaled_dot_product_attention(folded, keys, values,
                                              attn_mask=mask)                  # [B, G, rQ, D]

@@ -31,6 +31,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace {
 
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
@@ -75,12 +77,6 @@ std::atomic<int64_t> small_row_count{0};  // products the kernel made (small_row
 bool runs_small(int64_t rows, int64_t N, int64_t K) {
   return small_rows_on.load(std::memory_order_relaxed) && rows >= 1 && rows <= kSmallRows &&
          (rows == 1 || rows * N * K <= kSmallMacs);
-}
-
-bool has_avx512_bf16() {
-  static const bool yes = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bf16");
-  return yes;
 }
 
 // A bf16 weight [N, K] (K even) -> [ceil(N/16), K/2, 16, 2]: block b, pair p holds
@@ -219,7 +215,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 int64_t remember(const at::Tensor& weight, const at::Tensor& packed) {
-  const bool small_rows = has_avx512_bf16() && weight.dim() == 2 &&
+  const bool small_rows = oxygen::has_avx512_bf16() && weight.dim() == 2 &&
                           weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0;
   Entry entry{WeakImpl(weight.getIntrusivePtr()), weight.sizes().vec(), weight.strides().vec(),
               weight.scalar_type(), version_of(weight), packed,
@@ -240,7 +236,7 @@ int64_t stale_calls() { return stale_count.load(); }
 // Switch the small-row kernel on or off (every row count then goes to oneDNN); the old value.
 bool use_small_rows(bool on) { return small_rows_on.exchange(on); }
 
-bool small_rows_available() { return has_avx512_bf16(); }
+bool small_rows_available() { return oxygen::has_avx512_bf16(); }
 
 int64_t small_row_calls() { return small_row_count.load(); }
 
