@@ -96,8 +96,9 @@ def test_compiled_passes_equal_eager_and_never_compile_in_a_tick():
     assert {task for task, _ in tokens} == {'narration', 'subtask', 'scene'}
     assert set(extend_rows) == {1, 2}
     compiled = model.compiled_functions
-    assert [fn.name for fn in compiled] == ['vision tower', 'prefill layers', 'denoise step',
-                                            'decode step', 'extend pass']
+    assert [fn.name for fn in compiled] == ['vision tower', 'prefill layers',
+                                            'denoise loop of step regions', 'decode step',
+                                            'extend pass']
     assert [(fn.fallbacks, fn.failed) for fn in compiled] == [(0, False)] * 5
     assert tokens and tokens == ref_tokens
     for got, want in zip(actions, ref_actions):
@@ -193,13 +194,13 @@ def test_capacity_times_the_warmed_up_compiled_passes(monkeypatch):
 
 
 @pytest.mark.usefixtures('one_torch_thread')
-def test_compiled_denoise_step_serves_every_batch_of_rows_with_one_graph():
-    """compile 'on' on the CPU compiles one denoise step: after a warm-up of 1 and 2 rows (a
-    fleet's), 3 rows run compiled too (the batch is dynamic) and equal eager."""
+def test_compiled_denoise_loop_serves_every_batch_of_rows_with_one_graph():
+    """compile 'on' on the CPU compiles the denoise loop of step regions: after a warm-up of 1
+    and 2 rows (a fleet's), 3 rows run compiled too (the batch is dynamic) and equal eager."""
     model, frontend = random_setup(MICRO, 'libero', seed=1)
     reference, _ = random_setup(MICRO, 'libero', seed=1)
     plan = prepare.prepare_model(model, 'cpu', 'on')
-    assert not plan.whole_loop and 'denoise step' in plan.describe()
+    assert not plan.whole_loop and 'denoise loop of step regions' in plan.describe()
     policy = LanguagePolicy(max_new_tokens=2, eos_id=None)
     runners = [make_system('oxygen', m, frontend, policy, k=1).runner for m in (model, reference)]
     frames = [frontend.prepare(observation(i)).tensors for i in range(3)]
@@ -291,14 +292,15 @@ def _meta_model(preset: str) -> Pi05Model:
 def test_compile_auto_compiles_where_it_pays(monkeypatch):
     plan = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'auto')
     assert (plan.vision, plan.prefill, plan.denoise, plan.decode) == (True, True, True, True)
-    assert not plan.whole_loop
+    assert plan.whole_loop and 'denoise loop,' in plan.describe()
     most = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'max')
     assert (most.vision, most.prefill, most.denoise, most.decode) == (True, True, True, True)
     assert most.whole_loop
-    # A fleet's row threads: auto compiles what max does (eager ops hold the GIL they share).
-    rows = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'auto', row_threads=2)
-    assert (rows.vision, rows.whole_loop) == (True, True) and '2 row threads' in rows.reason
-    assert not prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'on').whole_loop
+    # 'on': the loop of step regions (one step traced), but unrolled for a fleet's row
+    # threads (its graph runs from Python, holding the GIL they share, between kernels)
+    on = prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'on')
+    assert not on.whole_loop and 'denoise loop of step regions' in on.describe()
+    assert prepare.compile_plan(_meta_model('pi05-cpu'), 'cpu', 'on', row_threads=2).whole_loop
     # inductor's default mode on the CPU in every dtype (autotuning: minutes, no faster), the
     # graph as one C++ call that releases the GIL; no frozen weights (they defeat the cache)
     assert prepare.compile_settings('cpu') == ('default', {'cpp_wrapper': True})

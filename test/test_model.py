@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from oxygen_ros.model import get_preset, KVTensors, Pi05Model
 from oxygen_ros.model.gemma import (attention, attention_two_blocks, gated_residual, key_bias,
                                     rope)
-from oxygen_ros.model.pi05 import attend_bucket, host_run, slot_rows, time_embedding
+from oxygen_ros.model.pi05 import (attend_bucket, DENOISE_GRAPHS, host_run, slot_rows,
+                                   time_embedding)
 
 ATOL = 2e-5
 
@@ -407,7 +408,7 @@ def test_static_decode_with_padding_rows_equals_dynamic(model):
 # that adds a host read or an untraceable call inside one fails here (and would cost a host
 # sync, or a CUDA graph, per step).
 # (graphs, graph breaks)
-GRAPHS = {'denoise loop': (1, 0), 'denoise step': (1, 0), 'decode step': (1, 0)}
+GRAPHS = {'denoise loop': (1, 0), 'decode step': (1, 0)}
 
 
 def _explain(fn, *args):
@@ -450,24 +451,19 @@ def test_decode_step_graph_breaks_pinned(model):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize('whole_loop', [True, False])
-def test_denoise_loop_graph_breaks_pinned(model, whole_loop):
-    """compile_actions: the whole loop, every step, traces to one graph without a break; so
-    does one step (the CPU's compiled unit)."""
+@pytest.mark.parametrize('graph', DENOISE_GRAPHS)
+def test_denoise_loop_graph_breaks_pinned(model, graph):
+    """compile_actions: the whole loop, every step, traces to one graph without a break, its
+    steps unrolled or as nested regions; both equal eager."""
     prefix = model.prefill(*make_inputs(model.config, B=2, seed=14), extra_len=2)
     noise = torch.randn(2, model.config.action_horizon, model.config.action_dim)
     inputs = model.action_context(prefix, model.config.action_horizon, 'cpu')
-    if whole_loop:
-        assert _explain(model.denoise_loop, *inputs, noise, model.config.num_steps) == \
-            GRAPHS['denoise loop']
-    else:
-        mods = [mod[0].expand(2, -1) for mod in model.expert_modulations(torch.ones(1))]
-        assert _explain(model.denoise_step, *inputs, noise, mods, -0.1) == \
-            GRAPHS['denoise step']
+    step = model.denoise_step_region if graph == 'regions' else None
+    assert _explain(model.denoise_loop, *inputs, noise, model.config.num_steps,
+                    step) == GRAPHS['denoise loop']
     ref = model.sample_actions(prefix, noise)
     try:
-        model.compile_actions(mode=None, whole_loop=whole_loop, backend='eager',
-                              fullgraph=True)
+        model.compile_actions(mode=None, graph=graph, backend='eager', fullgraph=True)
         out = model.sample_actions(prefix, noise)
     finally:
         model.compile_actions(mode=None)

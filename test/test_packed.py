@@ -159,6 +159,10 @@ def cpu_has_avx512_bf16() -> bool:
     return {'avx512f', 'avx512_bf16'} <= set(cpu_flags())
 
 
+def cpu_has_amx_bf16() -> bool:
+    return cpu_has_avx512_bf16() and 'amx_bf16' in cpu_flags()
+
+
 @torch.no_grad()
 def test_native_kernel_equals_python_and_never_uses_a_stale_copy():
     """The C++ kernel keeps the Python registry's contract: the same products (the same
@@ -222,7 +226,8 @@ def test_few_row_kernel_rounds_like_onednn_and_keeps_rows_batch_invariant():
     """The few-row kernel: it runs (counted), each result within one bfloat16 step of the
     float32 product (as oneDNN's; on the AMX Xeon measured they were equal), an output width
     that is no multiple of 16 and a K of one pair handled, and each row of a batch equal bit
-    for bit to that row alone (the order of its sums does not depend on the batch)."""
+    for bit to that row alone (the order of its sums does not depend on the batch). With AMX,
+    K = 128 and 64 run on its tiles, K = 66 and 2 (no whole tile) on vdpbf16ps."""
     ops = native_kernel()
     for n, k in ((320, 128), (100, 66), (7, 2), (1000, 64)):   # 8 rows: all in its range
         weight = torch.randn(n, k, dtype=BF16)
@@ -240,6 +245,41 @@ def test_few_row_kernel_rounds_like_onednn_and_keeps_rows_batch_invariant():
             assert ((result.float() - want).abs() <= step).all(), (n, k)
         rows_alone = torch.cat([ops.linear(x[i:i + 1], weight) for i in range(8)])
         assert torch.equal(got, rows_alone), (n, k)
+
+
+def test_the_few_row_kernel_runs_on_amx_tiles_where_the_cpu_has_them():
+    assert native_kernel().small_rows_on_amx() == cpu_has_amx_bf16()
+
+
+@pytest.mark.skipif(not cpu_has_amx_bf16(), reason='no AMX-BF16: vdpbf16ps serves the few '
+                    'rows (the test above checks the rule)')
+@torch.no_grad()
+def test_amx_few_row_kernel_takes_up_to_32_rows_at_any_width_and_thread_count():
+    """On AMX tiles: 1..32 rows (one row tile, then two), widths that leave a partial group of
+    column blocks or a lone block, each result within one bf16 step of the float32 product,
+    rows equal alone and batched, two threads (columns split) equal one; 33 rows: oneDNN."""
+    ops = native_kernel()
+    threads = torch.get_num_threads()
+    for n, k in ((16, 32), (47, 96), (80, 64), (8192, 32)):
+        weight = torch.randn(n, k, dtype=BF16)
+        PACKED.pack(weight)
+        for rows in (1, 5, 16, 17, 32):
+            x = torch.randn(rows, k, dtype=BF16)
+            want = x.float() @ weight.float().t()
+            calls = ops.small_row_calls()
+            got = ops.linear(x, weight)
+            assert ops.small_row_calls() == calls + 1, (n, k, rows)
+            assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7 + 1e-6).all(), (n, rows)
+            assert torch.equal(got, torch.cat([ops.linear(x[i:i + 1], weight)
+                                               for i in range(rows)])), (n, k, rows)
+            torch.set_num_threads(2)
+            try:
+                assert torch.equal(ops.linear(x, weight), got), (n, k, rows)
+            finally:
+                torch.set_num_threads(threads)
+    calls = ops.small_row_calls()
+    ops.linear(torch.randn(33, 32, dtype=BF16), weight)
+    assert ops.small_row_calls() == calls
 
 
 @torch.no_grad()

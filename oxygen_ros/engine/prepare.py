@@ -4,9 +4,9 @@
   1. fuse q/k/v and gate/up into one matmul each (no extra memory; Pi05Model.fuse), and on
      a CPU in bf16 prepack the linears' weights for oneDNN (model/packed.py);
   2. decide, per pass, whether to compile (`compile_plan`) and set it up: the prefill (vision
-     tower, backbone layers over a dynamic number of valid positions), the denoise step (on
-     a GPU the whole loop, one CUDA graph) and the decode step (torch.compile: inductor on
-     the CPU, CUDA graphs on a GPU);
+     tower, backbone layers over a dynamic number of valid positions), the denoise loop (on
+     the CPU one step traced as a region the loop calls; on a GPU one CUDA graph) and the
+     decode step (torch.compile: inductor on the CPU, CUDA graphs on a GPU);
   3. nothing compiles yet: the warm-up frames that follow do it (ModelRunner.warm_up_compiled
      covers every shape the engine will use), then `seal` makes sure no tick ever compiles.
 Where compiling is unavailable (no C++ compiler, no triton) or fails, the model runs eager
@@ -18,12 +18,13 @@ compile 'auto' compiles a pass where it pays:
     Below, a test-sized model, compiling (tens of seconds) costs more than it saves; above,
     the pass reads so many weights per op that per-op overhead is a few % (pi05's decode step
     reads 4 GB) while freezing the weights into the graph would copy them.
-  * auto compiles one denoise step, looped, and the vision tower: a first configure of about
-    a minute and a half and a restart of seconds (pi05-cpu, docs/bench/phases.md).
-compile 'max' also compiles the whole denoise loop as one graph: pi05-cpu's denoise ~19 ->
-~15 ms for ~2 more minutes at the first configure (~18 s more cached).
-On the CPU every compiled graph runs as one C++ call that releases the GIL (cpp_wrapper,
-see compile_settings).
+  * auto compiles the whole denoise loop as one graph, every step traced (one C++ call
+    without the GIL), and the vision tower: a first configure of about two minutes and a
+    restart of seconds (pi05-cpu, docs/bench/phases.md). max does the same.
+compile 'on' compiles every pass whatever its size, the denoise loop as a loop of step regions
+(one step traced: a third of the first configure's compile, ~2 ms more a pi05-cpu denoise).
+On the CPU every compiled graph but a loop of step regions runs as one C++ call that releases
+the GIL (cpp_wrapper, see compile_settings).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class CompilePlan:
     reason: str
     prefill: bool | None = None         # the backbone's prefill layers; None: as decode
     mode: str = ''                      # torch.compile mode of the compiled passes
-    whole_loop: bool = False            # the denoise loop as one graph (else one step's)
+    whole_loop: bool = False            # the denoise loop unrolled as one graph (else one
+    #                                     loop of step regions: one step traced, compile_actions)
     seconds: float = 0.0                # warm-up (compile) time, set by the caller
     packed_bytes: int = 0               # weights prepacked for oneDNN (model/packed.py)
     packed_in_place: bool = False       # the packed copies replaced the plain weights
@@ -85,7 +87,7 @@ class CompilePlan:
         return self.prefill or self.denoise or self.decode
 
     def describe(self) -> str:
-        denoise = 'denoise loop' if self.whole_loop else 'denoise step'
+        denoise = 'denoise loop' if self.whole_loop else 'denoise loop of step regions'
         passes = [name for name, on in (('vision', self.vision), ('prefill', self.prefill),
                                         (denoise, self.denoise),
                                         ('decode step and extend pass', self.decode)) if on]
@@ -120,12 +122,12 @@ def compile_plan(model: Pi05Model, device: str, setting: str = 'auto',
                  row_threads: int = 1) -> CompilePlan:
     """Decide which passes to compile for compile `setting` (COMPILE_CHOICES).
 
-    row_threads: a fleet's row threads (runtime/engine_setup.row_threads). With several on
-    the CPU, auto compiles what max does: an eager op holds the GIL between its kernels, so
-    eager passes make the row threads take turns, while a compiled graph runs as one C++ call
-    without it (pi05-cpu, 2 robots on 2 row threads, 2 cores: 12.4 action rows/s with the
-    single robot's auto passes, 14.4 with the vision tower compiled too, 17.2 with the whole
-    denoise loop as one graph as well).
+    row_threads: a fleet's row threads (runtime/engine_setup.row_threads). An eager op holds
+    the GIL between its kernels, so eager passes make the row threads take turns, while a
+    compiled graph runs as one C++ call without it (pi05-cpu, 2 robots on 2 row threads,
+    2 cores: 12.4 action rows/s with one denoise step compiled, 14.4 with the vision tower
+    compiled too, 17.2 with the whole denoise loop as one graph as well): 'on' takes the
+    loop unrolled for them too.
     """
     if setting not in COMPILE_CHOICES:
         raise ValueError(f'compile {setting!r}: expected one of {COMPILE_CHOICES}')
@@ -135,7 +137,9 @@ def compile_plan(model: Pi05Model, device: str, setting: str = 'auto',
     if why_not:
         return CompilePlan(False, False, f'torch.compile unavailable ({why_not}); eager')
     if setting == 'on':
-        return CompilePlan(True, True, "compile is 'on'")
+        regions = row_threads == 1 and torch.device(device).type == 'cpu'
+        return CompilePlan(True, True, "compile is 'on'" + (
+            ': the denoise loop as step regions' if regions else ''), whole_loop=not regions)
     if torch.device(device).type == 'cuda':
         return CompilePlan(True, True, 'CUDA: graphs remove the per-kernel launch cost')
     expert, backbone, prefill = tower_params(model)
@@ -149,13 +153,9 @@ def compile_plan(model: Pi05Model, device: str, setting: str = 'auto',
               f'{backbone / 1e6:.1f}M)')
     # The vision tower compiles with the prefill: ~22 s of a first configure (2.3 s cached)
     # for 13.4 -> 9.1 ms a frame (pi05-cpu, AMX Xeon; its GELU and layer norms fuse). The
-    # whole denoise loop only with max, and for row threads (above).
-    most = setting == 'max' or row_threads > 1
-    if setting == 'auto' and row_threads > 1:
-        reason += (f'; {row_threads} row threads: the whole denoise loop too (eager Python '
-                   'between steps holds the GIL the row threads share)')
+    # denoise loop unrolled (prepare_model says why).
     return CompilePlan(pays(expert), pays(backbone), reason, prefill=pays(prefill),
-                       whole_loop=most)
+                       whole_loop=True)
 
 
 def compile_settings(device: str) -> tuple[str, dict]:
@@ -214,9 +214,11 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
             plan.packed_bytes = model.pack_linears(expert=plan.denoise and plan.native_kernel)
     cuda = torch.device(device).type == 'cuda'
     mode, config = compile_settings(device)
-    # One denoise step as the graph on the CPU: the unrolled loop was half the first
-    # configure's compile and most of a restart's, for ~5 ms of a 67 ms action path (compile
-    # 'max', and auto for row threads, pay that); a GPU replays the whole loop as one graph.
+    # The denoise loop is one graph: one call and guard check a frame, not one a step. On the
+    # CPU unrolled, one C++ call without the GIL (pi05-cpu: 6.3 ms a denoise against 8.2 for
+    # a loop of step regions run from Python and 9-10 for a graph per step, at a first
+    # configure of ~2 minutes against ~1; restarts from the cache 16 s against 12); a GPU
+    # replays it as one CUDA graph.
     plan.whole_loop = plan.whole_loop or cuda
     plan.mode = mode
     if plan.any:
@@ -229,7 +231,7 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
     else:
         model.compile_prefill(None)
     if plan.denoise:
-        model.compile_actions(mode, config, whole_loop=plan.whole_loop)
+        model.compile_actions(mode, config, graph='loop' if plan.whole_loop else 'regions')
     else:
         model.compile_actions(None)
     model.compile_decode(mode, kv, config) if plan.decode else model.compile_decode(None)

@@ -5,8 +5,8 @@
 // a score): at K = 32 its matmuls are too thin for their set-up, and its exp is the accurate
 // one. Here 32 query rows meet all keys at once (a row's 555 scores fit in L1): QK^T and PV
 // run on AMX tiles (one TDPBF16PS per 16 rows x 16 keys x 32 dims), the softmax in AVX-512
-// with a short polynomial exp (fast_exp.h; relative error ~3e-6, far under bf16's 4e-3):
-// ~1.0 ms a layer, measured alone on the AMX Xeon. Head dims 48 and 64 (the vision tower's
+// with a short polynomial exp in base 2 (fast_exp.h; relative error ~4e-5, far under bf16's
+// 4e-3): ~1.0 ms a layer, measured alone on the AMX Xeon (QK^T ~0.3, softmax ~0.55, PV ~0.2). Head dims 48 and 64 (the vision tower's
 // 48) take a second tile for the dims past 32.
 //
 // Contract (model/gemma.py `amx_attention_applies` decides when it runs): q [B, G, R, D]
@@ -23,10 +23,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
@@ -45,30 +42,10 @@ constexpr int64_t kTileRows = 16;  // rows of a tile
 constexpr int64_t kRows = 32;     // query rows a step (two row tiles)
 constexpr int64_t kKeys = 16;     // keys per QK^T tile (its N)
 constexpr int64_t kChunk = 32;    // keys per PV tile (its K: 16 pairs)
+constexpr float kLog2e = 1.44269504f;
 std::atomic<int64_t> call_count{0};
 
-// AMX needs the CPU (CPUID.7.0:EDX bits 22 and 24), AVX512-BF16 for the softmax, and the
-// kernel's leave to use the tile
-// state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once per process.
-bool amx_ready() {
-  static const bool ready = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool bf16 = (d >> 22) & 1, tile = (d >> 24) & 1;
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return bf16 && tile && oxygen::has_avx512_bf16() &&   // the softmax is AVX-512 (bf16)
-           syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return ready;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using oxygen::TileConfig;
 
 // One (batch, group): keys in the two layouts the tiles read, padded to whole chunks of 32.
 //   k_pairs [2 * chunks][D/2 pairs][16 keys][2]: QK^T B tiles per block of 16 keys (16 pairs
@@ -128,7 +105,7 @@ void arrange_keys(Rows k, Rows v, int64_t K, int64_t D, const float* bias, Keys&
         keys.k_pairs[((blk * (D / 2) + d / 2) * kKeys + j) * 2 + d % 2] = row[d * k.dim_stride];
       }
     }
-    keys.bias[key] = bias == nullptr ? 0.0f : bias[key];
+    keys.bias[key] = bias == nullptr ? 0.0f : bias[key] * kLog2e;   // base 2 (softmax_rows)
   }
   static const uint16_t zero[kMaxHeadDim] = {};
   for (int64_t key = 0; key < K; key += 2) {
@@ -205,13 +182,15 @@ __attribute__((target("amx-tile,amx-bf16"))) void scores_wide(const uint16_t* q_
 }
 
 // P = exp(S scale + bias - max), unnormalised, in bf16; 1 / the row sums (fp32) in inv_sum.
-// A row is read twice (max, then exp) rather than stored scaled: the fmadd costs less.
+// Computed in base 2 (the scale and the keys' bias carry log2 e: e^x = 2^(x log2 e)), so the
+// exp needs no range reduction (fast_exp2_nonpositive). A row is read twice (max, then exp)
+// rather than stored scaled: the fmadd costs less.
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void softmax_rows(
     const Keys& keys, float scale, const float* scores, uint16_t* probs, float* inv_sum) {
   const int64_t width = keys.chunks * kChunk;
-  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 vscale = _mm512_set1_ps(scale * kLog2e);
   const __m512 floor = _mm512_set1_ps(-1e30f);
-  const float* bias = keys.bias.data();
+  const float* bias = keys.bias.data();   // in base 2 (arrange_keys)
   for (int64_t r = 0; r < kRows; ++r) {
     const float* row = scores + r * width;
     __m512 max0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), max1 = max0;
@@ -229,10 +208,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void softmax_row
       const __m512 s1 = _mm512_fmadd_ps(_mm512_loadu_ps(row + c + 16), vscale,
                                         _mm512_loadu_ps(bias + c + 16));
       // a masked key's -inf gives exactly 0, not the clamped exp's tiny value
-      const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, floor, _CMP_GT_OQ),
-                                            oxygen::fast_exp_nonpositive(_mm512_sub_ps(s0, m)));
-      const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, floor, _CMP_GT_OQ),
-                                            oxygen::fast_exp_nonpositive(_mm512_sub_ps(s1, m)));
+      const __m512 p0 = oxygen::fast_exp2_nonpositive(
+          _mm512_sub_ps(s0, m), _mm512_cmp_ps_mask(s0, floor, _CMP_GT_OQ));
+      const __m512 p1 = oxygen::fast_exp2_nonpositive(
+          _mm512_sub_ps(s1, m), _mm512_cmp_ps_mask(s1, floor, _CMP_GT_OQ));
       _mm512_storeu_si512(probs + r * width + c, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
       sum0 = _mm512_add_ps(sum0, p0);
       sum1 = _mm512_add_ps(sum1, p1);
@@ -307,9 +286,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void attend_rows
   }
 }
 
-// The tile shapes, one config per head dim (see scores_narrow, scores_wide, values). Globals,
-// not locals: GCC 12 drops the stores to a local config as dead (it does not see ldtilecfg
-// read them), and the load then faults.
+// The tile shapes, one config per head dim (see scores_narrow, scores_wide, values); globals
+// (cpu_features.h says why).
 TileConfig tile_config(int64_t D) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
@@ -332,13 +310,14 @@ __attribute__((target("amx-tile"))) void configure_tiles(int64_t D) {
 
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
-bool available() { return amx_ready(); }
+bool available() { return oxygen::amx_ready(); }   // AMX-BF16 and the softmax's AVX-512
 
 int64_t calls() { return call_count.load(); }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& key_bias) {
-  TORCH_CHECK(amx_ready(), "oxygen_attention::attention needs AMX-BF16 (available() says)");
+  TORCH_CHECK(oxygen::amx_ready(),
+              "oxygen_attention::attention needs AMX-BF16 (available() says)");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, G, rows, D]");
   const int64_t D = q.size(3);
   TORCH_CHECK((D == 32 || D == 48 || D == 64) && k.size(3) == D && v.size(3) == D,

@@ -11,11 +11,14 @@
 // Few rows (a denoise step's 10, a decode step's batch) run a kernel of this file instead of
 // oneDNN where the CPU has AVX512-BF16: oneDNN spends ~16 us setting up each call, more than
 // the product of an action expert's layer (10x128 @ 128x320: 0.4 MFLOP). The kernel reads
-// the weight once in pairs along K (the layout `vdpbf16ps` takes) and accumulates in fp32;
-// each output row is computed alone, in the same order whatever the row count, so within
-// its range a batch gives its rows' one-by-one results bit for bit.
+// the weight once in pairs along K (the layout `vdpbf16ps` takes, which is also an AMX B
+// tile's) and accumulates in fp32: on AMX tiles where the CPU has them (up to 32 rows, K a
+// multiple of 32: bound by reading the weight), else with vdpbf16ps (up to 16 rows and a
+// million multiply-adds). Each output row is computed alone, in the same order whatever the
+// row count, so within its range a batch gives its rows' one-by-one results bit for bit.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -74,9 +77,21 @@ constexpr int64_t kBlock = 16;      // output columns per vector (16 fp32 lanes)
 std::atomic<bool> small_rows_on{true};   // use_small_rows(): tests compare both kernels
 std::atomic<int64_t> small_row_count{0};  // products the kernel made (small_row_calls)
 
+// On AMX: up to two row tiles, the weight read once whatever N and K (K in whole tiles).
+constexpr int64_t kAmxRows = 32;
+constexpr int64_t kAmxK = 32;   // K per tile: 16 pairs
+
+std::atomic<bool> amx_rows_on{true};   // use_amx_rows(): vdpbf16ps instead, side by side
+
+bool runs_amx(int64_t rows, int64_t K) {
+  return amx_rows_on.load(std::memory_order_relaxed) && oxygen::amx_ready() && rows >= 1 &&
+         rows <= kAmxRows && K % kAmxK == 0;
+}
+
 bool runs_small(int64_t rows, int64_t N, int64_t K) {
-  return small_rows_on.load(std::memory_order_relaxed) && rows >= 1 && rows <= kSmallRows &&
-         (rows == 1 || rows * N * K <= kSmallMacs);
+  return small_rows_on.load(std::memory_order_relaxed) &&
+         (runs_amx(rows, K) ||
+          (rows >= 1 && rows <= kSmallRows && (rows == 1 || rows * N * K <= kSmallMacs)));
 }
 
 // A bf16 weight [N, K] (K even) -> [ceil(N/16), K/2, 16, 2]: block b, pair p holds
@@ -153,13 +168,154 @@ void dispatch_rows(int64_t rows, const uint16_t* x, int64_t K, const uint16_t* p
   ((rows == Ms + 1 ? (small_rows<Ms + 1>(x, K, pairs, N, out), true) : false) || ...);
 }
 
-// rows [M, K] bf16 contiguous, M in 1..kSmallRows -> [M, N] bf16
+// ------------------------------------------------------- the few-row kernel on AMX tiles
+// Tiles: A = x's rows for 32 of K (one tile of <= 16 rows, two for 17..32), B = 16 columns of
+// the weight for those 32 (a block of pair_layout: 16 pairs x 16 columns x 2, 1 KB), C = the
+// fp32 sums. One row tile: A 0, three column blocks at once (B 1-3, C 4-6); two: A 0, 1, two
+// blocks (B 2, 3, C 4-7). The config's rows follow M (no row read past x), one per M.
+using oxygen::TileConfig;
+
+TileConfig amx_linear_config(int M) {
+  TileConfig config;
+  const int top = std::min(M, 16), rest = M - top;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  config.rows[0] = top;
+  if (rest == 0) {
+    config.rows[4] = config.rows[5] = config.rows[6] = top;
+    config.rows[7] = 0;
+    config.colsb[7] = 0;
+  } else {
+    config.rows[1] = rest;
+    config.rows[4] = config.rows[5] = top;
+    config.rows[6] = config.rows[7] = rest;
+  }
+  return config;
+}
+
+const std::vector<TileConfig> kAmxConfigs = [] {   // [M] for M in 1..kAmxRows
+  std::vector<TileConfig> configs(kAmxRows + 1);
+  for (int M = 1; M <= kAmxRows; ++M) configs[M] = amx_linear_config(M);
+  return configs;
+}();
+
+// fp32 sums [rows][16] -> bf16 out[rows][col .. col + width)
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void store_block(
+    const float* sums, int rows, int64_t N, int64_t col, uint16_t* out) {
+  const int64_t width = std::min<int64_t>(kBlock, N - col);
+  const __mmask16 keep = width >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
+  for (int m = 0; m < rows; ++m) {
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums + m * kBlock));
+    _mm256_mask_storeu_epi16(out + m * N + col, keep, rounded);
+  }
+}
+
+// Column blocks [b0, b1) of out[M, N] = x[M, K] @ pairs^T on tiles configured for M.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512bw,avx512vl"))) void
+amx_blocks(const uint16_t* x, int M, int64_t K, const uint16_t* pairs, int64_t N, int64_t b0,
+           int64_t b1, uint16_t* out) {
+  const int64_t P = K / 2, chunks = K / kAmxK, x_stride = K * 2;
+  const int64_t block_elems = P * 2 * kBlock;   // one column block of pair_layout
+  alignas(64) float sums[4][16 * kBlock];
+  _tile_loadconfig(&kAmxConfigs[M]);
+  if (M <= 16) {
+    int64_t b = b0;
+    for (; b + 3 <= b1; b += 3) {
+      const uint16_t* w = pairs + b * block_elems;
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(0, x + c * kAmxK, x_stride);
+        _tile_loadd(1, w + c * 16 * 32, 64);
+        _tile_loadd(2, w + block_elems + c * 16 * 32, 64);
+        _tile_loadd(3, w + 2 * block_elems + c * 16 * 32, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_dpbf16ps(5, 0, 2);
+        _tile_dpbf16ps(6, 0, 3);
+      }
+      _tile_stored(4, sums[0], 64);
+      _tile_stored(5, sums[1], 64);
+      _tile_stored(6, sums[2], 64);
+      for (int j = 0; j < 3; ++j) store_block(sums[j], M, N, (b + j) * kBlock, out);
+    }
+    for (; b < b1; ++b) {
+      const uint16_t* w = pairs + b * block_elems;
+      _tile_zero(4);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(0, x + c * kAmxK, x_stride);
+        _tile_loadd(1, w + c * 16 * 32, 64);
+        _tile_dpbf16ps(4, 0, 1);
+      }
+      _tile_stored(4, sums[0], 64);
+      store_block(sums[0], M, N, b * kBlock, out);
+    }
+  } else {
+    const int rest = M - 16;
+    const uint16_t* x2 = x + 16 * K;
+    uint16_t* out2 = out + 16 * N;
+    for (int64_t b = b0; b < b1; b += 2) {
+      const bool pair = b + 1 < b1;
+      const uint16_t* w = pairs + b * block_elems;
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(0, x + c * kAmxK, x_stride);
+        _tile_loadd(1, x2 + c * kAmxK, x_stride);
+        _tile_loadd(2, w + c * 16 * 32, 64);
+        // a lone last block multiplies its own B twice (the second product is not stored)
+        _tile_loadd(3, w + (pair ? block_elems : 0) + c * 16 * 32, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 0, 3);
+        _tile_dpbf16ps(6, 1, 2);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+      _tile_stored(4, sums[0], 64);
+      _tile_stored(5, sums[1], 64);
+      _tile_stored(6, sums[2], 64);
+      _tile_stored(7, sums[3], 64);
+      store_block(sums[0], 16, N, b * kBlock, out);
+      store_block(sums[2], rest, N, b * kBlock, out2);
+      if (pair) {
+        store_block(sums[1], 16, N, (b + 1) * kBlock, out);
+        store_block(sums[3], rest, N, (b + 1) * kBlock, out2);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// rows [M, K] bf16 contiguous (M <= kAmxRows, K a multiple of 32) -> [M, N] bf16. Threads
+// split the columns: each reads its share of the weight once.
+void amx_matmul(const uint16_t* x, int M, int64_t K, const uint16_t* pairs, int64_t N,
+                uint16_t* out) {
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  const int64_t group = M <= 16 ? 3 : 2;   // blocks a pass of amx_blocks takes at once
+  // >= 256 KB of weight a task: less is not worth a thread's start
+  const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / (group * K * kBlock * 2));
+  at::parallel_for(0, (blocks + group - 1) / group, grain,
+                   [&](int64_t begin, int64_t end) {
+                     amx_blocks(x, M, K, pairs, N, begin * group,
+                                std::min(blocks, end * group), out);
+                   });
+}
+
+// rows [M, K] bf16 contiguous, in the few-row range (runs_small) -> [M, N] bf16
 at::Tensor small_rows_matmul(const at::Tensor& rows, const at::Tensor& pairs, int64_t N) {
   auto out = at::empty({rows.size(0), N}, rows.options());
-  dispatch_rows(rows.size(0), reinterpret_cast<const uint16_t*>(rows.data_ptr()),
-                rows.size(1), reinterpret_cast<const uint16_t*>(pairs.data_ptr()), N,
-                reinterpret_cast<uint16_t*>(out.data_ptr()),
-                std::make_integer_sequence<int, kSmallRows>{});
+  const auto* x = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(pairs.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  if (runs_amx(rows.size(0), rows.size(1))) {
+    amx_matmul(x, static_cast<int>(rows.size(0)), rows.size(1), w, N, o);
+  } else {
+    dispatch_rows(rows.size(0), x, rows.size(1), w, N, o,
+                  std::make_integer_sequence<int, kSmallRows>{});
+  }
   return out;
 }
 
@@ -238,6 +394,11 @@ bool use_small_rows(bool on) { return small_rows_on.exchange(on); }
 
 bool small_rows_available() { return oxygen::has_avx512_bf16(); }
 
+bool small_rows_on_amx() { return oxygen::amx_ready(); }
+
+// Switch the AMX path off (its rows then run vdpbf16ps, or oneDNN past that kernel's range).
+bool use_amx_rows(bool on) { return amx_rows_on.exchange(on); }
+
 int64_t small_row_calls() { return small_row_count.load(); }
 
 int64_t entries() {
@@ -257,6 +418,8 @@ TORCH_LIBRARY(oxygen_packed_native, m) {
   m.def("entries() -> int", entries);
   m.def("use_small_rows(bool on) -> bool", use_small_rows);
   m.def("small_rows_available() -> bool", small_rows_available);
+  m.def("small_rows_on_amx() -> bool", small_rows_on_amx);
+  m.def("use_amx_rows(bool on) -> bool", use_amx_rows);
   m.def("small_row_calls() -> int", small_row_calls);
 }
 
