@@ -572,3 +572,17 @@ def test_batched_extend_equals_each_row_alone(model):
         model.extend_step(prefix.kv, prefix.slots[:1], prefix.valid[:1], prefix.n_valid[:1],
                           torch.tensor([15]), torch.tensor([[3] * 6]), torch.tensor([6]),
                           gen=batched, blocks=torch.tensor([0]))
+
+
+@torch.no_grad()
+def test_compiled_patch_embedding_is_the_convolution(model):
+    """Traced, the patch embedding runs as patches @ W (inductor's convolution is slower):
+    the same float32 result as the convolution eager, up to the order of the sums, also for
+    an image side that is no multiple of the patch (the convolution drops the remainder)."""
+    embeddings = model.vision.vision_model.embeddings
+    traced = torch.compile(embeddings, backend='eager', fullgraph=True)
+    side = model.config.vision.image_size
+    for extra in (0, 3):
+        images = torch.rand(3, 3, side + extra, side + extra) * 2 - 1
+        torch.testing.assert_close(traced(images), embeddings(images), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
