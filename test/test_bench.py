@@ -164,6 +164,13 @@ def test_ideal_speedup_formula_on_known_numbers():
         0.55 / 0.15)
     assert math.isnan(bench_run.ideal_speedup(
         c, dataclasses.replace(group, arrival_rate=1.0), SystemSpec('oxygen', 5)))
+    # Warm steps measured: a frame's first step is cold, the rest warm (N steps of isolated:
+    # d(1) + 29 w(1) = 0.01 + 0.145; oxygen k=5 at B=6: d(6) + 4 w(6) = 0.02 + 0.04).
+    warm = dataclasses.replace(c, decode_warm_s={1: 0.005, 6: 0.01})
+    assert warm.decode_steps(1, 30) == pytest.approx(0.155)
+    assert warm.decode_steps(6, 0) == 0.0
+    assert warm.ideal_speedup(30, 5) == pytest.approx((0.25 + 0.155) / (0.15 + 0.06))
+    assert warm.decode_steps(3, 2) == pytest.approx(warm.decode_at(3) + 0.007)   # interpolated
 
 
 def test_phase_probe_samples_every_pass_and_reduces_them():

@@ -215,8 +215,9 @@ def test_a_weight_dying_while_the_registry_is_busy_is_forgotten_without_a_deadlo
     assert PACKED.lookup(keep) is not None
 
 
-def test_the_few_row_kernel_is_offered_where_the_cpu_has_avx512_bf16():
+def test_the_few_row_kernel_is_offered_where_the_cpu_has_avx512_bf16_on_amx_where_it_has_amx():
     assert native_kernel().small_rows_available() == cpu_has_avx512_bf16()
+    assert native_kernel().small_rows_on_amx() == cpu_has_amx_bf16()
 
 
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason='no AVX512-BF16: oneDNN serves every row '
@@ -247,12 +248,8 @@ def test_few_row_kernel_rounds_like_onednn_and_keeps_rows_batch_invariant():
         assert torch.equal(got, rows_alone), (n, k)
 
 
-def test_the_few_row_kernel_runs_on_amx_tiles_where_the_cpu_has_them():
-    assert native_kernel().small_rows_on_amx() == cpu_has_amx_bf16()
-
-
 @pytest.mark.skipif(not cpu_has_amx_bf16(), reason='no AMX-BF16: vdpbf16ps serves the few '
-                    'rows (the test above checks the rule)')
+                    'rows (test_the_few_row_kernel_is_offered_... checks the rule)')
 @torch.no_grad()
 def test_amx_few_row_kernel_takes_up_to_32_rows_at_any_width_and_thread_count():
     """On AMX tiles: 1..32 rows (one row tile, then two), widths that leave a partial group of

@@ -38,6 +38,9 @@ class PhaseCosts:
     denoise_rows_s: dict[int, float] = dataclasses.field(default_factory=dict)  # R -> D(R)
     machine: MachinePeaks | None = None   # peaks measured in the same run (None: no floors)
     dtype: str = 'float32'           # the model's compute dtype (which matmul peak applies)
+    # batch size -> a decode step right after another of its batch (its weights still in the
+    # caches: the second and later of a frame's steps); empty: as decode_s
+    decode_warm_s: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def seconds(self, phase: str) -> float:
         """Measured time of a phase ('vision', 'prefill', 'denoise', 'decode B', 'action')."""
@@ -74,23 +77,43 @@ class PhaseCosts:
         return self.denoise_rows_s.get(rows, rows * self.denoise_s)
 
     def ideal_speedup(self, n_tokens: int, k: int) -> float:
-        """(2P + D + N·d(1)) / (P + D + k·d(ceil(N/k))): isolated vs oxygen frame time."""
+        """(2P + D + d1(N)) / (P + D + dB(k)): isolated vs oxygen frame time.
+
+        d1(N): N decode steps of one row in a row, dB(k): k steps of B = ceil(N/k) rows
+        (decode_steps: the first after the frame's prefill and denoise, the others warm).
+        """
         batch = -(-n_tokens // k)
-        d1, dB = self.decode_at(1), self.decode_at(batch)
-        isolated = 2 * self.prefill_s + self.denoise_s + n_tokens * d1
-        return isolated / (self.prefill_s + self.denoise_s + k * dB)
+        isolated = 2 * self.prefill_s + self.denoise_s + self.decode_steps(1, n_tokens)
+        return isolated / (self.prefill_s + self.denoise_s + self.decode_steps(batch, k))
+
+    def decode_steps(self, batch: int, steps: int) -> float:
+        """Seconds of `steps` decode steps of `batch` rows in a row, after a frame's passes.
+
+        The first reads weights the prefill and denoise evicted (decode_s); the others find
+        them in the caches (decode_warm_s: on the AMX Xeon a pi05-cpu step of one row 1.6 vs
+        3.0 ms, so N steps in a row cost far less than N cold ones).
+        """
+        if steps <= 0:
+            return 0.0
+        warm = _interpolate(self.decode_warm_s or self.decode_s, batch)
+        return self.decode_at(batch) + (steps - 1) * warm
 
     def decode_at(self, batch: int) -> float:
         """Decode step time at `batch`, linearly interpolated between measured sizes."""
-        sizes = sorted(self.decode_s)
-        if batch in self.decode_s:
-            return self.decode_s[batch]
-        lo = max([s for s in sizes if s < batch], default=sizes[0])
-        hi = min([s for s in sizes if s > batch], default=sizes[-1])
-        if lo == hi:
-            return self.decode_s[lo] * batch / lo
-        w = (batch - lo) / (hi - lo)
-        return (1 - w) * self.decode_s[lo] + w * self.decode_s[hi]
+        return _interpolate(self.decode_s, batch)
+
+
+def _interpolate(seconds: dict[int, float], batch: int) -> float:
+    """Time at `batch` from times at measured batch sizes, linearly between them."""
+    sizes = sorted(seconds)
+    if batch in seconds:
+        return seconds[batch]
+    lo = max([s for s in sizes if s < batch], default=sizes[0])
+    hi = min([s for s in sizes if s > batch], default=sizes[-1])
+    if lo == hi:
+        return seconds[lo] * batch / lo
+    w = (batch - lo) / (hi - lo)
+    return (1 - w) * seconds[lo] + w * seconds[hi]
 
 
 class PhaseProbe:
@@ -208,6 +231,7 @@ class PhaseProbe:
                   'prefill': self._run_prefills,
                   'denoise': lambda: self.model.sample_actions(self._prefix, self._noise)}
         passes.update({f'decode {b}': (lambda b=b: self._decode(b)) for b in self.batches})
+        passes.update({f'decode {b} warm': (lambda b=b: self._decode(b)) for b in self.batches})
         if self.compare_eager:
             passes['denoise eager'] = lambda: self._eager(passes['denoise'])
             passes['decode 1 eager'] = lambda: self._eager(lambda: self._decode(1))
@@ -222,6 +246,8 @@ class PhaseProbe:
     def sample(self) -> None:
         """Time every pass once (synced clocks)."""
         for name, fn in self._passes().items():
+            if name.endswith(' warm'):   # after an untimed step of its batch: warm weights
+                fn()
             self._sync()
             start = time.perf_counter()
             fn()
@@ -240,7 +266,8 @@ class PhaseProbe:
                           {name: w.bytes for name, w in work.items()},
                           {r: s[f'prefill x{r}'] for r in self.rows},
                           {r: s[f'denoise x{r}'] for r in self.rows}, self.machine,
-                          str(self.model.compute_dtype).removeprefix('torch.'))
+                          str(self.model.compute_dtype).removeprefix('torch.'),
+                          {b: s[f'decode {b} warm'] for b in self.batches})
 
     def eager_seconds(self, statistic=statistics.median) -> dict[str, float]:
         """Eager times of the compare_eager passes ({} without it)."""

@@ -276,9 +276,11 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
     parts += [] if not result.components else [
               '## Component model per group (phases.py passes, sampled between the rounds of '
               "the group's frames; median)", '',
-              table(['group', 'samples', 'P prefill ms', 'D denoise ms', 'd(1) ms',
-                     'd(B) ms for B = ceil(N/k)'], component_table(result)), '',
-              'Ideal speedup of oxygen over isolated: (2P + D + N·d(1)) / (P + D + k·d(N/k)). '
+              table(['group', 'samples', 'P prefill ms', 'D denoise ms', 'd(1) ms first / warm',
+                     'd(B) ms first / warm for B = ceil(N/k)'], component_table(result)), '',
+              'Ideal speedup of oxygen over isolated: (2P + D + d(1) + (N-1)·w(1)) / (P + D + '
+              'd(B) + (k-1)·w(B)), B = ceil(N/k): a frame\'s first decode step d after its '
+              'prefill and denoise, the others warm w (right after a step of their batch). '
               'Frame deadline (deadline misses, oxygen-adaptive): '
               + ', '.join(f'S={s}: {1e3 * p:.0f} ms' for s, p in sorted(result.periods.items()))
               + (f' (= 1 / {opts.control_hz:g} Hz)' if opts.control_hz else
@@ -384,11 +386,12 @@ def component_table(result: BenchResult) -> list[list]:
         seen.setdefault(c['group'], []).append(c)
     for group, batches in seen.items():
         first = batches[0]
-        decode = {c['batch']: c['decode_step_ms'] for c in batches}
+        decode = {c['batch']: (c['decode_step_ms'], c.get('decode_warm_step_ms', math.nan))
+                  for c in batches}
         rows.append([group, first['samples'], first['prefill_ms'], first['denoise_ms'],
-                     decode.get(1, math.nan),
-                     ', '.join(f'{b}: {ms:.1f}' for b, ms in sorted(decode.items()) if b > 1)
-                     or '–'])
+                     '{:.2f} / {:.2f}'.format(*decode.get(1, (math.nan, math.nan))),
+                     ', '.join(f'{b}: {ms:.1f} / {warm:.1f}' for b, (ms, warm)
+                               in sorted(decode.items()) if b > 1) or '–'])
     return rows
 
 

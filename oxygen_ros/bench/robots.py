@@ -361,8 +361,8 @@ def component_ideal(costs, count: int, n_tokens: int, k: int, horizon: int,
     """Per-robot Hz the component model allows: one fleet tick, or R single engines in turn."""
     batch = -(-n_tokens // k)
     prefill_s = chunked_prefill_s(costs, count, prefill_rows)
-    fleet_s = prefill_s + costs.denoise_at(count) + k * costs.decode_at(count * batch)
-    single_s = costs.prefill_s + costs.denoise_s + k * costs.decode_at(batch)
+    fleet_s = prefill_s + costs.denoise_at(count) + costs.decode_steps(count * batch, k)
+    single_s = costs.prefill_s + costs.denoise_s + costs.decode_steps(batch, k)
     return {'prefill_rows_per_call': prefill_rows or count,
             'comp_prefill_ms': 1e3 * prefill_s, 'comp_prefill_one_call_ms':
             1e3 * costs.prefill_at(count),

@@ -210,7 +210,8 @@ def component_rows(group: Group, costs: PhaseCosts, samples: int) -> list[dict]:
             'steps': group.steps, 'n_tokens': group.n_tokens, 'samples': samples,
             'vision_ms': 1e3 * costs.vision_s, 'prefill_ms': 1e3 * costs.prefill_s,
             'denoise_ms': 1e3 * costs.denoise_s}
-    return [dict(base, batch=batch, decode_step_ms=1e3 * seconds)
+    return [dict(base, batch=batch, decode_step_ms=1e3 * seconds,
+                 decode_warm_step_ms=1e3 * costs.decode_warm_s.get(batch, math.nan))
             for batch, seconds in sorted(costs.decode_s.items())]
 
 
@@ -226,7 +227,7 @@ def ideal_speedup(costs: PhaseCosts, group: Group, spec: SystemSpec) -> float:
     if spec.name == 'shared':
         return costs.ideal_speedup(n, n)     # one prefill, N steps at batch 1
     if spec.name == 'action-only':
-        isolated = 2 * costs.prefill_s + costs.denoise_s + n * costs.decode_at(1)
+        isolated = 2 * costs.prefill_s + costs.denoise_s + costs.decode_steps(1, n)
         return isolated / (costs.prefill_s + costs.denoise_s)
     return math.nan
 

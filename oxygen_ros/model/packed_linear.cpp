@@ -221,17 +221,20 @@ amx_blocks(const uint16_t* x, int M, int64_t K, const uint16_t* pairs, int64_t N
   alignas(64) float sums[4][16 * kBlock];
   _tile_loadconfig(&kAmxConfigs[M]);
   if (M <= 16) {
-    int64_t b = b0;
-    for (; b + 3 <= b1; b += 3) {
+    for (int64_t b = b0; b < b1; b += 3) {
+      // a last group of one or two blocks multiplies its last block again (not stored)
+      const int live = static_cast<int>(std::min<int64_t>(3, b1 - b));
       const uint16_t* w = pairs + b * block_elems;
+      const uint16_t* w1 = w + std::min(1, live - 1) * block_elems;
+      const uint16_t* w2 = w + (live - 1) * block_elems;
       _tile_zero(4);
       _tile_zero(5);
       _tile_zero(6);
       for (int64_t c = 0; c < chunks; ++c) {
         _tile_loadd(0, x + c * kAmxK, x_stride);
         _tile_loadd(1, w + c * 16 * 32, 64);
-        _tile_loadd(2, w + block_elems + c * 16 * 32, 64);
-        _tile_loadd(3, w + 2 * block_elems + c * 16 * 32, 64);
+        _tile_loadd(2, w1 + c * 16 * 32, 64);
+        _tile_loadd(3, w2 + c * 16 * 32, 64);
         _tile_dpbf16ps(4, 0, 1);
         _tile_dpbf16ps(5, 0, 2);
         _tile_dpbf16ps(6, 0, 3);
@@ -239,18 +242,7 @@ amx_blocks(const uint16_t* x, int M, int64_t K, const uint16_t* pairs, int64_t N
       _tile_stored(4, sums[0], 64);
       _tile_stored(5, sums[1], 64);
       _tile_stored(6, sums[2], 64);
-      for (int j = 0; j < 3; ++j) store_block(sums[j], M, N, (b + j) * kBlock, out);
-    }
-    for (; b < b1; ++b) {
-      const uint16_t* w = pairs + b * block_elems;
-      _tile_zero(4);
-      for (int64_t c = 0; c < chunks; ++c) {
-        _tile_loadd(0, x + c * kAmxK, x_stride);
-        _tile_loadd(1, w + c * 16 * 32, 64);
-        _tile_dpbf16ps(4, 0, 1);
-      }
-      _tile_stored(4, sums[0], 64);
-      store_block(sums[0], M, N, b * kBlock, out);
+      for (int j = 0; j < live; ++j) store_block(sums[j], M, N, (b + j) * kBlock, out);
     }
   } else {
     const int rest = M - 16;
