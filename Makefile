@@ -1,6 +1,6 @@
 # oxygen_ros developer entry points. Every target sets up what it needs (scripts/setup_env.sh
 # is idempotent and quick when nothing changed).
-#   make demo    the main job: oxygen_node + simulated robot for DEMO_DURATION s
+#   make demo    the main job: oxygen_node + simulated robot for DEMO_DURATION s of actions
 #                (DEMO_DURATION=0 runs until Ctrl-C)
 #   make test    the test suite
 #   make lint    flake8 (ament configuration) + pep257

@@ -54,8 +54,8 @@ def _summary(output):
 
 
 def test_demo_runs_for_its_duration(tmp_path):
-    # 20 s: the node process alone may take 10 s to start on a loaded machine
-    returncode, output = _run_demo(tmp_path, '--duration', '20')
+    # 12 s from the node's first action (its start-up, up to ~10 s here, comes before)
+    returncode, output = _run_demo(tmp_path, '--duration', '12')
     assert returncode == 0, output[-3000:]
     actions, tokens, node_status = _summary(output)
     assert actions > 0 and tokens > 0 and node_status == 0, output[-3000:]
@@ -72,7 +72,7 @@ def test_demo_runs_for_its_duration(tmp_path):
 
 
 def test_demo_drives_a_node_serving_two_robots(tmp_path):
-    returncode, output = _run_demo(tmp_path, '--duration', '20', '--robots', 'arm_a,arm_b')
+    returncode, output = _run_demo(tmp_path, '--duration', '12', '--robots', 'arm_a,arm_b')
     assert returncode == 0, output[-3000:]
     _, _, node_status = _summary(output)
     assert node_status == 0
@@ -83,6 +83,18 @@ def test_demo_drives_a_node_serving_two_robots(tmp_path):
     log = (tmp_path / 'oxygen_node.log').read_text()
     assert 'arm_a (libero' in log and 'arm_b (libero' in log, log[-3000:]
     assert 'Traceback' not in log, log[-3000:]
+
+
+def test_demo_fails_clearly_when_the_node_sends_no_action_in_its_startup_time(tmp_path):
+    """--duration counts from the first action; a node that never sends one (here: far too
+    little start-up time) ends the demo with status 1 and says so, the node stopped."""
+    returncode, output = _run_demo(tmp_path, '--duration', '5', '--startup-timeout', '1')
+    assert returncode == 1, output[-3000:]
+    assert re.search(r'oxygen_node sent no action in \d+ s \(--startup-timeout\)', output), \
+        output[-3000:]
+    assert 'starting ' in output and 'the node configures' in output, output[-3000:]
+    actions, _, _ = _summary(output)
+    assert actions == 0
 
 
 def test_demo_stops_cleanly_on_ctrl_c(tmp_path):

@@ -7,8 +7,8 @@ Two processes, as on a robot: the node runs in its own process (its model work n
 the camera publishers or the view, and it is exactly the `oxygen_node` a robot runs), while
 this process publishes the camera photos, joint states and instruction and shows what comes
 back on `actions`, `language/tokens`, `language/narration` and `/diagnostics`. Ctrl-C (or the
-end of --duration) stops both cleanly. The node's log goes to a file; its warnings and errors
-are shown in the view.
+end of --duration, counted from the node's first action) stops both cleanly. The node's log
+goes to a file; its warnings and errors are shown in the view.
 
 `--rate auto` (the default) starts the node with `control_rate_hz: 0`: it times a few frames of
 its own engine at configure (act plus the least language work of a tick, runtime/capacity.py)
@@ -45,6 +45,9 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / 'config'   # the source tree'
 CAMERA_SIZE = 224                        # the demo cameras' image side (pixels)
 WARMUP_S = 10.0                          # after the first action chunk: not in the summary
 WINDOW_S = 5.0                           # tokens/s and misses are judged per window
+# The node's start-up before its first action: model build, C++ kernels and compile (a first
+# start on a machine: ~2 minutes on pi05-cpu; from the caches ~20 s). --duration runs after it.
+STARTUP_TIMEOUT_S = 900.0
 
 
 def decode_budget_value(decode_budget: str) -> int:
@@ -66,7 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog='python -m oxygen_ros.tools.demo',
                                      description=__doc__.split('\n\n')[0])
     parser.add_argument('--duration', type=float, default=0.0,
-                        help='seconds to run (0 = until Ctrl-C)')
+                        help="seconds to run from the node's first action (0 = until Ctrl-C)")
+    parser.add_argument('--startup-timeout', type=float, default=STARTUP_TIMEOUT_S,
+                        help='seconds the node may take to send its first action (its '
+                             'configure: the first start on a machine builds the C++ kernels '
+                             'and compiles, ~2 minutes on pi05-cpu)')
     parser.add_argument('--robot', default='libero', choices=('libero', 'droid', 'aloha'))
     parser.add_argument('--robots', default='',
                         help='comma-separated robot names: one node serves them all (each a '
@@ -384,11 +391,15 @@ def render(monitor, args, elapsed: float, instruction: str, alerts, colour: bool
 
     now = time.monotonic()
     total = f' / {args.duration:.0f} s' if args.duration else ' (Ctrl-C to stop)'
+    first = monitor.first_action_t
+    clock = (f'{now - first:.0f} s{total}' if first is not None else
+             f'starting {elapsed:.0f} s: the node configures (first start: kernels '
+             'and compile, ~2 min)')
     source = args.checkpoint or f'random {args.preset}'
     tag, message, loop = level('control loop')
     label = f'{robot} ({args.robot})' if robot else args.robot
     lines = [f'oxygen_ros demo · {source} · robot {label} · target '
-             f"{number(loop, 'target_rate_hz', 'g')} Hz · {elapsed:.0f} s{total}"]
+             f"{number(loop, 'target_rate_hz', 'g')} Hz · {clock}"]
     tag_model, message, values = level('model')
     if 'control loop' not in monitor.diagnostics:
         lines.append(f'{tag_model} node: {message}')
@@ -502,8 +513,17 @@ def main(argv=None) -> int:
     interrupted = False
     try:
         while True:
-            elapsed = time.monotonic() - start
-            if args.duration and elapsed >= args.duration:
+            now = time.monotonic()
+            elapsed = now - start
+            firsts = [m.first_action_t for m in monitors.values() if m.first_action_t]
+            running = now - min(firsts) if firsts else None   # since the first action
+            if args.duration and running is not None and running >= args.duration:
+                break
+            if running is None and elapsed >= args.startup_timeout:
+                print(f'\noxygen_node sent no action in {elapsed:.0f} s (--startup-timeout); '
+                      f'last lines of {node.log_path}:', file=sys.stderr)
+                print('\n'.join(node.log_path.read_text().splitlines()[-15:]), file=sys.stderr)
+                status = 1
                 break
             if not node.alive():
                 print(f'\noxygen_node exited with status {node.proc.returncode}; last lines '
