@@ -4,9 +4,9 @@
   1. fuse q/k/v and gate/up into one matmul each (no extra memory; Pi05Model.fuse), and on
      a CPU in bf16 prepack the linears' weights for oneDNN (model/packed.py);
   2. decide, per pass, whether to compile (`compile_plan`) and set it up: the prefill (vision
-     tower, backbone layers over a dynamic number of valid positions), the denoise loop (on
-     the CPU one step traced as a region the loop calls; on a GPU one CUDA graph) and the
-     decode step (torch.compile: inductor on the CPU, CUDA graphs on a GPU);
+     tower, backbone layers over a dynamic number of valid positions), the denoise loop as one
+     graph (on a GPU one CUDA graph) and the decode step (torch.compile: inductor on the CPU,
+     CUDA graphs on a GPU);
   3. nothing compiles yet: the warm-up frames that follow do it (ModelRunner.warm_up_compiled
      covers every shape the engine will use), then `seal` makes sure no tick ever compiles.
 Where compiling is unavailable (no C++ compiler, no triton) or fails, the model runs eager
@@ -140,8 +140,9 @@ def compile_plan(model: Pi05Model, device: str, setting: str = 'auto',
         regions = row_threads == 1 and torch.device(device).type == 'cpu'
         return CompilePlan(True, True, "compile is 'on'" + (
             ': the denoise loop as step regions' if regions else ''), whole_loop=not regions)
-    if torch.device(device).type == 'cuda':
-        return CompilePlan(True, True, 'CUDA: graphs remove the per-kernel launch cost')
+    if torch.device(device).type == 'cuda':   # the whole loop replayed as one CUDA graph
+        return CompilePlan(True, True, 'CUDA: graphs remove the per-kernel launch cost',
+                           whole_loop=True)
     expert, backbone, prefill = tower_params(model)
 
     def pays(params: int) -> bool:
@@ -153,7 +154,10 @@ def compile_plan(model: Pi05Model, device: str, setting: str = 'auto',
               f'{backbone / 1e6:.1f}M)')
     # The vision tower compiles with the prefill: ~22 s of a first configure (2.3 s cached)
     # for 13.4 -> 9.1 ms a frame (pi05-cpu, AMX Xeon; its GELU and layer norms fuse). The
-    # denoise loop unrolled (prepare_model says why).
+    # denoise loop unrolled: one call and guard check a frame, not one a step, and one C++ call
+    # without the GIL (pi05-cpu: 6.3 ms a denoise against 8.2 for a loop of step regions run
+    # from Python and 9-10 for a graph per step, at a first configure of ~2 minutes against
+    # ~1; restarts from the cache 16 s against 12).
     return CompilePlan(pays(expert), pays(backbone), reason, prefill=pays(prefill),
                        whole_loop=True)
 
@@ -212,14 +216,7 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
             plan.packed_in_place = True
         else:
             plan.packed_bytes = model.pack_linears(expert=plan.denoise and plan.native_kernel)
-    cuda = torch.device(device).type == 'cuda'
     mode, config = compile_settings(device)
-    # The denoise loop is one graph: one call and guard check a frame, not one a step. On the
-    # CPU unrolled, one C++ call without the GIL (pi05-cpu: 6.3 ms a denoise against 8.2 for
-    # a loop of step regions run from Python and 9-10 for a graph per step, at a first
-    # configure of ~2 minutes against ~1; restarts from the cache 16 s against 12); a GPU
-    # replays it as one CUDA graph.
-    plan.whole_loop = plan.whole_loop or cuda
     plan.mode = mode
     if plan.any:
         use_persistent_cache()

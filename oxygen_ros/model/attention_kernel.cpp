@@ -6,8 +6,8 @@
 // one. Here 32 query rows meet all keys at once (a row's 555 scores fit in L1): QK^T and PV
 // run on AMX tiles (one TDPBF16PS per 16 rows x 16 keys x 32 dims), the softmax in AVX-512
 // with a short polynomial exp in base 2 (fast_exp.h; relative error ~4e-5, far under bf16's
-// 4e-3): ~1.0 ms a layer, measured alone on the AMX Xeon (QK^T ~0.3, softmax ~0.55, PV ~0.2). Head dims 48 and 64 (the vision tower's
-// 48) take a second tile for the dims past 32.
+// 4e-3): ~1.0 ms a layer, measured alone on the AMX Xeon (QK^T ~0.3, softmax ~0.55, PV
+// ~0.2). Head dims 48 and 64 (the vision tower's 48) take a second tile for the dims past 32.
 //
 // Contract (model/gemma.py `amx_attention_applies` decides when it runs): q [B, G, R, D]
 // (the heads sharing a K/V head folded into rows, or one head's rows), k, v [B, G, K, D],

@@ -149,19 +149,20 @@ def pick_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 def write_packed(storage: torch.Tensor, slots: list[int], length: int, positions: torch.Tensor,
-                 counts: list[int], packed: torch.Tensor) -> None:
-    """Scatter prefill's packed K/V into the pool (prefill's write).
+                 counts: list[int], layers: list[torch.Tensor]) -> None:
+    """Scatter prefill's packed K (or V) of every layer into the pool (prefill's write).
 
-    storage [S, T, ...]: slot slots[b] gets packed[b, :counts[b]] (of [B, n, ...]) at its
-    positions[b, :counts[b]], zeros at its other positions below `length` (a slot's content
-    does not depend on what it was batched with). A narrower store (bf16 K/V) rounds here.
+    storage [L, S, T, ...]: slot slots[b] of layer i gets layers[i][b, :counts[b]] (of
+    [B, n, ...]) at its positions[b, :counts[b]], zeros at its other positions below `length`
+    (a slot's content does not depend on what it was batched with), cleared once for all
+    layers. A narrower store (bf16 K/V) rounds here.
     """
-    packed = packed.to(storage.dtype)
     for b, slot in enumerate(slots):
-        row = storage[slot]
         if counts[b] < length:
-            row[:length].zero_()
-        row.index_copy_(0, positions[b, :counts[b]], packed[b, :counts[b]])
+            storage[:, slot, :length].zero_()
+        where = positions[b, :counts[b]]
+        for i, packed in enumerate(layers):
+            storage[i, slot].index_copy_(0, where, packed[b, :counts[b]].to(storage.dtype))
 
 
 def attend_bucket(needed: int, limit: int) -> int:
@@ -530,9 +531,8 @@ class Pi05Model(nn.Module):
         else:
             x, keys, values = self.prefill_layers(x, cos, sin, key_mask,
                                                   None if len(rows) == 1 else rows)
-        for i in range(len(keys)):   # the prefix K/V into the slots' rows of the pool
-            write_packed(kv.k[i], slot_list, P, order, row_counts, keys[i])
-            write_packed(kv.v[i], slot_list, P, order, row_counts, values[i])
+        write_packed(kv.k, slot_list, P, order, row_counts, keys)   # into the slots' rows
+        write_packed(kv.v, slot_list, P, order, row_counts, values)
         # The first generated token reads the hidden state at the last valid position.
         last = (counts - 1).clamp(min=0)                                        # [B]
         last_hidden, _ = self.backbone.norm(x[torch.arange(B, device=x.device), last][:, None])
