@@ -234,6 +234,13 @@ def test_a_prefill_and_the_vision_tower_run_the_gelu_and_give_torchs_result():
     calls = ops.calls()
     gelu_tanh(few, few)
     assert ops.calls() == calls, 'a decode step keeps inductor\'s fused activation'
+    # The first dim (a compiled pass's dynamic batch: decode rows, robots) does not count.
+    rows = torch.randn(64, 1, 1024, dtype=BF16)
+    gelu_tanh(rows, rows)
+    assert ops.calls() == calls, 'a decode step of many rows too'
+    tokens = torch.randn(1, 16, 1024, dtype=BF16)
+    gelu_tanh(tokens, tokens)
+    assert ops.calls() == calls + 1
 
 
 @torch.no_grad()

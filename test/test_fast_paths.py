@@ -259,6 +259,26 @@ def test_sealed_function_runs_eager_for_an_unseen_shape(caplog):
     assert fn.fallbacks == 1 and compiles == [[(3,)]]   # the warmed-up graph still serves
 
 
+def test_a_decode_warmed_up_at_two_rows_serves_every_batch_size_compiled():
+    """The runner warms decode at 1 and 2 rows: the graph for B > 1 must take any B. A choice
+    on the batch size inside the step (the bf16 GELU kernel's threshold once counted decode
+    rows) would tie it to a range, and larger batches (a fleet, N=30 at k=1) ran eager."""
+    from oxygen_ros.engine.runner import ModelRunner
+    from oxygen_ros.model.gemma import GELU_KERNEL_MIN_ROW_VALUES
+
+    model, frontend = random_setup(MICRO, 'libero', seed=1, dtype=torch.bfloat16)
+    plan = prepare.prepare_model(model, 'cpu', 'on')
+    if not plan.decode:
+        pytest.fail(f'compile unavailable on this machine: {plan.reason}')
+    rows = GELU_KERNEL_MIN_ROW_VALUES // MICRO.backbone.mlp_dim + 2   # past the old threshold
+    runner = ModelRunner(model, 2, 8, num_blocks=rows)
+    runner.warm_up_compiled(frames=[frontend.prepare(observation(0)).tensors])
+    prepare.seal(model, plan, 0.0)
+    for batch in (3, rows):
+        runner.decode([0] * batch, list(range(batch)), [0] * batch, [5] * batch)
+    assert (model._decode_fn.fallbacks, model._decode_fn.failed) == (0, False)
+
+
 def test_a_broadcast_input_runs_the_warmed_up_graph():
     """An expanded input (stride 0: one prefix's n_valid or noise over a batch's rows, as the
     benchmark's phase probe passes) runs the graph warmed up on dense inputs, not eager."""

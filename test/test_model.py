@@ -586,3 +586,29 @@ def test_compiled_patch_embedding_is_the_convolution(model):
         images = torch.rand(3, 3, side + extra, side + extra) * 2 - 1
         torch.testing.assert_close(traced(images), embeddings(images), atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
+
+
+@torch.no_grad()
+def test_a_large_mlp_runs_in_row_blocks_with_one_calls_result(monkeypatch):
+    """A gated activation of MLP_SPLIT_VALUES or more runs in calls of at most MLP_ROW_BLOCK
+    rows (oneDNN's faster kernel for pi05's gate/up product); rows are independent, so the
+    output is one call's (float32 here: up to rounding)."""
+    from oxygen_ros.model import gemma
+    from oxygen_ros.model.config import GemmaConfig
+
+    mlp = gemma.GemmaMLP(GemmaConfig(32, 1, 64, 2, 1, 16)).eval()
+    mlp.fuse()
+    x = torch.randn(2, 350, 32)
+    whole = mlp(x)
+    calls = []
+    gated = mlp._gated
+    monkeypatch.setattr(mlp, '_gated', lambda block: calls.append(tuple(block.shape))
+                        or gated(block))
+    monkeypatch.setattr(gemma, 'MLP_SPLIT_VALUES', 700 * 2 * 64)    # x's 700 rows split
+    torch.testing.assert_close(mlp(x), whole)
+    assert calls == [(1, 234, 32), (1, 234, 32), (1, 232, 32)]     # ceil(700 / 288) calls
+    calls.clear()
+    monkeypatch.setattr(gemma, 'MLP_SPLIT_VALUES', 1)
+    mlp(x[:, :144])                                                 # 288 rows: one call
+    mlp(x[:, :145])                                                 # 290: two
+    assert calls == [(2, 144, 32), (1, 145, 32), (1, 145, 32)]

@@ -118,6 +118,15 @@ class GemmaAttention(nn.Module):
         return q.view(B, Q, N, D), k.view(B, Q, G, D), v.view(B, Q, G, D)
 
 
+# Rows per MLP call where its gated activation is large. oneDNN (torch 2.13, AMX Xeon, 2
+# threads) runs pi05's gate/up product, [M, 2048] x [2048, 32768], at 2.0-2.1 TFLOP/s up to
+# 288 rows and at 1.3-1.6 from 289 on: a prefill's 555 rows as two calls of 278 take its
+# whole MLP from 96 to 71 ms a layer. Rows are independent, so the result is the same up to
+# bf16 rounding (oneDNN's kernels for other row counts sum in another order).
+MLP_ROW_BLOCK = 288
+MLP_SPLIT_VALUES = 2**24   # gate/up outputs (rows x 2 x mlp_dim) from which calls are split
+
+
 class GemmaMLP(nn.Module):
     """Gated GELU (tanh approximation): down(gelu(gate(x)) * up(x))."""
 
@@ -141,6 +150,15 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.up_proj.weight.dtype)
+        rows = x.shape[:-1].numel()
+        if (not torch.compiler.is_compiling() and rows > MLP_ROW_BLOCK
+                and rows * 2 * self.up_proj.out_features >= MLP_SPLIT_VALUES):
+            blocks = x.reshape(1, rows, x.shape[-1]).chunk(-(-rows // MLP_ROW_BLOCK), dim=1)
+            return torch.cat([self._gated(block) for block in blocks], dim=1).view(
+                *x.shape[:-1], -1)
+        return self._gated(x)
+
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
             gate, up = linear(x, self.gate_up_weight, self.packed).chunk(2, dim=-1)
         else:
@@ -227,19 +245,27 @@ def _concat_params(modules: list[nn.Module], name: str) -> torch.Tensor:
     return out
 
 
+# Values per row (all dims but the first) from which the C++ GELU kernel pays off.
+GELU_KERNEL_MIN_ROW_VALUES = 2**14
+
+
 def gelu_tanh(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """GELU, tanh approximation (Gemma's and SigLIP's activation), times `up` when given.
 
-    bf16 on a CPU with AVX512-BF16 (the C++ kernels loaded: packed_native.ready),
-    16k values or more (a prefill's or the vision tower's; a decode or denoise step's few
-    rows stay in inductor's fused kernels): activation_kernel.cpp, one pass with a polynomial
-    exp (a pi05-cpu prefill layer's [555, 1024] gated activation 0.24 ms vs 0.44 compiled).
+    bf16 on a CPU with AVX512-BF16 (the C++ kernels loaded: packed_native.ready), 16k
+    values or more per row of the first dim (a prefill's or the vision tower's; a decode or
+    denoise step's few tokens stay in inductor's fused kernels): activation_kernel.cpp, one
+    pass with a polynomial exp (a pi05-cpu prefill layer's [555, 1024] gated activation 0.24
+    ms vs 0.44 compiled). Not the whole size: the first dim is a compiled pass's dynamic batch
+    (decode rows, robots), and a choice on it would tie the graph to a range of batch sizes (a
+    decode graph warmed up at 2 rows guarded B < 16 and ran eager from 16 rows on).
     Elsewhere, compiled: x * sigmoid(2u) with u = sqrt(2/pi) (x + 0.044715 x^3), the same
     function (0.5 (1 + tanh u) = sigmoid(2u)), as inductor's CPU kernels take tanh from Sleef
     at ~2x the cost of the exp a sigmoid needs; eager: torch's fused kernel. The C++ kernel has
     no gradient: a pass that takes one keeps torch's.
     """
-    if (x.dtype == torch.bfloat16 and x.device.type == 'cpu' and x.numel() >= 2**14
+    if (x.dtype == torch.bfloat16 and x.device.type == 'cpu'
+            and x[0].numel() >= GELU_KERNEL_MIN_ROW_VALUES
             and packed_native.ready('oxygen_activation')
             and not (torch.is_grad_enabled() and (x.requires_grad or (
                 up is not None and up.requires_grad)))):
