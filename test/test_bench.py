@@ -153,37 +153,71 @@ def test_token_column_detects_an_injected_mismatch(monkeypatch):
 # ---- component model and metrics -------------------------------------------------------
 
 def test_ideal_speedup_formula_on_known_numbers():
-    c = costs(prefill=0.1, denoise=0.05, decode={1: 0.01, 6: 0.02})
-    # N=30, k=5: isolated 2P + D + N·d(1) = 0.55; oxygen P + D + k·d(6) = 0.25.
-    assert c.ideal_speedup(30, 5) == pytest.approx(0.55 / 0.25)
-    # k = N is the shared baseline: P + D + N·d(1).
-    assert c.ideal_speedup(30, 30) == pytest.approx(0.55 / 0.45)
+    c = dataclasses.replace(costs(prefill=0.1, denoise=0.05, decode={1: 0.01, 6: 0.02}),
+                            first_token_s=0.004, frontend_s=0.002)
+    F, P, D, f = 0.002, 0.1, 0.05, 0.004
+    # N=30: isolated F + 2P + D + f + 29 d(1); the new request's first token is the LM head.
+    isolated = F + 2 * P + D + f + 29 * 0.01
+    assert c.frame_s(1, 30, prefills=2) == pytest.approx(isolated)
+    # k=5: B = 6 live requests; 4 steps of 6 rows, the last of 5 (the new one is done),
+    # d(5) interpolated between the measured 1 and 6.
+    oxygen = F + P + D + f + 4 * 0.02 + 0.018
+    assert c.ideal_speedup(30, 5) == pytest.approx(isolated / oxygen)
+    # k = N is the shared baseline: one prefill, N - 1 steps of one row.
+    assert c.ideal_speedup(30, 30) == pytest.approx(isolated / (isolated - P))
+    # k = 1: B = N; one step of the N - 1 older requests.
+    assert c.language_s(6, 1) == pytest.approx(f + 0.018)
+    assert c.language_s(6, 0) == 0.0
     group = Group('nk', 'libero', 10, 30, (SystemSpec('isolated'),), frames=1)
-    assert bench_run.ideal_speedup(c, group, SystemSpec('oxygen', 5)) == pytest.approx(2.2)
+    assert bench_run.ideal_speedup(c, group, SystemSpec('oxygen', 5)) == pytest.approx(
+        isolated / oxygen)
     assert bench_run.ideal_speedup(c, group, SystemSpec('action-only')) == pytest.approx(
-        0.55 / 0.15)
+        isolated / (F + P + D))
     assert math.isnan(bench_run.ideal_speedup(
         c, dataclasses.replace(group, arrival_rate=1.0), SystemSpec('oxygen', 5)))
-    # Warm steps measured: a frame's first step is cold, the rest warm (N steps of isolated:
-    # d(1) + 29 w(1) = 0.01 + 0.145; oxygen k=5 at B=6: d(6) + 4 w(6) = 0.02 + 0.04).
-    warm = dataclasses.replace(c, decode_warm_s={1: 0.005, 6: 0.01})
-    assert warm.decode_steps(1, 30) == pytest.approx(0.155)
-    assert warm.decode_steps(6, 0) == 0.0
-    assert warm.ideal_speedup(30, 5) == pytest.approx((0.25 + 0.155) / (0.15 + 0.06))
-    assert warm.decode_steps(3, 2) == pytest.approx(warm.decode_at(3) + 0.007)   # interpolated
+    # The steps after a frame's first measured in a row (2nd, 3rd; later as the 3rd):
+    # isolated d(1) + 0.007 + 27 · 0.005; oxygen k=5: d(6), 0.015, 0.01, 0.01, then the 5th
+    # step at 5 rows, interpolated between 0.005 (1) and 0.01 (6).
+    warm = dataclasses.replace(c, decode_next_s={1: (0.007, 0.005), 6: (0.015, 0.01)})
+    assert warm.language_s(1, 30) == pytest.approx(f + 0.01 + 0.007 + 27 * 0.005)
+    assert warm.language_s(6, 5) == pytest.approx(f + 0.02 + 0.015 + 0.01 + 0.01 + 0.009)
+    assert warm.step_s(6, 1) == 0.015 and warm.step_s(3, 9) == pytest.approx(0.007)
+    assert warm.ideal_speedup(30, 5) == pytest.approx(
+        (F + 2 * P + D + f + 0.152) / (F + P + D + f + 0.064))
+    # A frame's first prefill follows the last frame's steps: after steps of 6 rows (k=5)
+    # it costs 0.13, after one row's 0.11 (isolated's second prefill follows its denoise).
+    after = dataclasses.replace(warm, prefill_after_s={1: 0.11, 6: 0.13})
+    assert after.frame_s(6, 5) == pytest.approx(F + 0.13 + D + f + 0.064)
+    assert after.frame_s(1, 30, prefills=2) == pytest.approx(F + 0.11 + P + D + f + 0.152)
+    assert after.frame_s(1, 0) == pytest.approx(F + P + D)   # action-only: no steps
 
 
 def test_phase_probe_samples_every_pass_and_reduces_them():
     from oxygen_ros.bench.phases import PhaseProbe
 
     model = bench_run.ModelCache(bench_run.BenchOptions.quick_defaults()).model(2)
-    probe = PhaseProbe(model, batches=(1, 3), warmup=1)
+    calls = []
+    probe = PhaseProbe(model, batches=(1, 3), warmup=1, frontend=lambda: calls.append(1))
+    order, passes = [], probe._passes()
+    # Wrapped passes show the order they run in.
+    probe._passes = lambda: {name: (lambda name=name, fn=fn: order.append(name) or fn())
+                             for name, fn in passes.items()}
     probe.sample()
     probe.sample()
     assert all(len(v) == 2 for v in probe.samples.values())
     costs_ = probe.costs(min)
     assert set(costs_.decode_s) == {1, 3}
     assert costs_.prefill_s == min(probe.samples['prefill'])
+    assert costs_.first_token_s > 0 and costs_.frontend_s > 0 and len(calls) >= 2
+    # Each batch's first step runs right after a frame's passes (as in a tick), the next
+    # ones in a row, then the next frame's prefill ('prefill after B').
+    first = order[:len(order) // 2]
+    at = first.index('decode 1')
+    assert first[at - 3:at + 9] == ['prefill', 'denoise', 'first token', 'decode 1',
+                                    'decode 1 #2', 'decode 1 #3', 'decode 1 #4',
+                                    'prefill after 1', 'denoise', 'first token', 'decode 3',
+                                    'decode 3 #2']
+    assert first[at + 11] == 'prefill after 3' and set(costs_.prefill_after_s) == {1, 3}
 
 
 def test_phase_probe_prefills_the_frames_it_is_given():

@@ -49,14 +49,15 @@ def test_fleet_component_model_on_known_numbers():
     costs = PhaseCosts(0.0, 0.1, 0.05, {1: 0.01, 2: 0.012, 4: 0.016}, {}, {},
                        prefill_rows_s={2: 0.18}, denoise_rows_s={2: 0.06})
     ideal = component_ideal(costs, 2, n_tokens=4, k=2, horizon=10)
-    # fleet tick: P(2) + D(2) + k·d(2·2) = 0.18 + 0.06 + 2·0.016
-    assert ideal['ideal_fleet_hz'] == pytest.approx(10 / 0.272)
-    # two robots alone in turn: 2 · (P + D + k·d(2))
-    assert ideal['ideal_single_hz'] == pytest.approx(10 / (2 * 0.174))
+    # fleet tick: P(2) + D(2) + a step of 2·2 rows and one of 2 (each robot's new request
+    # has its first token from its prefix): 0.18 + 0.06 + 0.016 + 0.012
+    assert ideal['ideal_fleet_hz'] == pytest.approx(10 / 0.268)
+    # two robots alone in turn: 2 · (P + D + d(2) + d(1))
+    assert ideal['ideal_single_hz'] == pytest.approx(10 / (2 * 0.172))
     assert costs.prefill_at(4) == pytest.approx(0.4)      # not measured: R × P
     # prefills in calls of one row: 2 · P(1) instead of P(2)
     chunked = component_ideal(costs, 2, n_tokens=4, k=2, horizon=10, prefill_rows=1)
-    assert chunked['ideal_fleet_hz'] == pytest.approx(10 / 0.292)
+    assert chunked['ideal_fleet_hz'] == pytest.approx(10 / 0.288)
     assert chunked_prefill_s(costs, 5, 2) == pytest.approx(2 * 0.18 + 0.1)
 
 

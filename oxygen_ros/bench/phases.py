@@ -13,15 +13,19 @@ import dataclasses
 import math
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ..engine.hardware import MachinePeaks
-from ..model import KVTensors, Pi05Model
+from ..engine.runner import ModelRunner
+from ..model import Pi05Model
 from .floors import phase_work, Work
 
 DECODE_GEN_LEN = 16   # generated tokens a timed decode step's rows already hold (J = 17)
+# Steps timed in a row after a frame's first (the caches refill over a few steps: pi05-cpu on
+# the AMX Xeon, one row: 2.96, 2.71, 2.14, 1.88 ms, then 1.8-1.9); later steps cost as the last.
+NEXT_STEPS = 3
 
 
 @dataclasses.dataclass
@@ -31,16 +35,21 @@ class PhaseCosts:
     vision_s: float
     prefill_s: float                 # vision + backbone over the prefix (includes vision_s)
     denoise_s: float                 # all flow-matching steps of one frame
-    decode_s: dict[int, float]       # batch size -> one decode step
+    decode_s: dict[int, float]       # batch size -> a step right after a frame's passes
     flops: dict[str, float]          # phase ('vision', 'prefill', 'denoise', 'decode B') -> FLOPs
     memory_bytes: dict[str, float]   # phase -> bytes of weights and K/V it moves
     prefill_rows_s: dict[int, float] = dataclasses.field(default_factory=dict)  # R -> P(R)
     denoise_rows_s: dict[int, float] = dataclasses.field(default_factory=dict)  # R -> D(R)
     machine: MachinePeaks | None = None   # peaks measured in the same run (None: no floors)
     dtype: str = 'float32'           # the model's compute dtype (which matmul peak applies)
-    # batch size -> a decode step right after another of its batch (its weights still in the
-    # caches: the second and later of a frame's steps); empty: as decode_s
-    decode_warm_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    # batch size -> the steps that follow a frame's first in a row (2nd, 3rd, ...: their
+    # weights come back into the caches); later steps cost as the last; empty: as decode_s
+    decode_next_s: dict[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    first_token_s: float = 0.0       # LM head over a new request's prefix (its first token)
+    frontend_s: float = 0.0          # the frontend's conversion of one observation
+    # batch size -> a prefill right after a frame's decode steps of that many rows (they
+    # left the caches full of their prefixes); empty: prefill_s
+    prefill_after_s: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def seconds(self, phase: str) -> float:
         """Measured time of a phase ('vision', 'prefill', 'denoise', 'decode B', 'action')."""
@@ -77,26 +86,57 @@ class PhaseCosts:
         return self.denoise_rows_s.get(rows, rows * self.denoise_s)
 
     def ideal_speedup(self, n_tokens: int, k: int) -> float:
-        """(2P + D + d1(N)) / (P + D + dB(k)): isolated vs oxygen frame time.
+        """Isolated frame time / oxygen frame time at (N, k) in the steady state.
 
-        d1(N): N decode steps of one row in a row, dB(k): k steps of B = ceil(N/k) rows
-        (decode_steps: the first after the frame's prefill and denoise, the others warm).
+        isolated: F + 2P + D + language(1, N), oxygen: F + P + D + language(B, k) with
+        B = ceil(N/k) live requests (see language_s); F the frontend's conversions.
         """
         batch = -(-n_tokens // k)
-        isolated = 2 * self.prefill_s + self.denoise_s + self.decode_steps(1, n_tokens)
-        return isolated / (self.prefill_s + self.denoise_s + self.decode_steps(batch, k))
+        return self.frame_s(1, n_tokens, prefills=2) / self.frame_s(batch, k)
 
-    def decode_steps(self, batch: int, steps: int) -> float:
-        """Seconds of `steps` decode steps of `batch` rows in a row, after a frame's passes.
+    def frame_s(self, batch: int, k: int, prefills: int = 1) -> float:
+        """Seconds of one frame in the steady state (isolated: prefills=2).
 
-        The first reads weights the prefill and denoise evicted (decode_s); the others find
-        them in the caches (decode_warm_s: on the AMX Xeon a pi05-cpu step of one row 1.6 vs
-        3.0 ms, so N steps in a row cost far less than N cold ones).
+        Frontend, `prefills` prefills, the denoise, language_s(batch, k); the first prefill
+        follows the last frame's decode steps (prefill_after).
         """
-        if steps <= 0:
+        sizes = self.step_sizes(batch, k)
+        first = self.prefill_after(max(sizes)) if sizes else self.prefill_s
+        return (self.frontend_s + first + (prefills - 1) * self.prefill_s + self.denoise_s
+                + self.language_s(batch, k))
+
+    def prefill_after(self, batch: int) -> float:
+        """Seconds of a prefill after steps of `batch` rows (outside the measured: nearest)."""
+        if not self.prefill_after_s:
+            return self.prefill_s
+        sizes = sorted(self.prefill_after_s)
+        return _interpolate(self.prefill_after_s, min(max(batch, sizes[0]), sizes[-1]))
+
+    @staticmethod
+    def step_sizes(batch: int, k: int, new: int = 1) -> list[int]:
+        """Rows of each decode step of a frame (see language_s)."""
+        return [b for b in [batch] * (k - 1) + [batch - new] if b > 0] if k > 0 else []
+
+    def language_s(self, batch: int, k: int, new: int = 1) -> float:
+        """One frame's language work: `batch` live requests advance k tokens each.
+
+        `new` of them started this frame: their first token comes from the prefix (one LM
+        head call, first_token_s) and they need k - 1 steps, so k - 1 steps run `batch` rows
+        and the last `batch - new`. The first step reads weights the prefill and denoise
+        evicted (decode_s), the next ones find more of them in the caches (decode_next_s: on
+        the AMX Xeon a pi05-cpu step of nine rows 4.1, then 3.8, 3.2, 3.0 ms).
+        """
+        if k <= 0:
             return 0.0
-        warm = _interpolate(self.decode_warm_s or self.decode_s, batch)
-        return self.decode_at(batch) + (steps - 1) * warm
+        return self.first_token_s + sum(self.step_s(b, i) for i, b
+                                        in enumerate(self.step_sizes(batch, k, new)))
+
+    def step_s(self, batch: int, index: int) -> float:
+        """Seconds of a frame's index-th decode step (0: the first) of `batch` rows."""
+        if index == 0 or not self.decode_next_s:
+            return self.decode_at(batch)
+        later = min(index, len(next(iter(self.decode_next_s.values())))) - 1
+        return _interpolate({b: steps[later] for b, steps in self.decode_next_s.items()}, batch)
 
     def decode_at(self, batch: int) -> float:
         """Decode step time at `batch`, linearly interpolated between measured sizes."""
@@ -132,13 +172,17 @@ class PhaseProbe:
     machine: peaks of this machine (hardware.measure_machine) for the floors, or None.
     compare_eager: also time denoise and decode 1 with the model's compiled passes switched
     off ('denoise eager', 'decode 1 eager'), side by side with the compiled ones.
+    frontend: a call that converts the observations of `frames` (one each) as the engine's
+    frontend does; timed as 'frontend', per observation like 'prefill' (None: F = 0).
     """
 
     @torch.no_grad()
     def __init__(self, model: Pi05Model, batches=(1, 4, 8), warmup: int = 2, seed: int = 0,
                  rows=(1,), frames: Sequence[dict] | None = None,
-                 machine: MachinePeaks | None = None, compare_eager: bool = False):
+                 machine: MachinePeaks | None = None, compare_eager: bool = False,
+                 frontend: Callable[[], object] | None = None):
         cfg = model.config
+        self._frontend = frontend
         device = next(model.parameters()).device
         self.model = model
         self.machine = machine
@@ -162,21 +206,24 @@ class PhaseProbe:
             self._frames = [(images, image_masks, tokens.to(device), token_masks)]
         self._prefill_inputs = self._frames[0]
         max_batch = max(self.batches + self.rows)
-        self._kv = KVTensors.allocate(cfg, max_batch, cfg.prefix_len + 64, model.compute_dtype,
-                                      device)
+        # Decode steps run as the engine runs them (ModelRunner.decode: each row's generated
+        # entries in a block of their own, the engine's graph and host work); the prefills
+        # write the runner's prefix slots.
+        self._runner = ModelRunner(model, max_batch, 2 * DECODE_GEN_LEN)
+        self._kv = self._runner.kv
         images, image_masks = self._prefill_inputs[:2]
         # The vision pass sees what prefill feeds it: the first frame's unmasked cameras.
         self._shown_images = images.flatten(0, 1)[image_masks.flatten()].to(model.compute_dtype)
         for slot in range(max_batch):
             self._prefix = self._run_prefill(slot)
+            self._runner.store.record_prefix(slot, self._prefix.valid[0],
+                                             self._prefix.n_valid[0], self._prefix.last_hidden[0])
         self._noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, generator=g).to(device)
         self._row_prefix = {r: self._run_prefill_rows(r) for r in self.rows}
-        self._valid = self._prefix.valid.expand(max_batch, -1)     # [max_batch, P]
-        self._n_valid = self._prefix.n_valid.expand(max_batch)     # [max_batch]
         self.samples: dict[str, list[float]] = {name: [] for name in self._passes()}
         # A model its engine's warm-up sealed (the benchmark's) compiles the probe's own shapes
-        # here too: its decode keeps the generated entries in the prefix slot, another graph
-        # than the engine's, which a sealed model would run eager in every timed sample.
+        # here too (its pool's sizes, batch sizes the engine's warm-up did not run), which a
+        # sealed model would run eager in every timed sample.
         sealed = any(fn.sealed for fn in model.compiled_functions)
         model.seal_compiled(False)
         try:
@@ -203,9 +250,9 @@ class PhaseProbe:
         return self.model.prefill(*inputs, kv=self._kv, slots=torch.arange(rows))
 
     def _decode(self, batch: int):
-        self.model.decode_step(self._kv, torch.arange(batch), self._valid[:batch],
-                               self._n_valid[:batch], torch.full((batch,), DECODE_GEN_LEN),
-                               torch.full((batch,), 5))
+        """One step of `batch` rows, each on a prefix of its own, DECODE_GEN_LEN generated."""
+        rows = list(range(batch))
+        self._runner.decode(rows, rows, [DECODE_GEN_LEN] * batch, [5] * batch)
 
     def _eager(self, fn):
         """Run fn with the model's compiled passes switched off (the eager comparison)."""
@@ -229,9 +276,15 @@ class PhaseProbe:
     def _passes(self) -> dict:
         passes = {'vision': lambda: self.model.vision_features(self._shown_images),
                   'prefill': self._run_prefills,
-                  'denoise': lambda: self.model.sample_actions(self._prefix, self._noise)}
+                  'denoise': lambda: self.model.sample_actions(self._prefix, self._noise),
+                  'first token': lambda: self.model.lm_logits(
+                      self._prefix.last_hidden).argmax(-1).tolist()}
+        if self._frontend is not None:
+            passes['frontend'] = self._frontend
         passes.update({f'decode {b}': (lambda b=b: self._decode(b)) for b in self.batches})
-        passes.update({f'decode {b} warm': (lambda b=b: self._decode(b)) for b in self.batches})
+        passes.update({f'decode {b} #{i}': (lambda b=b: self._decode(b))
+                       for b in self.batches for i in range(2, 2 + NEXT_STEPS)})
+        passes.update({f'prefill after {b}': self._run_prefills for b in self.batches})
         if self.compare_eager:
             passes['denoise eager'] = lambda: self._eager(passes['denoise'])
             passes['decode 1 eager'] = lambda: self._eager(lambda: self._decode(1))
@@ -244,15 +297,48 @@ class PhaseProbe:
 
     @torch.no_grad()
     def sample(self) -> None:
-        """Time every pass once (synced clocks)."""
-        for name, fn in self._passes().items():
-            if name.endswith(' warm'):   # after an untimed step of its batch: warm weights
-                fn()
-            self._sync()
-            start = time.perf_counter()
-            fn()
-            self._sync()
-            runs = len(self._frames) if name == 'prefill' else 1   # mean over the frames
+        """Time every pass once (synced clocks), each where it runs in a frame.
+
+        A frame runs prefill, denoise, its new requests' first token, then decode steps: the
+        first step finds its weights evicted, and the next frame's prefill finds the caches
+        full of what the steps read (B rows on B prefixes). So per batch size B: a frame's
+        passes, 'decode B', 'decode B #2', ... in a row, and the prefill after them is timed
+        as 'prefill after B' (the first frame's as 'prefill').
+        """
+        passes = self._passes()
+        in_frames = {'prefill', 'denoise', 'first token'}
+        after = None   # the batch whose steps ran last
+        for batch in self.batches + (None,):
+            name = 'prefill' if after is None else f'prefill after {after}'
+            self._time(name, passes[name])
+            in_frames.add(name)
+            if batch is None:
+                break
+            for name in ('denoise', 'first token'):
+                self._time(name, passes[name], record=after is None)
+            for step in range(1, 2 + NEXT_STEPS):
+                name = f'decode {batch}' + (f' #{step}' if step > 1 else '')
+                self._time(name, passes[name])
+                in_frames.add(name)
+            eager = f'decode {batch} eager'
+            if eager in passes:   # compared with 'decode B': after a frame's passes too
+                for name in ('prefill', 'denoise', 'first token'):
+                    self._time(name, passes[name], record=False)
+                self._time(eager, passes[eager])
+                in_frames.add(eager)
+            after = batch
+        for name, fn in passes.items():
+            if name not in in_frames:
+                self._time(name, fn)
+
+    def _time(self, name: str, fn: Callable, record: bool = True) -> None:
+        self._sync()
+        start = time.perf_counter()
+        fn()
+        self._sync()
+        if record:
+            runs = (len(self._frames) if name.startswith('prefill') and ' x' not in name
+                    or name == 'frontend' else 1)   # per frame
             self.samples[name].append((time.perf_counter() - start) / runs)
 
     def costs(self, statistic=statistics.median) -> PhaseCosts:
@@ -267,7 +353,10 @@ class PhaseProbe:
                           {r: s[f'prefill x{r}'] for r in self.rows},
                           {r: s[f'denoise x{r}'] for r in self.rows}, self.machine,
                           str(self.model.compute_dtype).removeprefix('torch.'),
-                          {b: s[f'decode {b} warm'] for b in self.batches})
+                          {b: tuple(s[f'decode {b} #{j}'] for j in range(2, 2 + NEXT_STEPS))
+                           for b in self.batches},
+                          s['first token'], s.get('frontend', 0.0),
+                          {b: s[f'prefill after {b}'] for b in self.batches})
 
     def eager_seconds(self, statistic=statistics.median) -> dict[str, float]:
         """Eager times of the compare_eager passes ({} without it)."""

@@ -276,11 +276,15 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
     parts += [] if not result.components else [
               '## Component model per group (phases.py passes, sampled between the rounds of '
               "the group's frames; median)", '',
-              table(['group', 'samples', 'P prefill ms', 'D denoise ms', 'd(1) ms first / warm',
-                     'd(B) ms first / warm for B = ceil(N/k)'], component_table(result)), '',
-              'Ideal speedup of oxygen over isolated: (2P + D + d(1) + (N-1)·w(1)) / (P + D + '
-              'd(B) + (k-1)·w(B)), B = ceil(N/k): a frame\'s first decode step d after its '
-              'prefill and denoise, the others warm w (right after a step of their batch). '
+              table(['group', 'samples', 'F frontend ms', 'P prefill ms', 'D denoise ms',
+                     'f first token ms', 'd(1) ms: steps in a row',
+                     'd(B) ms: steps in a row, B = ceil(N/k)'], component_table(result)), '',
+              'Ideal speedup of oxygen over isolated: (F + 2P + D + f + d(1) steps 1..N-1) / '
+              '(F + P + D + f + d(B) steps 1..k-1 + d(B-1) step k), B = ceil(N/k) live '
+              "requests: the new request's first token comes from its prefix (f: the LM head), "
+              'so k-1 steps run B rows and the last B-1. A frame\'s first step runs after its '
+              'prefill, denoise and f (weights evicted); the next ones refill the caches, so '
+              'each is timed in its place in a row (later steps as the last timed). '
               'Frame deadline (deadline misses, oxygen-adaptive): '
               + ', '.join(f'S={s}: {1e3 * p:.0f} ms' for s, p in sorted(result.periods.items()))
               + (f' (= 1 / {opts.control_hz:g} Hz)' if opts.control_hz else
@@ -290,12 +294,14 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
         iso = {r['n_tokens']: r for r in sweep_rows(result, 'nk', system='isolated')}
         parts += [f'## {plan.workloads[0]}: N × k sweep, S={plan.default_steps}', '',
                   table(['N', 'k', 'oxygen Hz', 'isolated Hz', 'speedup', 'ideal',
-                         'measured/ideal', 'speedup p50', 'p50/ideal', 'overhead %', 'tok/s',
+                         'measured/ideal', 'speedup p50', 'p50/ideal', 'manager %',
+                         'frontend ms', 'tok/s',
                          'act p50 ms', 'tokens identical', 'other load %'],
                         [[r['n_tokens'], r['k'], r['action_hz'],
                           iso[r['n_tokens']]['action_hz'], r['speedup'], r['ideal_speedup'],
                           r['speedup_over_ideal'], r['speedup_p50'],
-                          r['speedup_p50_over_ideal'], r['overhead_pct'], r['tokens_per_s'],
+                          r['speedup_p50_over_ideal'], r['manager_pct'], r['frontend_ms'],
+                          r['tokens_per_s'],
                           r['act_ms_p50'], r['tokens_identical'], r.get('other_load_pct')]
                          for r in nk]), '',
                   'speedup = oxygen Hz / isolated Hz with Hz = H / mean frame latency (the '
@@ -386,21 +392,23 @@ def component_table(result: BenchResult) -> list[list]:
         seen.setdefault(c['group'], []).append(c)
     for group, batches in seen.items():
         first = batches[0]
-        decode = {c['batch']: (c['decode_step_ms'], c.get('decode_warm_step_ms', math.nan))
-                  for c in batches}
-        rows.append([group, first['samples'], first['prefill_ms'], first['denoise_ms'],
-                     '{:.2f} / {:.2f}'.format(*decode.get(1, (math.nan, math.nan))),
-                     ', '.join(f'{b}: {ms:.1f} / {warm:.1f}' for b, (ms, warm)
-                               in sorted(decode.items()) if b > 1) or '–'])
+        decode = {int(c['batch']): ' / '.join(
+            f'{float(ms):.2f}' for ms in [c['decode_step_ms']]
+            + str(c.get('decode_next_steps_ms', '')).split('/') if ms) for c in batches}
+        rows.append([group, first['samples'], first.get('frontend_ms', math.nan),
+                     first['prefill_ms'], first['denoise_ms'],
+                     first.get('first_token_ms', math.nan), decode.get(1, '–'),
+                     ', '.join(f'{b}: {steps}' for b, steps in sorted(decode.items()) if b > 1)
+                     or '–'])
     return rows
 
 
 def system_table(rows: list[dict]) -> str:
     return table(['system', 'action Hz', 'frame p50/p99 ms', 'act p50/p99 ms', 'tok/s',
-                  'req done p50 s', 'deadline miss %', 'overhead %', 'speedup', 'ideal',
+                  'req done p50 s', 'deadline miss %', 'manager %', 'speedup', 'ideal',
                   'tokens identical'],
                  [[r['label'], r['action_hz'],
                    f'{r["frame_ms_p50"]:.0f}/{r["frame_ms_p99"]:.0f}',
                    f'{r["act_ms_p50"]:.0f}/{r["act_ms_p99"]:.0f}', r['tokens_per_s'],
-                   r['completion_s_p50'], r['deadline_miss_pct'], r['overhead_pct'],
+                   r['completion_s_p50'], r['deadline_miss_pct'], r['manager_pct'],
                    r['speedup'], r['ideal_speedup'], r['tokens_identical']] for r in rows])

@@ -361,8 +361,9 @@ def component_ideal(costs, count: int, n_tokens: int, k: int, horizon: int,
     """Per-robot Hz the component model allows: one fleet tick, or R single engines in turn."""
     batch = -(-n_tokens // k)
     prefill_s = chunked_prefill_s(costs, count, prefill_rows)
-    fleet_s = prefill_s + costs.denoise_at(count) + costs.decode_steps(count * batch, k)
-    single_s = costs.prefill_s + costs.denoise_s + costs.decode_steps(batch, k)
+    fleet_s = (count * costs.frontend_s + prefill_s + costs.denoise_at(count)
+               + costs.language_s(count * batch, k, new=count))
+    single_s = costs.frame_s(batch, k)
     return {'prefill_rows_per_call': prefill_rows or count,
             'comp_prefill_ms': 1e3 * prefill_s, 'comp_prefill_one_call_ms':
             1e3 * costs.prefill_at(count),
@@ -392,11 +393,12 @@ def run_robots_part(opts, models, bar=None) -> list[dict]:
     # The probe's prefills run on the robots' own frames, one per workload in the plan's order
     # (P(R) cycles through them as the robots do): prefill costs what a frame's cameras and
     # prompt hold.
-    frames = [models.frontend(steps, get_workload(w).robot).prepare(
-        robot_observation(w, i, 0, opts.seed, model.config.vision.image_size)).tensors
-        for i, w in enumerate(plan.workloads)]
+    observed = [(models.frontend(steps, get_workload(w).robot),
+                 robot_observation(w, i, 0, opts.seed, model.config.vision.image_size))
+                for i, w in enumerate(plan.workloads)]
     probe = PhaseProbe(model, batches=decode_batches, rows=row_sizes - {0}, seed=opts.seed,
-                       frames=frames)
+                       frames=[frontend.prepare(obs).tensors for frontend, obs in observed],
+                       frontend=lambda: [frontend.prepare(obs) for frontend, obs in observed])
     rows = []
     for turn, count in enumerate(counts):
         reports, loads = {}, {}

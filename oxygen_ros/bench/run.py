@@ -209,9 +209,12 @@ def component_rows(group: Group, costs: PhaseCosts, samples: int) -> list[dict]:
     base = {'group': group.title, 'sweep': group.sweep, 'workload': group.workload,
             'steps': group.steps, 'n_tokens': group.n_tokens, 'samples': samples,
             'vision_ms': 1e3 * costs.vision_s, 'prefill_ms': 1e3 * costs.prefill_s,
-            'denoise_ms': 1e3 * costs.denoise_s}
+            'denoise_ms': 1e3 * costs.denoise_s, 'first_token_ms': 1e3 * costs.first_token_s,
+            'frontend_ms': 1e3 * costs.frontend_s}
     return [dict(base, batch=batch, decode_step_ms=1e3 * seconds,
-                 decode_warm_step_ms=1e3 * costs.decode_warm_s.get(batch, math.nan))
+                 prefill_after_ms=1e3 * costs.prefill_after_s.get(batch, math.nan),
+                 decode_next_steps_ms='/'.join(f'{1e3 * x:.3f}'
+                                               for x in costs.decode_next_s.get(batch, ())))
             for batch, seconds in sorted(costs.decode_s.items())]
 
 
@@ -227,8 +230,7 @@ def ideal_speedup(costs: PhaseCosts, group: Group, spec: SystemSpec) -> float:
     if spec.name == 'shared':
         return costs.ideal_speedup(n, n)     # one prefill, N steps at batch 1
     if spec.name == 'action-only':
-        isolated = 2 * costs.prefill_s + costs.denoise_s + costs.decode_steps(1, n)
-        return isolated / (costs.prefill_s + costs.denoise_s)
+        return costs.frame_s(1, n, prefills=2) / costs.frame_s(1, 0)
     return math.nan
 
 
@@ -256,7 +258,8 @@ def run_group(group: Group, models: ModelCache, period_s: float, opts: BenchOpti
     sample = random_observation(group.workload, 0, seed=opts.seed,
                                 image_size=model.config.vision.image_size)
     probe = PhaseProbe(model, group_batches(group), seed=opts.seed,
-                       frames=[frontend.prepare(sample).tensors])
+                       frames=[frontend.prepare(sample).tensors],
+                       frontend=lambda: frontend.prepare(sample))
     options = runner_options(models.prepared[group.steps], opts.device)   # GPU: buckets
     parallel = {'compile_setting': opts.compile, 'warm_frames': models.warm_frames[group.steps]}
     systems = {spec: make_bench_system(spec, model, frontend, policy, period_s, opts.seed,

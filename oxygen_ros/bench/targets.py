@@ -97,11 +97,13 @@ def evaluate_targets(result: BenchResult) -> list[dict]:
             'met': r['act_p50_over_action_only'] <= TARGET_ACT_OVER_ACTION_ONLY})
     k1 = [r for r in oxygen_nk if r['k'] == 1]
     if k1:
-        worst = max(k1, key=lambda r: r['overhead_pct'])
+        worst = max(k1, key=lambda r: r['manager_pct'])
         targets.append({
             'target': f'manager overhead at k=1 ≤ {TARGET_OVERHEAD_PCT_K1:g}% of frame time',
-            'measured': f'max {worst["overhead_pct"]:.2f}% (N={worst["n_tokens"]})',
-            'met': worst['overhead_pct'] <= TARGET_OVERHEAD_PCT_K1})
+            'measured': f'max {worst["manager_pct"]:.2f}% (N={worst["n_tokens"]}; the '
+                        f'frontend\'s conversions, alike in every system, another '
+                        f'{worst["frontend_ms"]:.2f} ms a frame)',
+            'met': worst['manager_pct'] <= TARGET_OVERHEAD_PCT_K1})
     model_dtype = result.options.dtype
     mem = {r['system']: r for r in result.memory
            if r.get('kv_dtype', model_dtype) == model_dtype}
