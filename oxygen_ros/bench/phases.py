@@ -336,9 +336,9 @@ class PhaseProbe:
         start = time.perf_counter()
         fn()
         self._sync()
-        if record:
-            runs = (len(self._frames) if name.startswith('prefill') and ' x' not in name
-                    or name == 'frontend' else 1)   # per frame
+        if record:   # prefills and conversions of every frame: per frame
+            per_frame = name == 'frontend' or (name.startswith('prefill') and ' x' not in name)
+            runs = len(self._frames) if per_frame else 1
             self.samples[name].append((time.perf_counter() - start) / runs)
 
     def costs(self, statistic=statistics.median) -> PhaseCosts:
