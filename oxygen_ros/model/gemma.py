@@ -120,9 +120,9 @@ class GemmaAttention(nn.Module):
 
 # Rows per MLP call where its gated activation is large. oneDNN (torch 2.13, AMX Xeon, 2
 # threads) runs pi05's gate/up product, [M, 2048] x [2048, 32768], at 2.0-2.1 TFLOP/s up to
-# 288 rows and at 1.3-1.6 from 289 on: a prefill's 555 rows as two calls of 278 take its
-# whole MLP from 96 to 71 ms a layer. Rows are independent, so the result is the same up to
-# bf16 rounding (oneDNN's kernels for other row counts sum in another order).
+# 288 rows and at 1.3-1.6 from 289 on: a prefill's 555 rows as two calls of 278 take pi05's
+# prefill from 2175 to 1979 ms (side by side). Rows are independent, so the result is the
+# same up to bf16 rounding (oneDNN's kernels for other row counts sum in another order).
 MLP_ROW_BLOCK = 288
 MLP_SPLIT_VALUES = 2**24   # gate/up outputs (rows x 2 x mlp_dim) from which calls are split
 
@@ -265,7 +265,7 @@ def gelu_tanh(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     no gradient: a pass that takes one keeps torch's.
     """
     if (x.dtype == torch.bfloat16 and x.device.type == 'cpu'
-            and x[0].numel() >= GELU_KERNEL_MIN_ROW_VALUES
+            and x.shape[1:].numel() >= GELU_KERNEL_MIN_ROW_VALUES
             and packed_native.ready('oxygen_activation')
             and not (torch.is_grad_enabled() and (x.requires_grad or (
                 up is not None and up.requires_grad)))):
