@@ -193,7 +193,7 @@ def test_ideal_speedup_formula_on_known_numbers():
 
 
 def test_phase_probe_samples_every_pass_and_reduces_them():
-    from oxygen_ros.bench.phases import PhaseProbe
+    from oxygen_ros.bench.phases import NEXT_STEPS, PhaseProbe
 
     model = bench_run.ModelCache(bench_run.BenchOptions.quick_defaults()).model(2)
     calls = []
@@ -213,11 +213,12 @@ def test_phase_probe_samples_every_pass_and_reduces_them():
     # ones in a row, then the next frame's prefill ('prefill after B').
     first = order[:len(order) // 2]
     at = first.index('decode 1')
-    assert first[at - 3:at + 9] == ['prefill', 'denoise', 'first token', 'decode 1',
-                                    'decode 1 #2', 'decode 1 #3', 'decode 1 #4',
-                                    'prefill after 1', 'denoise', 'first token', 'decode 3',
-                                    'decode 3 #2']
-    assert first[at + 11] == 'prefill after 3' and set(costs_.prefill_after_s) == {1, 3}
+    ones = [f'decode 1 #{i}' for i in range(2, 2 + NEXT_STEPS)]
+    assert first[at - 3:at + 6 + NEXT_STEPS] == [
+        'prefill', 'denoise', 'first token', 'decode 1', *ones, 'prefill after 1', 'denoise',
+        'first token', 'decode 3', 'decode 3 #2']
+    at += 2 * NEXT_STEPS + 5   # past decode 3's steps
+    assert first[at] == 'prefill after 3' and set(costs_.prefill_after_s) == {1, 3}
 
 
 def test_phase_probe_prefills_the_frames_it_is_given():

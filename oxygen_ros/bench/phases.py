@@ -24,8 +24,9 @@ from .floors import phase_work, Work
 
 DECODE_GEN_LEN = 16   # generated tokens a timed decode step's rows already hold (J = 17)
 # Steps timed in a row after a frame's first (the caches refill over a few steps: pi05-cpu on
-# the AMX Xeon, one row: 2.96, 2.71, 2.14, 1.88 ms, then 1.8-1.9); later steps cost as the last.
-NEXT_STEPS = 3
+# the AMX Xeon, one row: 3.5, 3.2, 2.6, 2.3, 2.1 ms, then 2.0-2.1; 29 rows: 9.5 ... 7.8, then
+# 7.4-7.7 from the eighth); later steps cost as the last timed.
+NEXT_STEPS = 5
 
 
 @dataclasses.dataclass
