@@ -249,9 +249,9 @@ def test_phase_probe_prefills_the_frames_it_is_given():
     assert len(probe.samples['prefill']) == 1 and probe.samples['prefill'][0] > 0
 
 
-def frame_result(index, total_s, act_s, overhead_s, tokens, finished=()):
+def frame_result(index, total_s, act_s, overhead_s, tokens, finished=(), frontend_s=0.0):
     timings = Timings(prefill_s=0.01, action_s=0.01, decode_s=0.0, overhead_s=overhead_s,
-                      total_s=total_s, act_s=act_s)
+                      total_s=total_s, act_s=act_s, frontend_s=frontend_s)
     action = ActionOutput(index, None, [[0.0]], act_s)
     deltas = [TokenDelta(0, index, list(range(tokens)), '', tokens, False)]
     return FrameResult(frame_index=index, action=action, deltas=deltas, finished=list(finished),
@@ -264,11 +264,15 @@ def test_summarize_uses_the_paper_definitions():
     log.record(0, frame_result(0, 1.0, 0.5, 0.0, 0), math.nan, measured=False)
     done = FinishedRequest(0, 0, [1, 2], '', 'length', 2)
     log.record(1, frame_result(1, 0.1, 0.05, 0.001, 2), math.nan, measured=True)
-    log.record(2, frame_result(2, 0.3, 0.05, 0.003, 2, [done]), math.nan, measured=True)
+    log.record(2, frame_result(2, 0.3, 0.05, 0.003, 2, [done], frontend_s=0.002), math.nan,
+               measured=True)
     m = summarize(log, horizon=10, deadline_s=0.2)
     assert m['action_hz'] == pytest.approx(10 / 0.2)           # H / mean frame latency
     assert m['tokens_per_s'] == pytest.approx(4 / 0.4)
     assert m['overhead_pct'] == pytest.approx(100 * 0.004 / 0.4)
+    # manager overhead: outside model calls less the frontend's conversions
+    assert m['manager_pct'] == pytest.approx(100 * 0.002 / 0.4)
+    assert m['frontend_ms'] == pytest.approx(1.0)                 # mean of 0 and 2 ms
     assert m['deadline_miss_pct'] == pytest.approx(50.0)
     assert m['completion_s_p50'] == pytest.approx(1.4)         # frames 0..2 back to back
 

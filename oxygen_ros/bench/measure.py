@@ -33,8 +33,9 @@ class FrameSample:
     prefill_s: float
     denoise_s: float
     decode_s: float
-    overhead_s: float       # outside model calls: frontend_s + the manager's own time
-    frontend_s: float
+    overhead_s: float       # outside model calls: frontend_s + manager_s
+    frontend_s: float       # the frontend's conversions (Timings.frontend_s)
+    manager_s: float        # scheduling and KV bookkeeping (Timings.manager_s)
     tokens: int             # tokens emitted in this frame (all requests)
     k: int                  # decode budget of the frame
     decode_steps: int
@@ -88,6 +89,7 @@ class SystemLog:
         self.samples.append(FrameSample(
             total_s=t.total_s, act_s=t.act_s, prefill_s=t.prefill_s, denoise_s=t.action_s,
             decode_s=t.decode_s, overhead_s=t.overhead_s, frontend_s=t.frontend_s,
+            manager_s=t.manager_s,
             tokens=sum(len(d.token_ids) for d in result.deltas), k=result.k,
             decode_steps=result.decode_steps, max_batch=max(result.batch_sizes, default=0),
             cpu_s=cpu_s))
@@ -172,8 +174,8 @@ def summarize(log: SystemLog, horizon: int, deadline_s: float) -> dict[str, floa
     cpu = np.array([x.cpu_s for x in s])
     completion = log.completion_times()
     mean_of = {name: float(np.mean([getattr(x, name) for x in s]))
-               for name in ('prefill_s', 'denoise_s', 'decode_s', 'overhead_s', 'frontend_s')}
-    manager_s = sum(max(x.overhead_s - x.frontend_s, 0.0) for x in s)
+               for name in ('prefill_s', 'denoise_s', 'decode_s', 'overhead_s', 'frontend_s',
+                            'manager_s')}
     return {
         'action_hz': horizon / float(total.mean()),
         'action_hz_p50': horizon / float(np.median(total)),
@@ -189,8 +191,8 @@ def summarize(log: SystemLog, horizon: int, deadline_s: float) -> dict[str, floa
         'overhead_ms': 1e3 * mean_of['overhead_s'],
         'overhead_pct': 100 * sum(x.overhead_s for x in s) / float(total.sum()),
         'frontend_ms': 1e3 * mean_of['frontend_s'],
-        'manager_ms': 1e3 * manager_s / len(s),
-        'manager_pct': 100 * manager_s / float(total.sum()),
+        'manager_ms': 1e3 * mean_of['manager_s'],
+        'manager_pct': 100 * sum(x.manager_s for x in s) / float(total.sum()),
         'tokens_per_s': sum(x.tokens for x in s) / float(total.sum()),
         'tokens_per_s_p50': float(np.mean([x.tokens for x in s])) / float(np.median(total)),
         'mean_k': float(np.mean([x.k for x in s])),
