@@ -10,7 +10,7 @@ from typing import Callable
 
 from diagnostic_msgs.msg import DiagnosticArray
 import rclpy.subscription
-from rclpy.executors import MultiThreadedExecutor
+from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
@@ -62,11 +62,16 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 
 
 class Spinner:
-    """An executor (default: a MultiThreadedExecutor) spinning `nodes` in a background thread."""
+    """An executor (default: a SingleThreadedExecutor) spinning `nodes` in a background thread.
 
-    def __init__(self, context, nodes=(), num_threads: int = 6, executor=None):
-        self.executor = executor or MultiThreadedExecutor(num_threads=num_threads,
-                                                          context=context)
+    Never a MultiThreadedExecutor next to a node under test: while one of its callbacks waits
+    for the GIL, its spin thread finds that callback's group busy and loops in Python, so every
+    other thread of the process (the node's control thread, a receiver) gets the GIL back only
+    at the 5 ms switch interval, once per op that released it: ticks of 1-4 s were measured.
+    """
+
+    def __init__(self, context, nodes=(), executor=None):
+        self.executor = executor or SingleThreadedExecutor(context=context)
         for node in nodes:
             self.executor.add_node(node)
         self.thread = threading.Thread(target=self._spin, daemon=True)

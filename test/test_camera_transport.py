@@ -80,7 +80,7 @@ def test_two_raw_cameras_arrive_whole_with_the_shipped_profile(context, stand_in
             with lock:
                 received[cam].append((time.monotonic(), info['publication_sequence_number']))
         node.create_subscription(Image, f'camera/{cam}/image_raw', on_image, qos)
-    spinner = Spinner(context, [node], num_threads=2)
+    spinner = Spinner(context, [node])
     # Receive as the node does once active (on_activate): the earlier tests' objects out of the
     # collector's reach. A receiver that pauses longer than the segment buffers (32 MiB: ~1.1 s
     # of two VGA streams) loses frames by design; a full collection over this test process's
