@@ -5,6 +5,7 @@ the benchmark measures what it says (columns, files, formulas, the token check c
 mismatch) and that every system's tokens agree with isolated.
 """
 
+import collections
 import csv
 import dataclasses
 import math
@@ -14,8 +15,8 @@ import pytest
 from oxygen_ros.bench import run as bench_run
 from oxygen_ros.bench.measure import compare_tokens, RequestRecord, summarize, SystemLog
 from oxygen_ros.bench.phases import PhaseCosts
-from oxygen_ros.bench.plan import (build_groups, divisors, Group, quick_options, SystemSpec,
-                                   WARMUP_FRAMES)
+from oxygen_ros.bench.plan import (build_groups, divisors, Group, quick_options, round_order,
+                                   SystemSpec, WARMUP_FRAMES)
 from oxygen_ros.engine.types import ActionOutput, FinishedRequest, FrameResult, TokenDelta, Timings
 from oxygen_ros.kv import FinishReason
 
@@ -289,6 +290,23 @@ def test_plan_warmup_and_groups():
         assert any(s.name == 'isolated' for s in g.systems)
         assert all(s.k is None or g.n_tokens % s.k == 0 for s in g.systems
                    if s.name == 'oxygen')
+
+
+def test_round_order_puts_the_parallel_processes_first_and_rotates_the_rest():
+    # The system after the parallel baseline finds its weights evicted by the other processes;
+    # every in-process system must be that one equally often (it once was oxygen 5 rounds in 6).
+    names = ['action-only', 'isolated', 'shared', 'parallel', 'oxygen', 'oxygen-adaptive']
+    systems = [SystemSpec(n, 1 if n == 'oxygen' else None) for n in names]
+    after_parallel = collections.Counter()
+    for r in range(10):
+        order = round_order(systems, r)
+        assert sorted(s.label for s in order) == sorted(s.label for s in systems)
+        assert order[0].name == 'parallel'
+        after_parallel[order[1].name] += 1
+    assert after_parallel == {n: 2 for n in names if n != 'parallel'}
+    # without it: the first system rotates through all
+    inside = [s for s in systems if s.name != 'parallel']
+    assert [round_order(inside, r)[0].name for r in range(5)] == [s.name for s in inside]
 
 
 def test_serve_part_reports_the_servers_overhead(tmp_path):

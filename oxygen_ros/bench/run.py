@@ -1,11 +1,13 @@
 """Runs a benchmark plan: side-by-side groups with their component model, memory probes.
 
 Per group, every system is built over the same model and steps through the same frames; per
-frame the systems take turns (the starting system rotates), so slow moments of a shared
-machine hit every system alike. Between rounds the component model (P, D, d(B)) is sampled,
-so the ideal speedup is computed from the machine as the frames saw it. Warm-up frames are
-run but not measured. After the measured frames, requests still running are decoded to the
-end (untimed) so every request's tokens can be compared with the isolated baseline's.
+frame the systems take turns (plan.round_order: the parallel baseline's processes first, then
+the in-process systems with the first one rotating), so slow moments of a shared machine and
+the caches the other processes evict hit every system alike. Between rounds the component
+model (P, D, d(B)) is sampled, so the ideal speedup is computed from the machine as the frames
+saw it. Warm-up frames are run but not measured. After the measured frames, requests still
+running are decoded to the end (untimed) so every request's tokens can be compared with the
+isolated baseline's.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from .node import NodeBenchOptions, run_node_part
 from .overload import OverloadBenchOptions, run_overload_part
 from .tasks import run_tasks_part, TasksBenchOptions
 from .phases import floor_rows, measure_phases, PhaseCosts, PhaseProbe
-from .plan import build_groups, Group, PlanOptions, quick_options, SystemSpec
+from .plan import build_groups, Group, PlanOptions, quick_options, round_order, SystemSpec
 from .robots import run_robots_part
 from .rtc import rtc_policy, RtcBenchOptions, run_rtc_part
 from .systems import make_bench_system
@@ -267,15 +269,13 @@ def run_group(group: Group, models: ModelCache, period_s: float, opts: BenchOpti
                for spec in group.systems}
     logs = {spec: SystemLog() for spec in group.systems}
     first_frame = {spec: group.max_warmup - group.warmup(spec) for spec in group.systems}
-    order = list(group.systems)
     load = OtherLoad()
     try:
         for frame in range(group.total_frames):
             obs = random_observation(group.workload, frame, seed=opts.seed,
                                      image_size=model.config.vision.image_size)
             measured = frame >= group.max_warmup
-            rotation = frame % len(order)
-            for spec in order[rotation:] + order[:rotation]:
+            for spec in round_order(group.systems, frame):
                 if frame < first_frame[spec]:
                     continue
                 cpu_start = time.process_time()
