@@ -81,10 +81,11 @@ def test_two_raw_cameras_arrive_whole_with_the_shipped_profile(context, stand_in
                 received[cam].append((time.monotonic(), info['publication_sequence_number']))
         node.create_subscription(Image, f'camera/{cam}/image_raw', on_image, qos)
     spinner = Spinner(context, [node])
-    # Receive as the node does once active (on_activate): the earlier tests' objects out of the
-    # collector's reach. A receiver that pauses longer than the segment buffers (32 MiB: ~1.1 s
-    # of two VGA streams) loses frames by design; a full collection over this test process's
-    # heap took ~0.2 s, and a run once showed a 1.5 s pause (77 of 91 frames).
+    # Receive as the node does (a single-threaded executor; once active, the earlier tests'
+    # objects out of the collector's reach). A receiver that pauses longer than the segment
+    # buffers (32 MiB: ~1.1 s of two VGA streams) loses frames by design: a run once paused
+    # 1.5 s (77 of 91 frames) on a MultiThreadedExecutor, whose spin thread takes the GIL from
+    # its own callbacks (ros_helpers.Spinner); a full collection of this heap takes ~0.2 s.
     gc.collect()
     gc.freeze()
     try:
