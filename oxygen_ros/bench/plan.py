@@ -68,7 +68,7 @@ class SystemSpec:
 
 
 def round_order(systems: Sequence[SystemSpec], round_index: int) -> list[SystemSpec]:
-    """The order the systems step through one frame (round `round_index` of a group).
+    """Return the order the systems step through one frame (round `round_index` of a group).
 
     The in-process systems share one model's weights: each finds them in the caches where the
     system before it left them. The parallel baseline's processes read weight copies of their
