@@ -5,6 +5,7 @@ act() is pure Python or blocks on an Event, so what is measured is the node's de
 model. CPU is measured per thread from /proc (thread CPU time, not wall time).
 """
 
+import collections
 import os
 from pathlib import Path
 import statistics
@@ -62,6 +63,7 @@ class StubSystem:
         self.tasks = as_tasks(self.policy)   # narration alone, as a Scheduler's
         self.budget = FixedBudget(1)
         self.pool = KVPool(2)
+        self.deferred = collections.Counter()   # a Scheduler's: the node's diagnostics read it
 
     def scheduler(self, robot):
         return self
@@ -115,6 +117,7 @@ def stub_node(rclpy_context, monkeypatch):
         return made[-1]
     yield make
     for h in made:
+        h.statuses()   # the node's diagnostics read what a real engine has (stub in step)
         h.close()
 
 
