@@ -3,10 +3,11 @@
 The AMX attention (model/attention_kernel.cpp) serves the folded heads of prefill and denoise
 at a head dim of 32 in bf16 on a CPU with AMX-BF16 (model/gemma.py `amx_attention_applies`);
 the AVX-512 GELU (model/activation_kernel.cpp) a prefill's and the vision tower's activations
-in bf16 (gemma.py `gelu_tanh`). Their speed is the benchmark's (`oxygen-ros phases`); here:
-equal to torch's within bf16 rounding, masked keys weigh nothing, rows independent of each
-other, the model's passes run them (counted) and give torch's results, compiled without a
-graph break.
+in bf16 (gemma.py `gelu_tanh`); the gate/up product with the gated GELU in one pass
+(model/packed_linear.cpp `gated_gelu`) a packed prefill's MLPs on AMX. Their speed is the
+benchmark's (`oxygen-ros phases`); here: equal to torch's within bf16 rounding, masked keys
+weigh nothing, rows independent of each other, the model's passes run them (counted) and give
+torch's results, compiled without a graph break.
 """
 
 import pytest
@@ -20,7 +21,7 @@ from oxygen_ros.model.compiled import cxx_compiler, use_persistent_cache
 from oxygen_ros.model import get_preset
 from oxygen_ros.model.config import _small
 from oxygen_ros.model.gemma import gelu_tanh
-from oxygen_ros.model.packed import use_native_kernel
+from oxygen_ros.model.packed import PACKED, use_native_kernel
 
 BF16 = torch.bfloat16
 # tiny's structure at pi05-cpu's head dim: 4 heads x 8 actions = 32 denoise rows a group
@@ -60,6 +61,11 @@ def test_each_kernel_is_offered_where_the_cpu_has_what_it_needs(space, flag):
     ops = getattr(torch.ops, space)
     assert ops.available() == (flag in cpu_flags())
     assert packed_native.ready(space) == ops.available()
+
+
+def test_the_one_pass_gate_up_is_offered_where_the_cpu_has_amx():
+    library()
+    assert packed_native.ready('gated_gelu') == ('amx_bf16' in cpu_flags())
 
 
 def sdpa_reference(q, k, v, bias):
@@ -278,3 +284,103 @@ def test_kernels_serve_threads_at_once():
     for thread in threads:
         thread.join(60)
     assert not wrong, wrong[:5]
+
+
+def gated():
+    """The packed linear's op namespace where its gate/up with the gated GELU runs (AMX)."""
+    library()
+    if not packed_native.ready('gated_gelu'):
+        pytest.skip('no AMX-BF16 on this CPU: the MLP keeps the packed linear and the GELU '
+                    'apart (test_each_kernel_is_offered_where_the_cpu_has_what_it_needs)')
+    return torch.ops.oxygen_packed_native
+
+
+@pytest.mark.parametrize('M, K, H', [(555, 256, 1024), (37, 64, 48), (17, 32, 16),
+                                     (16, 96, 32), (5, 64, 32)])
+@torch.no_grad()
+def test_gate_up_with_the_gated_gelu_in_one_pass_is_float32s_within_bf16(M, K, H):
+    """gelu(x Wg^T) * (x Wu^T) from one pass over the fused weight: row counts of one tile, two
+    and a part, K of one tile and several. Its sums never round to bf16 before the GELU, so
+    it is nearer float32 than the product and the GELU apart; rows are computed alone."""
+    ops = gated()
+    g = torch.Generator().manual_seed(M + K)
+    weight = (torch.randn(2 * H, K, generator=g) * K ** -0.5).to(BF16)
+    x = torch.randn(1, M, K, generator=g).to(BF16)
+    PACKED.pack(weight)
+    calls = ops.gated_calls()
+    got = ops.gated_gelu(x, weight)
+    assert ops.gated_calls() == calls + 1 and got.shape == (1, M, H) and got.dtype == BF16
+    both = x.float() @ weight.float().t()
+    want = F.gelu(both[..., :H], approximate='tanh') * both[..., H:]
+    apart = F.gelu(ops.linear(x, weight).float()[..., :H], approximate='tanh') * ops.linear(
+        x, weight).float()[..., H:]
+    error = (got.float() - want).abs()
+    assert (error <= want.abs() * 2.0 ** -7 + 2e-3).all(), error.max()   # one bf16 step
+    assert error.max() <= (apart.to(BF16).float() - want).abs().max()
+    assert torch.equal(ops.gated_gelu(x[:, :3].contiguous(), weight), got[:, :3])
+
+
+@torch.no_grad()
+def test_a_weight_without_its_packed_copies_takes_two_passes_with_the_same_result():
+    """A weight never packed (or changed since): the op warns once, multiplies the plain
+    weight and applies the GELU apart, in float32; nothing stale is read."""
+    ops = gated()
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(64, 32, generator=g) * 0.2).to(BF16)
+    x = torch.randn(40, 32, generator=g).to(BF16)
+    calls, stale = ops.gated_calls(), ops.stale_calls()
+    got = ops.gated_gelu(x, weight)
+    assert ops.gated_calls() == calls and ops.stale_calls() == stale + 1
+    both = x.float() @ weight.float().t()
+    want = F.gelu(both[:, :32], approximate='tanh') * both[:, 32:]
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    with pytest.raises(RuntimeError, match=r'weight must be \[2H, K\]'):
+        ops.gated_gelu(x, weight[:, :16])
+
+
+@torch.no_grad()
+def test_a_packed_prefill_runs_gate_up_and_gelu_in_one_pass():
+    """pi05-cpu's prefill (packed, as prepare leaves it) runs each backbone layer's MLP through
+    the one-pass kernel and gives the two-pass result within bf16; a decode step's few rows
+    keep the packed linear and inductor's activation."""
+    ops = gated()
+    model, frontend = random_setup(get_preset('pi05-cpu'), 'libero', seed=3, dtype=BF16)
+    model.fuse().pack_linears()
+    obs = random_observation('libero', 0, seed=5, image_size=224, instruction='pick up')
+    t = frontend.prepare(obs).tensors
+    frame = (t['images'], t['image_masks'], t['tokens'], t['token_masks'])
+    results = {}
+    for on in (True, False):
+        old = packed_native.use_kernel('gated_gelu', on)
+        try:
+            calls = ops.gated_calls()
+            prefix = model.prefill(*frame)
+            results[on] = (prefix.kv.k.float(), prefix.last_hidden.float(),
+                           ops.gated_calls() - calls)
+        finally:
+            packed_native.use_kernel('gated_gelu', old)
+    assert results[True][2] == model.config.backbone.depth and results[False][2] == 0
+    torch.testing.assert_close(results[True][0], results[False][0], atol=0.05, rtol=0.02)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=0.1, rtol=0.05)
+    calls = ops.gated_calls()
+    mlp = model.backbone.layers[0].mlp
+    mlp(torch.randn(1, 8, model.config.backbone.width, dtype=BF16))
+    assert ops.gated_calls() == calls, 'a decode step keeps the packed linear'
+    # traced, the op is one more node of the prefill's one graph (its choice asks no op)
+    captured = {}
+    layers = model.prefill_layers
+
+    def capture(*args, **kwargs):
+        captured['args'], captured['kwargs'] = args, kwargs
+        return layers(*args, **kwargs)
+
+    model.prefill_layers = capture
+    model.prefill(*frame)
+    del model.prefill_layers
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(model.prefill_layers)
+    explanation = explain(*captured['args'], **captured['kwargs'])
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
+    traced = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
+    assert sum('oxygen_packed_native.gated_gelu' in op for op in traced) == \
+        model.config.backbone.depth

@@ -375,15 +375,19 @@ def test_prepare_packs_bf16_backbones_it_compiles(dtype, setting, packs):
     assert model.packed is packs
     assert (plan.packed_bytes > 0) is packs
     assert ('prepacked weights' in plan.describe()) is packs
-    if packs:   # the backbone's linears and the tied LM head, bf16, and (C++ kernel) the expert's
-        assert plan.native_kernel and plan.packed_expert
+    if packs:   # the backbone's linears and the tied LM head, bf16, (C++ kernel) the expert's
+        assert plan.native_kernel and plan.packed_expert     # and the vision tower's
         assert 'C++ kernel' in plan.describe()
         layers = [*model.backbone.layers, *model.expert.layers]
         weights = [model.backbone.embed_tokens.weight] + [w for layer in layers for w in (
             layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
             layer.mlp.gate_up_weight, layer.mlp.down_proj.weight)]
-        expected = sum(w.numel() * 2 for w in weights)
-        if torch.ops.oxygen_packed_native.small_rows_available():   # + its few-row copies
+        vision = [w for layer in model.vision.vision_model.encoder.layers for w in (
+            layer.self_attn.qkv_weight, layer.self_attn.out_proj.weight, layer.mlp.fc1.weight,
+            layer.mlp.fc2.weight)]
+        expected = sum(w.numel() * 2 for w in weights + vision)
+        if torch.ops.oxygen_packed_native.small_rows_available():   # + its few-row copies,
+            # not for the vision tower (only a frame's many rows multiply its weights)
             expected += sum(-(-w.shape[0] // 16) * 16 * w.shape[1] * 2 for w in weights)
         assert plan.packed_bytes == expected
     model.compile_prefill(None).compile_actions(None).compile_decode(None).compile_extend(None)
@@ -405,7 +409,8 @@ def weight_bytes(model) -> int:
 @torch.no_grad()
 def test_packed_in_place_passes_equal_plain_and_release_the_plain_weights():
     """In place (pi05's eager path): prefill, the denoise loop and decode equal plain, and
-    the backbone's and expert's layer weights no longer hold memory of their own."""
+    the vision tower's, backbone's and expert's layer weights no longer hold memory of their
+    own."""
     model, frontend = bf16_model(False)
     plain, _ = bf16_model(False)
     before = weight_bytes(model)
@@ -415,6 +420,9 @@ def test_packed_in_place_passes_equal_plain_and_release_the_plain_weights():
     assert all(w.is_meta for layer in layers for w in (
         layer.self_attn.qkv_weight, layer.self_attn.q_proj.weight, layer.self_attn.o_proj.weight,
         layer.mlp.gate_up_weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight))
+    assert all(w.is_meta for layer in model.vision.vision_model.encoder.layers for w in (
+        layer.self_attn.qkv_weight, layer.self_attn.k_proj.weight, layer.self_attn.out_proj.weight,
+        layer.mlp.fc1.weight, layer.mlp.fc2.weight))
     assert weight_bytes(model) == before - packed
     noise = torch.randn(1, TINY.action_horizon, TINY.action_dim, generator=torch.Generator()
                         .manual_seed(1))

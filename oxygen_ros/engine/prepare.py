@@ -100,7 +100,9 @@ class CompilePlan:
         kernels = [name for name, on in (
             ('packed linear', not self.packed_in_place),
             ('AMX attention', packed_native.ready('oxygen_attention')),
-            ('AVX-512 GELU', packed_native.ready('oxygen_activation'))) if on]
+            ('AVX-512 GELU', packed_native.ready('oxygen_activation')),
+            ('AMX gate/up with GELU',   # needs the copies beside the weights
+             packed_native.ready('gated_gelu') and not self.packed_in_place)) if on]
         kernels = kernels if self.native_kernel else []
         kernel = f'; C++ kernels: {", ".join(kernels)}' if kernels else ''
         packed = (f'; {where} ({self.packed_bytes / 2**20:.0f} MB)'

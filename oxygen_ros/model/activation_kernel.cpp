@@ -3,7 +3,9 @@
 // Why: inductor computes the activation's exp (or tanh) with Sleef, exact to 1 ulp, at ~30
 // cycles per 16 values in bf16 here: a pi05-cpu prefill layer's [555, 1024] gate took ~0.5 ms,
 // a SigLIP layer's [512, 768] ~0.25 ms, more than their matmuls. The bf16 result needs 8
-// bits: fast_exp.h's polynomial gives it at a fraction of the cost.
+// bits: fast_exp.h's GELU (a polynomial 2^x) gives it at a fraction of the cost (~22 ops a
+// vector of 16 values, loads and stores included). packed_linear.cpp's gated_gelu runs the
+// same function on its product's sums.
 //
 // gelu_tanh(x, up): x [..., H] bf16 or fp32 on the CPU (rows may be strided: a chunk of a
 // fused gate/up product; the last dim contiguous), up none or x's shape and dtype. Returns
@@ -30,18 +32,6 @@ std::atomic<int64_t> call_count{0};
 int64_t calls() { return call_count.load(); }
 
 bool available() { return oxygen::has_avx512_bf16(); }
-
-__attribute__((target("avx512f"))) inline __m512 gelu(__m512 x) {
-  const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608f),
-                                 _mm512_fmadd_ps(x3, _mm512_set1_ps(0.044715f), x));
-  // e^-2u, its argument capped at 30: past it x / (1 + e) is below 1e-12 of x, and an
-  // uncapped e (up to e^88) made x / (1 + e) a denormal, which the CPU computes ~10x slower
-  const __m512 e = oxygen::fast_exp(
-      _mm512_min_ps(_mm512_mul_ps(u, _mm512_set1_ps(-2.0f)), _mm512_set1_ps(30.0f)));
-  // x / (1 + e) through the reciprocal estimate (relative error 2^-14, under bf16's 2^-8)
-  return _mm512_mul_ps(x, _mm512_rcp14_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-}
 
 // 16 values of a row from bf16 or fp32 (the tail masked), as fp32
 template <typename T>
@@ -72,7 +62,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void gelu_rows(
   for (int64_t r = begin; r < end; ++r) {
     for (int64_t c = 0; c < H; c += 16) {
       const __mmask16 m = H - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (H - c)) - 1);
-      __m512 y = gelu(load(x + r * x_stride + c, m));
+      __m512 y = oxygen::gelu_tanh(load(x + r * x_stride + c, m));
       if (up != nullptr) y = _mm512_mul_ps(y, load(up + r * up_stride + c, m));
       store(out + r * H + c, y, m);
     }

@@ -5,9 +5,8 @@
 // a score): at K = 32 its matmuls are too thin for their set-up, and its exp is the accurate
 // one. Here 32 query rows meet all keys at once (a row's 555 scores fit in L1): QK^T and PV
 // run on AMX tiles (one TDPBF16PS per 16 rows x 16 keys x 32 dims), the softmax in AVX-512
-// with a short polynomial exp in base 2 (fast_exp.h; relative error ~4e-5, far under bf16's
-// 4e-3): ~1.0 ms a layer, measured alone on the AMX Xeon (QK^T ~0.3, softmax ~0.55, PV
-// ~0.2). Head dims 48 and 64 (the vision tower's 48) take a second tile for the dims past 32.
+// with a short polynomial exp in base 2 (fast_exp.h; relative error ~7.5e-5, far under bf16's
+// 4e-3): ~1.0 ms a layer, measured alone on the AMX Xeon (QK^T ~0.3, softmax ~0.5, PV ~0.2). Head dims 48 and 64 (the vision tower's 48) take a second tile for the dims past 32.
 //
 // Contract (model/gemma.py `amx_attention_applies` decides when it runs): q [B, G, R, D]
 // (the heads sharing a K/V head folded into rows, or one head's rows), k, v [B, G, K, D],
@@ -51,11 +50,14 @@ using oxygen::TileConfig;
 //   k_pairs [2 * chunks][D/2 pairs][16 keys][2]: QK^T B tiles per block of 16 keys (16 pairs
 //     of dims a tile, a second for dims past 32)
 //   v_pairs [chunks][D/16 dim tiles][16 pairs][16 dims][2]: a PV B tile per 32 keys, 16 dims
-//   bias [chunks * 32]: the key's bias (0, or -inf for a masked key); -inf for padding
+//   bias [chunks * 32]: the key's bias in base 2 (0, or -inf for a masked key); -inf for padding
+//   keep [chunks * 2]: per block of 16 keys, bit j set where key 16 i + j has a bias of 0
 // The buffers are reused from call to call (arrange_keys overwrites all of them).
 struct Keys {
   std::vector<uint16_t> k_pairs, v_pairs;
   std::vector<float> bias;
+  std::vector<uint16_t> keep;
+  bool mask_only = true;  // every bias is 0 or -inf (a mask, as the model's): keep says it all
   int64_t chunks = 0;
   int64_t dim = 0;  // D
 };
@@ -85,6 +87,8 @@ void arrange_keys(Rows k, Rows v, int64_t K, int64_t D, const float* bias, Keys&
   keys.k_pairs.resize(width * D);
   keys.v_pairs.resize(width * D);
   keys.bias.resize(width);
+  keys.keep.assign(width / kKeys, 0);
+  keys.mask_only = true;
   // padding keys: zero (finite scores, which their -inf bias then drops)
   const int64_t last = (keys.chunks - 1) * kChunk;
   std::fill(keys.k_pairs.begin() + last * D, keys.k_pairs.end(), 0);
@@ -105,7 +109,13 @@ void arrange_keys(Rows k, Rows v, int64_t K, int64_t D, const float* bias, Keys&
         keys.k_pairs[((blk * (D / 2) + d / 2) * kKeys + j) * 2 + d % 2] = row[d * k.dim_stride];
       }
     }
-    keys.bias[key] = bias == nullptr ? 0.0f : bias[key] * kLog2e;   // base 2 (softmax_rows)
+    const float b = bias == nullptr ? 0.0f : bias[key];
+    keys.bias[key] = b * kLog2e;   // base 2 (softmax_rows)
+    if (b == 0.0f) {
+      keys.keep[blk] |= static_cast<uint16_t>(1u << j);
+    } else if (!std::isinf(b) || b > 0) {
+      keys.mask_only = false;
+    }
   }
   static const uint16_t zero[kMaxHeadDim] = {};
   for (int64_t key = 0; key < K; key += 2) {
@@ -181,37 +191,58 @@ __attribute__((target("amx-tile,amx-bf16"))) void scores_wide(const uint16_t* q_
   }
 }
 
+// 16 scores scaled and biased (in base 2)
+__attribute__((target("avx512f"))) inline __m512 biased(const float* scores, __m512 scale,
+                                                        const float* bias) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(scores), scale, _mm512_loadu_ps(bias));
+}
+
 // P = exp(S scale + bias - max), unnormalised, in bf16; 1 / the row sums (fp32) in inv_sum.
 // Computed in base 2 (the scale and the keys' bias carry log2 e: e^x = 2^(x log2 e)), so the
-// exp needs no range reduction (fast_exp2_nonpositive). A row is read twice (max, then exp)
-// rather than stored scaled: the fmadd costs less.
+// exp needs no range reduction (fast_exp2). A row is read twice (max, then exp) rather than
+// stored scaled: the fmadd costs less. MaskOnly (every bias 0 or -inf, the model's masks):
+// the keys' keep bits mask the max and the exp, and the bias is never read: one op less in
+// the max's loop and two in the exp's (a prefill layer's softmax ~0.61 -> 0.50 ms, pi05-cpu,
+// AMX Xeon, alone). Either way a masked key weighs exactly 0.
+template <bool MaskOnly>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void softmax_rows(
     const Keys& keys, float scale, const float* scores, uint16_t* probs, float* inv_sum) {
   const int64_t width = keys.chunks * kChunk;
   const __m512 vscale = _mm512_set1_ps(scale * kLog2e);
   const __m512 floor = _mm512_set1_ps(-1e30f);
   const float* bias = keys.bias.data();   // in base 2 (arrange_keys)
+  const uint16_t* keep = keys.keep.data();
   for (int64_t r = 0; r < kRows; ++r) {
     const float* row = scores + r * width;
     __m512 max0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), max1 = max0;
     for (int64_t c = 0; c < width; c += 32) {  // width is whole chunks of 32
-      max0 = _mm512_max_ps(max0, _mm512_fmadd_ps(_mm512_loadu_ps(row + c), vscale,
-                                                 _mm512_loadu_ps(bias + c)));
-      max1 = _mm512_max_ps(max1, _mm512_fmadd_ps(_mm512_loadu_ps(row + c + 16), vscale,
-                                                 _mm512_loadu_ps(bias + c + 16)));
+      if constexpr (MaskOnly) {   // the raw scores' max (the scale is positive)
+        max0 = _mm512_mask_max_ps(max0, keep[c / 16], max0, _mm512_loadu_ps(row + c));
+        max1 = _mm512_mask_max_ps(max1, keep[c / 16 + 1], max1, _mm512_loadu_ps(row + c + 16));
+      } else {
+        max0 = _mm512_max_ps(max0, biased(row + c, vscale, bias + c));
+        max1 = _mm512_max_ps(max1, biased(row + c + 16, vscale, bias + c + 16));
+      }
     }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(max0, max1)));
+    __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(max0, max1)));
+    if constexpr (MaskOnly) m = _mm512_mul_ps(m, vscale);
     __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
     for (int64_t c = 0; c < width; c += 32) {
-      const __m512 s0 = _mm512_fmadd_ps(_mm512_loadu_ps(row + c), vscale,
-                                        _mm512_loadu_ps(bias + c));
-      const __m512 s1 = _mm512_fmadd_ps(_mm512_loadu_ps(row + c + 16), vscale,
-                                        _mm512_loadu_ps(bias + c + 16));
-      // a masked key's -inf gives exactly 0, not the clamped exp's tiny value
-      const __m512 p0 = oxygen::fast_exp2_nonpositive(
-          _mm512_sub_ps(s0, m), _mm512_cmp_ps_mask(s0, floor, _CMP_GT_OQ));
-      const __m512 p1 = oxygen::fast_exp2_nonpositive(
-          _mm512_sub_ps(s1, m), _mm512_cmp_ps_mask(s1, floor, _CMP_GT_OQ));
+      __m512 p0, p1;
+      if constexpr (MaskOnly) {
+        p0 = oxygen::fast_exp2<3>(_mm512_fmsub_ps(_mm512_loadu_ps(row + c), vscale, m),
+                                  keep[c / 16]);
+        p1 = oxygen::fast_exp2<3>(_mm512_fmsub_ps(_mm512_loadu_ps(row + c + 16), vscale, m),
+                                  keep[c / 16 + 1]);
+      } else {
+        const __m512 s0 = biased(row + c, vscale, bias + c);
+        const __m512 s1 = biased(row + c + 16, vscale, bias + c + 16);
+        // a masked key's -inf gives exactly 0, not the clamped exp's tiny value
+        p0 = oxygen::fast_exp2<3>(_mm512_sub_ps(s0, m),
+                                  _mm512_cmp_ps_mask(s0, floor, _CMP_GT_OQ));
+        p1 = oxygen::fast_exp2<3>(_mm512_sub_ps(s1, m),
+                                  _mm512_cmp_ps_mask(s1, floor, _CMP_GT_OQ));
+      }
       _mm512_storeu_si512(probs + r * width + c, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
       sum0 = _mm512_add_ps(sum0, p0);
       sum1 = _mm512_add_ps(sum1, p1);
@@ -274,7 +305,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void attend_rows
     scores_wide(q_rows, keys, scores);
   }
   float inv_sum[kRows];
-  softmax_rows(keys, scale, scores, probs, inv_sum);
+  if (keys.mask_only) {
+    softmax_rows<true>(keys, scale, scores, probs, inv_sum);
+  } else {
+    softmax_rows<false>(keys, scale, scores, probs, inv_sum);
+  }
   values(keys, probs, acc);
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t t = 0; t < D / 16; ++t) {

@@ -1,10 +1,12 @@
-// e^x and 2^x in AVX-512 for the C++ kernels (activation_kernel.cpp: fast_exp;
-// attention_kernel.cpp: fast_exp2_nonpositive).
+// 2^x and the GELU built on it, in AVX-512, for the C++ kernels (activation_kernel.cpp,
+// attention_kernel.cpp, packed_linear.cpp).
 //
-// e^x: 2^n e^r with n = round(x log2 e), |r| <= ln2 / 2 (ln 2 split in two for the reduction),
-// e^r by its degree-5 Taylor polynomial: relative error ~3e-6, far under bf16's 4e-3 (the
-// kernels round their results to bf16). Sleef's exp, which inductor and ATen use, is exact
-// to 1 ulp at ~2x the cost. x is clamped to [-87, 88]: no inf, no NaN; e^-87 is ~1.6e-38.
+// Both in base 2: e^y = 2^(y log2 e), and a caller folds log2 e into its own constants.
+// 2^x = 2^n 2^r with n = round(x), |r| <= 1/2, 2^r by a polynomial fitted for the least
+// relative error on [-1/2, 1/2]: degree 3, 7.5e-5 (the softmax: its probabilities round to
+// bf16, 2e-3); degree 4, 2.6e-6 (the GELU, whose float32 form is held to 1e-4). Sleef's exp,
+// which inductor and ATen use, is exact to 1 ulp at ~2x the cost. No range reduction by ln 2,
+// and a mask rides on the scaling: a masked lane is exactly 0.
 
 #pragma once
 
@@ -12,44 +14,42 @@
 
 namespace oxygen {
 
-// e^x for x <= 0 (a score minus its row's maximum): only the lower clamp, one op of the ~20
-// a softmax value costs
-__attribute__((target("avx512f"))) inline __m512 fast_exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 120);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// 2^x for x <= 0 in the lanes of `keep`, exactly 0 in the others (a softmax's masked keys):
-// 2^n 2^r with n = round(x), |r| <= 1/2, 2^r by the degree-4 Taylor polynomial of e^(r ln 2)
-// (relative error ~4e-5, a fiftieth of bf16's rounding). A score in base 2 needs no range
-// reduction by ln 2 and the mask rides on the scaling: a prefill's softmax 0.64 -> 0.54 ms a
-// layer against fast_exp_nonpositive and a masked move (pi05-cpu, AMX Xeon, alone).
-// x is clamped at -126 (2^-126, the least normal float: no denormal reaches a sum).
-__attribute__((target("avx512f"))) inline __m512 fast_exp2_nonpositive(__m512 x,
-                                                                        __mmask16 keep) {
+// 2^x in the lanes of `keep`, 0 in the others. x is clamped at -126 (2^-126, the least normal
+// float: no denormal reaches a sum or a product, where the CPU takes ~10x longer); callers
+// keep x below 128 (no inf).
+template <int Degree>
+__attribute__((target("avx512f"))) inline __m512 fast_exp2(__m512 x, __mmask16 keep) {
+  static_assert(Degree == 3 || Degree == 4, "fitted for degrees 3 and 4");
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(0.0096181291f);                      // ln2^4 / 24
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0555041087f));     // ln2^3 / 6
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.2402265070f));     // ln2^2 / 2
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931471806f));     // ln2
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 p;
+  if constexpr (Degree == 3) {
+    p = _mm512_set1_ps(0.0551714338f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.242610812f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.693260968f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.999928117f));
+  } else {
+    p = _mm512_set1_ps(0.00957007986f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0559178367f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.240247443f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.693121791f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.999999285f));
+  }
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
-__attribute__((target("avx512f"))) inline __m512 fast_exp(__m512 x) {
-  return fast_exp_nonpositive(_mm512_min_ps(x, _mm512_set1_ps(88.0f)));
+// gelu(x) = x / (1 + 2^z), z = -2 u log2 e = x (c1 + c3 x^2): the constants of u and the base
+// folded into two, so z costs three ops
+__attribute__((target("avx512f"))) inline __m512 gelu_tanh(__m512 x) {
+  constexpr float c1 = -2.0f * 0.7978845608f * 1.44269504f, c3 = c1 * 0.044715f;
+  const __m512 z = _mm512_mul_ps(
+      x, _mm512_fmadd_ps(_mm512_mul_ps(x, x), _mm512_set1_ps(c3), _mm512_set1_ps(c1)));
+  // z capped at 43 (e^30): past it x / (1 + e) is below 1e-12 of x, and an uncapped e (up to
+  // 2^127) made x / (1 + e) a denormal, which the CPU computes ~10x slower
+  const __m512 e = fast_exp2<4>(_mm512_min_ps(z, _mm512_set1_ps(43.0f)), 0xFFFF);
+  // x / (1 + e) through the reciprocal estimate (relative error 2^-14, under bf16's 2^-8)
+  return _mm512_mul_ps(x, _mm512_rcp14_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), e)));
 }
 
 }  // namespace oxygen

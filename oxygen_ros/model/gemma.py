@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .config import GemmaConfig
 from . import packed_native
-from .packed import linear, pack_fused
+from .packed import gated_in_one_pass, linear, pack_fused
 
 RMS_EPS = 1e-6
 ROPE_THETA = 10_000.0
@@ -159,6 +159,12 @@ class GemmaMLP(nn.Module):
         return self._gated(x)
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.gate_up_weight is not None
+                and x.shape[1:-1].numel() * self.up_proj.out_features
+                >= GELU_KERNEL_MIN_ROW_VALUES   # where gelu_tanh takes its kernel
+                and gated_in_one_pass(x, self.gate_up_weight, self.packed)):
+            hidden = torch.ops.oxygen_packed_native.gated_gelu(x, self.gate_up_weight)
+            return linear(hidden, self.down_proj.weight, self.packed)
         if self.gate_up_weight is not None:
             gate, up = linear(x, self.gate_up_weight, self.packed).chunk(2, dim=-1)
         else:

@@ -15,14 +15,17 @@ and falls back to `F.linear` when there is none or the weight changed since it w
 (in place: its version moved), so a stale copy is never used.
 
 What packs (Pi05Model.pack_linears, chosen by engine/prepare.py):
-  * a model whose passes compile (pi05-cpu): the backbone (prefill, extend, decode), the
-    LM head and, where the op's C++ kernel is built, the expert, a copy beside the plain
-    weights (~25 MB); through the Python kernel the expert's ten-row matmuls stay plain
-    (its per-call cost is what the reorder saves);
-  * a model too big to compile (pi05, eager): the backbone's and the expert's layers, in
-    place: the packed copy replaces the plain weight (a meta tensor keeps its shape), since a
-    second copy would be gigabytes. Eager `linear` finds it by the tensor itself; a gradient
-    (guided real-time chunking) runs on the values unpacked again.
+  * a model whose passes compile (pi05-cpu): the vision tower's layers, the backbone
+    (prefill, extend, decode), the LM head and, where the op's C++ kernel is built, the
+    expert, a copy beside the plain weights (~28 MB); through the Python kernel the expert's
+    ten-row matmuls stay plain (its per-call cost is what the reorder saves);
+  * a model too big to compile (pi05, eager): the vision tower's, the backbone's and the
+    expert's layers, in place: the packed copy replaces the plain weight (a meta tensor keeps
+    its shape), since a second copy would be gigabytes. Eager `linear` finds it by the tensor
+    itself; a gradient (guided real-time chunking) runs on the values unpacked again.
+The vision tower's linears carry a bias: oneDNN adds it inside the product (in float32,
+rounded once), where the plain path's addmm first copied it into the output (pi05-cpu's
+vision pass: 9.0 -> 8.x ms).
 
 Compiled graphs call the op's C++ kernel where `use_native_kernel` could build it
 (packed_linear.cpp, the same registry kept in C++: no Python frame or GIL per call), else
@@ -74,6 +77,7 @@ class _Entry:
     version: int | None
     packed: torch.Tensor         # oneDNN-blocked copy (an mkldnn tensor)
     native: bool = False         # also in the C++ kernel's registry (same key)
+    few_rows: bool = True        # the C++ kernel keeps its few-row copy too
 
     def matches(self, weight: torch.Tensor) -> bool:
         """Say whether `weight` is the tensor packed, unchanged (no view, no in-place write)."""
@@ -109,9 +113,13 @@ class PackedLinears:
         native = torch.ops.oxygen_packed_native.stale_calls() if packed_native.loaded() else 0
         return self.python_stale_calls + native
 
-    def pack(self, weight: torch.Tensor) -> int:
-        """Pack `weight` [N, K] (bf16, CPU); return the bytes its packed copies hold."""
-        return self._add(weight, reorder(weight))
+    def pack(self, weight: torch.Tensor, few_rows: bool = True) -> int:
+        """Pack `weight` [N, K] (bf16, CPU); return the bytes its packed copies hold.
+
+        few_rows False: no copy for the C++ kernel's few-row product (a weight that only
+        many rows multiply, the vision tower's).
+        """
+        return self._add(weight, reorder(weight), few_rows)
 
     def pack_in_place(self, module: nn.Module, name: str) -> int:
         """Pack `module`'s weight `name` and put a meta tensor of its shape in its place.
@@ -123,19 +131,19 @@ class PackedLinears:
         release(module, name)
         return self._add(getattr(module, name), packed)
 
-    def _add(self, weight: torch.Tensor, packed: torch.Tensor) -> int:
+    def _add(self, weight: torch.Tensor, packed: torch.Tensor, few_rows: bool = True) -> int:
         # The entry follows the weight itself (a detached alias would die at once).
         key = id(weight) if weight.is_meta else weight.data_ptr()
         entry = _Entry(weakref.ref(weight), tuple(weight.shape), tuple(weight.stride()),
-                       _version(weight), packed)
-        few_rows = 0   # the C++ kernel's copy for few rows, where it keeps one
+                       _version(weight), packed, few_rows=few_rows)
+        few_row_bytes = 0   # the C++ kernel's copy for few rows, where it keeps one
         with self._lock:
             self._entries[key] = entry
             if packed_native.loaded() and not weight.is_meta:
-                few_rows = torch.ops.oxygen_packed_native.remember(weight, packed)
+                few_row_bytes = torch.ops.oxygen_packed_native.remember(weight, packed, few_rows)
                 entry.native = True
         weakref.finalize(weight, self._forget, key, entry)
-        return weight.numel() * weight.element_size() + few_rows
+        return weight.numel() * weight.element_size() + few_row_bytes
 
     def _forget(self, key: int, entry: _Entry) -> None:
         with self._lock:
@@ -150,7 +158,8 @@ class PackedLinears:
             for entry in self._entries.values():
                 weight = entry.weight()
                 if weight is not None and not weight.is_meta and entry.matches(weight):
-                    torch.ops.oxygen_packed_native.remember(weight, entry.packed)
+                    torch.ops.oxygen_packed_native.remember(weight, entry.packed,
+                                                            entry.few_rows)
                     entry.native = True
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -175,25 +184,31 @@ PACKED = PackedLinears()
 
 
 def pack_fused(module: nn.Module, fused: str, other: nn.Linear, views: tuple[nn.Linear, ...],
-               in_place: bool) -> int:
+               in_place: bool, few_rows: bool = True) -> int:
     """Pack `module`'s fused weight `fused` and `other`'s weight; return the bytes packed.
 
     in_place: the packed copies replace them, and `views` (the linears whose weights are
     views of the fused one, which would keep its storage alive) are released too.
+    few_rows: see PackedLinears.pack (a copy in place is eager's: the C++ kernel never
+    sees it).
     """
     if not in_place:
-        return PACKED.pack(getattr(module, fused)) + PACKED.pack(other.weight)
+        return (PACKED.pack(getattr(module, fused), few_rows)
+                + PACKED.pack(other.weight, few_rows))
     packed = PACKED.pack_in_place(module, fused) + PACKED.pack_in_place(other, 'weight')
     for view in views:
         release(view, 'weight')
     return packed
 
 
+_LINEAR_SCHEMA = 'linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor'
 _library = torch.library.Library('oxygen_packed', 'DEF')
-_library.define('linear(Tensor x, Tensor weight) -> Tensor')
+_library.define(_LINEAR_SCHEMA)
+packed_native.tag_compile_cache(_LINEAR_SCHEMA)   # a graph cached against other ops recompiles
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     packed = PACKED.lookup(weight)
     if packed is None:
         if not PACKED.python_stale_calls:
@@ -201,13 +216,15 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                            'packed) after configure; results stay exact, only slower',
                            tuple(weight.shape))
         PACKED.python_stale_calls += 1
-        return F.linear(x, weight)
-    return _packed_matmul(x, packed, weight.shape[0])
+        return F.linear(x, weight, bias)
+    return _packed_matmul(x, packed, weight.shape[0], bias)
 
 
-def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed, None, 'none', [], '')
+    # the bias goes into oneDNN's product: added in float32, rounded once
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, 'none', [], '')
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -215,33 +232,51 @@ _library.impl('linear', _packed_linear, 'CPU')
 
 
 @torch.library.register_fake('oxygen_packed::linear')
-def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool) -> torch.Tensor:
-    """Return x [..., K] @ weight [N, K]^T, through the packed copy when `packed` (no bias).
+def _gated_gelu_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def gated_in_one_pass(x: torch.Tensor, weight: torch.Tensor, packed: bool) -> bool:
+    """Say whether gate/up and the gated GELU run as one pass (packed_linear.cpp gated_gelu).
+
+    Where the C++ kernel is loaded and the CPU has AMX (packed_native.ready), for a bf16
+    fused weight packed beside its plain copy (the kernel reads its pair copy; in place there
+    is none) and no gradient; the caller adds its own row threshold.
+    """
+    return (packed and x.dtype == torch.bfloat16 and x.device.type == 'cpu'
+            and not weight.is_meta and packed_native.ready('gated_gelu')
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Return x [..., K] @ weight [N, K]^T (+ bias [N]), through the packed copy when `packed`.
 
     Eager, the copy is looked up here (no op dispatch); traced, the op does it at run time.
     """
     if not packed:
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         if packed_native.loaded():
-            return torch.ops.oxygen_packed_native.linear(x, weight)
-        return torch.ops.oxygen_packed.linear(x, weight)
+            return torch.ops.oxygen_packed_native.linear(x, weight, bias)
+        return torch.ops.oxygen_packed.linear(x, weight, bias)
     copy = PACKED.lookup(weight)
     if copy is None:
         if weight.is_meta:
             raise RuntimeError(f'a linear weight {tuple(weight.shape)} was released into its '
                                'packed copy at configure and then changed or dropped: its values '
                                'are gone (build and prepare the model again to change weights)')
-        return _packed_linear(x, weight)   # the plain weight, logged once
+        return _packed_linear(x, weight, bias)   # the plain weight, logged once
     if x.requires_grad and torch.is_grad_enabled():
         # oneDNN's packed product has no gradient (guided real-time chunking takes one
         # through the expert): the plain values, unpacked again where they were released.
-        return F.linear(x, copy.to_dense() if weight.is_meta else weight)
-    return _packed_matmul(x, copy, weight.shape[0])
+        return F.linear(x, copy.to_dense() if weight.is_meta else weight, bias)
+    return _packed_matmul(x, copy, weight.shape[0], bias)
 
 
 def use_native_kernel(cache_dir) -> str | None:
@@ -256,6 +291,7 @@ def use_native_kernel(cache_dir) -> str | None:
     if why:
         return why
     torch.library.register_fake('oxygen_packed_native::linear')(_packed_linear_fake)
+    torch.library.register_fake('oxygen_packed_native::gated_gelu')(_gated_gelu_fake)
     PACKED.share_with_native()
     return None
 

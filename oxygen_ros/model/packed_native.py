@@ -35,7 +35,8 @@ _lock = threading.Lock()
 _loaded: Path | None = None
 # The library's kernels beside the packed linear: op namespace -> [runs on this CPU (its
 # available() op, once loaded), switched on (use_kernel)]
-_KERNELS = {'oxygen_attention': [False, True], 'oxygen_activation': [False, True]}
+_KERNELS = {'oxygen_attention': [False, True], 'oxygen_activation': [False, True],
+            'gated_gelu': [False, True]}
 
 
 def _compile_command(compiler: str, source: Path, output: Path) -> list[str]:
@@ -91,7 +92,29 @@ def load(cache_dir: Path) -> str | None:
             _KERNELS[space][0] = bool(getattr(torch.ops, space).available())
             if _KERNELS[space][0]:
                 torch.library.register_fake(name)(fake)
+        _KERNELS['gated_gelu'][0] = bool(torch.ops.oxygen_packed_native.small_rows_on_amx())
         return None
+
+
+def tag_compile_cache(*schemas: str) -> None:
+    """Key torch.compile's caches to these kernels' sources and the ops' `schemas`.
+
+    A compiled C++ graph calls the ops through their schemas as they were at compile time: a
+    graph cached before an op took an argument more would call it with the wrong arguments
+    and crash, so changed kernels or schemas compile afresh. Call before the first compile
+    (packed.py does at import, with its Python op's schema).
+    """
+    import torch.compiler.config as compiler_config
+
+    key = hashlib.sha256()
+    for source in SOURCES + HEADERS:
+        key.update(source.read_bytes())
+    for schema in schemas:
+        key.update(schema.encode())
+    ours = f'oxygen_kernels={key.hexdigest()[:16]}'
+    tags = [t for t in compiler_config.cache_key_tag.split(';')
+            if t and not t.startswith('oxygen_kernels=')]
+    compiler_config.cache_key_tag = ';'.join(tags + [ours])
 
 
 def _build(compiler: str, path: Path) -> str | None:
@@ -154,7 +177,9 @@ def loaded() -> bool:
 def ready(kernel: str) -> bool:
     """Whether `kernel` runs: the library loaded, the CPU has what it needs, switched on.
 
-    kernel: 'oxygen_attention' (AMX-BF16) or 'oxygen_activation' (AVX512-BF16).
+    kernel: 'oxygen_attention' (AMX-BF16), 'oxygen_activation' (AVX512-BF16) or
+    'gated_gelu' (packed_linear.cpp's gate/up with the gated GELU in one pass: AMX-BF16).
+    A plain bool, so a traced pass asks it without a graph break.
     """
     available, on = _KERNELS[kernel]
     return available and on

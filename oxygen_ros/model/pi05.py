@@ -324,22 +324,23 @@ class Pi05Model(nn.Module):
         """Run linears on oneDNN-prepacked weights (packed.py); return the bytes packed.
 
         Call after `fuse`, once the weights are final (prepare, bf16 on the CPU), and compile
-        after it. in_place False (a model whose passes compile): the backbone's layers and
-        the tied LM head get a packed copy beside the plain weights (the graphs' inputs, the
-        fallback), and the expert's layers where `expert` (prepare asks for it where the
-        compiled graphs call the op's C++ kernel: through the Python one, the ten-row
-        matmuls' dispatch cost what the reorder saved). in_place True (an eager model too big
-        to keep two copies, pi05): the backbone's and the expert's layers, the packed copy
-        replacing the plain weight (moved to the meta device); the LM head stays plain, its
-        weight is also the embedding. A model packed in place cannot change its weights any
-        more (build it again).
+        after it. in_place False (a model whose passes compile): the vision tower's and the
+        backbone's layers and the tied LM head get a packed copy beside the plain weights (the
+        graphs' inputs, the fallback), and the expert's layers where `expert` (prepare asks
+        for it where the compiled graphs call the op's C++ kernel: through the Python one, the
+        ten-row matmuls' dispatch cost what the reorder saved). in_place True (an eager model
+        too big to keep two copies, pi05): the vision tower's, the backbone's and the expert's
+        layers, the packed copy replacing the plain weight (moved to the meta device); the LM
+        head stays plain, its weight is also the embedding. A model packed in place cannot
+        change its weights any more (build it again).
         """
         if not self.fused:
             raise RuntimeError('packing needs the fused projections: call fuse() first')
         if self._packed_in_place:   # prepared before (a second engine on the same model)
             return self._packed_bytes
         expert = in_place if expert is None else expert
-        layers = [*self.backbone.layers, *(self.expert.layers if expert else [])]
+        layers = [*self.vision.vision_model.encoder.layers, *self.backbone.layers,
+                  *(self.expert.layers if expert else [])]
         packed = 0
         for layer in layers:
             packed += layer.self_attn.pack(in_place) + layer.mlp.pack(in_place)
@@ -357,7 +358,8 @@ class Pi05Model(nn.Module):
         if self._packed_in_place:
             raise RuntimeError('the weights were packed in place at configure (their plain '
                                'copies are gone): build the model again to change them')
-        for layer in [*self.backbone.layers, *self.expert.layers]:
+        for layer in [*self.vision.vision_model.encoder.layers, *self.backbone.layers,
+                      *self.expert.layers]:
             layer.self_attn.packed = layer.mlp.packed = False
         self._lm_head_packed = False
         return self

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .config import SiglipConfig
 from .gemma import amx_attention_applies, fuse_linears, gelu_tanh
+from .packed import linear, pack_fused
 
 LN_EPS = 1e-6
 
@@ -50,10 +51,20 @@ class SiglipAttention(nn.Module):
         self.out_proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.register_buffer('qkv_weight', None, persistent=False)   # [3Wv, Wv], fuse()
         self.register_buffer('qkv_bias', None, persistent=False)     # [3Wv]
+        self.packed = False   # q/k/v and out run on prepacked weights (pack())
 
     def fuse(self) -> None:
         """Run q/k/v as one matmul (their weights and biases become views of one each)."""
         self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def pack(self, in_place: bool = False) -> int:
+        """Run the fused q/k/v and out on prepacked weights (packed.pack_fused); bytes.
+
+        Only a frame's many rows (cameras x patches) multiply them: no few-row copy.
+        """
+        self.packed = True
+        return pack_fused(self, 'qkv_weight', self.out_proj,
+                          (self.q_proj, self.k_proj, self.v_proj), in_place, few_rows=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, Ti, Wv = x.shape
@@ -63,7 +74,7 @@ class SiglipAttention(nn.Module):
             return t.view(B, Ti, N, Wv // N).transpose(1, 2)
 
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).chunk(3, dim=-1)
+            q, k, v = linear(x, self.qkv_weight, self.packed, self.qkv_bias).chunk(3, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = heads(q), heads(k), heads(v)
@@ -71,7 +82,8 @@ class SiglipAttention(nn.Module):
             out = torch.ops.oxygen_attention.attention(q, k, v, None)
         else:
             out = F.scaled_dot_product_attention(q, k, v)
-        return self.out_proj(out.transpose(1, 2).reshape(B, Ti, Wv))
+        return linear(out.transpose(1, 2).reshape(B, Ti, Wv), self.out_proj.weight, self.packed,
+                      self.out_proj.bias)
 
 
 class SiglipMLP(nn.Module):
@@ -79,9 +91,16 @@ class SiglipMLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(cfg.hidden, cfg.mlp_dim)
         self.fc2 = nn.Linear(cfg.mlp_dim, cfg.hidden)
+        self.packed = False   # fc1 and fc2 run on prepacked weights (pack())
+
+    def pack(self, in_place: bool = False) -> int:
+        """Run fc1 and fc2 on prepacked weights (packed.pack_fused); return the bytes."""
+        self.packed = True
+        return pack_fused(self.fc1, 'weight', self.fc2, (), in_place, few_rows=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(gelu_tanh(self.fc1(x)))
+        hidden = gelu_tanh(linear(x, self.fc1.weight, self.packed, self.fc1.bias))
+        return linear(hidden, self.fc2.weight, self.packed, self.fc2.bias)
 
 
 class SiglipEncoderLayer(nn.Module):
