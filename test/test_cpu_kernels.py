@@ -99,6 +99,9 @@ def test_kernel_equals_sdpa_within_bf16_and_keeps_rows_independent(B, G, R, K, D
     assert error <= 1.5 * stock_error + 2e-3, (error, stock_error)
     assert torch.equal(ops.attention(q, k, v, bias.to(BF16)), got), 'bf16 bias reads the same'
     assert torch.equal(ops.attention(q, k, v, valid), got), 'a bool mask is the same bias'
+    strided = torch.stack([bias, torch.zeros_like(bias)], dim=-1).flatten(1)[:, ::2]
+    assert torch.equal(ops.attention(q, k, v, strided), got), 'a bias read through its strides'
+    assert torch.equal(ops.attention(q, k, v, bias.double()), got), 'another dtype, converted'
     assert torch.equal(ops.attention(q, k.contiguous(), v.contiguous(), bias), got)
     # a masked key weighs exactly nothing: changing its value changes no output bit
     v_changed = v.clone()

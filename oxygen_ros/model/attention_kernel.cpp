@@ -80,7 +80,33 @@ __attribute__((target("avx512f,avx512bw"))) void interleave_rows(const uint16_t*
   _mm512_storeu_si512(out, _mm512_permutex2var_epi16(ra, _mm512_load_si512(kPairs), rb));
 }
 
-void arrange_keys(Rows k, Rows v, int64_t K, int64_t D, const float* bias, Keys& keys) {
+// One batch row of key_bias as the caller passed it (no conversion op per call: a denoise
+// step's [1, 565] bf16 mask cost ~8 us a call through ATen, ~0.5 ms a pi05-cpu denoise).
+struct KeyBias {
+  enum Kind { kNone, kFloat, kBFloat16, kBool } kind = kNone;
+  const void* data = nullptr;
+  int64_t stride = 1;   // between keys
+
+  float at(int64_t key) const {   // the bias of `key` (0 or -inf for a mask)
+    switch (kind) {
+      case kFloat:
+        return static_cast<const float*>(data)[key * stride];
+      case kBFloat16: {
+        const uint32_t bits = uint32_t(static_cast<const uint16_t*>(data)[key * stride]) << 16;
+        float value;
+        std::memcpy(&value, &bits, 4);
+        return value;
+      }
+      case kBool:
+        return static_cast<const bool*>(data)[key * stride]
+                   ? 0.0f : -std::numeric_limits<float>::infinity();
+      default:
+        return 0.0f;
+    }
+  }
+};
+
+void arrange_keys(Rows k, Rows v, int64_t K, int64_t D, const KeyBias& bias, Keys& keys) {
   keys.chunks = (K + kChunk - 1) / kChunk;
   keys.dim = D;
   const int64_t width = keys.chunks * kChunk;
@@ -109,7 +135,7 @@ void arrange_keys(Rows k, Rows v, int64_t K, int64_t D, const float* bias, Keys&
         keys.k_pairs[((blk * (D / 2) + d / 2) * kKeys + j) * 2 + d % 2] = row[d * k.dim_stride];
       }
     }
-    const float b = bias == nullptr ? 0.0f : bias[key];
+    const float b = bias.at(key);
     keys.bias[key] = b * kLog2e;   // base 2 (softmax_rows)
     if (b == 0.0f) {
       keys.keep[blk] |= static_cast<uint16_t>(1u << j);
@@ -362,15 +388,17 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t B = q.size(0), G = q.size(1), R = q.size(2), K = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == G && v.sizes() == k.sizes(), "k, v shapes differ");
   TORCH_CHECK(K > 0, "attention needs at least one key");
-  at::Tensor bias;  // fp32 [B, K]
+  at::Tensor bias;  // key_bias, read in place (KeyBias): float32, bf16 or bool [B, K]
+  KeyBias::Kind kind = KeyBias::kNone;
   if (key_bias.has_value()) {
     TORCH_CHECK(key_bias->dim() == 2 && key_bias->size(0) == B && key_bias->size(1) == K,
                 "key_bias must be [B, K], got ", key_bias->sizes());
-    bias = key_bias->scalar_type() == at::kBool
-               ? at::zeros({B, K}, q.options().dtype(at::kFloat))
-                     .masked_fill_(key_bias->logical_not(),
-                                   -std::numeric_limits<float>::infinity())
-               : key_bias->to(at::kFloat).contiguous();
+    const auto dtype = key_bias->scalar_type();
+    bias = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kBool
+               ? *key_bias : key_bias->to(at::kFloat);
+    kind = bias.scalar_type() == at::kFloat      ? KeyBias::kFloat
+           : bias.scalar_type() == at::kBFloat16 ? KeyBias::kBFloat16
+                                                 : KeyBias::kBool;
   }
   call_count.fetch_add(1, std::memory_order_relaxed);
   auto out = at::empty({B, G, R, D}, q.options());
@@ -383,7 +411,13 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     const int64_t b = bg / G, g = bg % G;
     arrange_keys({kd + b * k.stride(0) + g * k.stride(1), k.stride(2), k.stride(3)},
                  {vd + b * v.stride(0) + g * v.stride(1), v.stride(2), v.stride(3)}, K, D,
-                 bias.defined() ? bias.data_ptr<float>() + b * K : nullptr, keys[bg]);
+                 bias.defined()
+                     ? KeyBias{kind,
+                               static_cast<const char*>(bias.data_ptr()) +
+                                   b * bias.stride(0) * bias.element_size(),
+                               bias.stride(1)}
+                     : KeyBias{},
+                 keys[bg]);
   }
   const int64_t row_blocks = (R + kRows - 1) / kRows;
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr());
