@@ -164,7 +164,13 @@ def test_compiled_prefill_calls_the_kernel_in_one_graph():
     model, frontend = random_setup(HEAD_DIM_32, 'libero', seed=3, dtype=BF16)
     obs = random_observation('libero', 0, seed=5, image_size=HEAD_DIM_32.vision.image_size)
     t = frontend.prepare(obs).tensors
-    frame = (t['images'], t['image_masks'], t['tokens'], t['token_masks'])
+    ops = traced_prefill_ops(model, (t['images'], t['image_masks'], t['tokens'],
+                                     t['token_masks']))
+    assert any('oxygen_attention.attention' in op for op in ops), 'SDPA was traced instead'
+
+
+def traced_prefill_ops(model, frame) -> list[str]:
+    """The ops of the prefill layers' graph as dynamo traces them for `frame` (one graph)."""
     captured = {}
     layers = model.prefill_layers
 
@@ -179,8 +185,7 @@ def test_compiled_prefill_calls_the_kernel_in_one_graph():
     explain = torch._dynamo.explain(model.prefill_layers)
     explanation = explain(*captured['args'], **captured['kwargs'])
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
-    ops = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
-    assert any('oxygen_attention.attention' in op for op in ops), 'SDPA was traced instead'
+    return [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
 
 
 @torch.no_grad()
@@ -370,20 +375,6 @@ def test_a_packed_prefill_runs_gate_up_and_gelu_in_one_pass():
     mlp(torch.randn(1, 8, model.config.backbone.width, dtype=BF16))
     assert ops.gated_calls() == calls, 'a decode step keeps the packed linear'
     # traced, the op is one more node of the prefill's one graph (its choice asks no op)
-    captured = {}
-    layers = model.prefill_layers
-
-    def capture(*args, **kwargs):
-        captured['args'], captured['kwargs'] = args, kwargs
-        return layers(*args, **kwargs)
-
-    model.prefill_layers = capture
-    model.prefill(*frame)
-    del model.prefill_layers
-    torch._dynamo.reset()
-    explain = torch._dynamo.explain(model.prefill_layers)
-    explanation = explain(*captured['args'], **captured['kwargs'])
-    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
-    traced = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
+    traced = traced_prefill_ops(model, frame)
     assert sum('oxygen_packed_native.gated_gelu' in op for op in traced) == \
         model.config.backbone.depth

@@ -213,6 +213,32 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void store_block
   }
 }
 
+// Two column blocks (`first`, `second`: blocks of pair_layout) for 17..32 rows on the tiles
+// configured for them: A 0 and 1 the row halves (x, x2), B 2 and 3, C 4-7 -> sums [the top
+// rows' first, top second, rest first, rest second].
+__attribute__((target("amx-tile,amx-bf16"))) inline void two_row_tiles(
+    const uint16_t* x, const uint16_t* x2, int64_t x_stride, int64_t chunks,
+    const uint16_t* first, const uint16_t* second, float (*sums)[16 * kBlock]) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(0, x + c * kAmxK, x_stride);
+    _tile_loadd(1, x2 + c * kAmxK, x_stride);
+    _tile_loadd(2, first + c * 16 * 32, 64);
+    _tile_loadd(3, second + c * 16 * 32, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+  _tile_stored(4, sums[0], 64);
+  _tile_stored(5, sums[1], 64);
+  _tile_stored(6, sums[2], 64);
+  _tile_stored(7, sums[3], 64);
+}
+
 // Column blocks [b0, b1) of out[M, N] = x[M, K] @ pairs^T on tiles configured for M.
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512bw,avx512vl"))) void
 amx_blocks(const uint16_t* x, int M, int64_t K, const uint16_t* pairs, int64_t N, int64_t b0,
@@ -252,25 +278,8 @@ amx_blocks(const uint16_t* x, int M, int64_t K, const uint16_t* pairs, int64_t N
     for (int64_t b = b0; b < b1; b += 2) {
       const bool pair = b + 1 < b1;
       const uint16_t* w = pairs + b * block_elems;
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
-      for (int64_t c = 0; c < chunks; ++c) {
-        _tile_loadd(0, x + c * kAmxK, x_stride);
-        _tile_loadd(1, x2 + c * kAmxK, x_stride);
-        _tile_loadd(2, w + c * 16 * 32, 64);
-        // a lone last block multiplies its own B twice (the second product is not stored)
-        _tile_loadd(3, w + (pair ? block_elems : 0) + c * 16 * 32, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_dpbf16ps(6, 1, 2);
-        _tile_dpbf16ps(7, 1, 3);
-      }
-      _tile_stored(4, sums[0], 64);
-      _tile_stored(5, sums[1], 64);
-      _tile_stored(6, sums[2], 64);
-      _tile_stored(7, sums[3], 64);
+      // a lone last block multiplies its own B twice (the second product is not stored)
+      two_row_tiles(x, x2, x_stride, chunks, w, w + (pair ? block_elems : 0), sums);
       store_block(sums[0], 16, N, b * kBlock, out);
       store_block(sums[2], rest, N, b * kBlock, out2);
       if (pair) {
@@ -343,25 +352,8 @@ gated_rows(const uint16_t* x, int M, int64_t K, const uint16_t* pairs, int64_t H
       }
       _tile_stored(4, sums[0], 64);
       _tile_stored(5, sums[1], 64);
-    } else {   // A 0 and 1 (the row halves), B 2 (gate) and 3 (up), C 4-7
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
-      for (int64_t c = 0; c < chunks; ++c) {
-        _tile_loadd(0, x + c * kAmxK, x_stride);
-        _tile_loadd(1, x2 + c * kAmxK, x_stride);
-        _tile_loadd(2, gate + c * 16 * 32, 64);
-        _tile_loadd(3, up + c * 16 * 32, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_dpbf16ps(6, 1, 2);
-        _tile_dpbf16ps(7, 1, 3);
-      }
-      _tile_stored(4, sums[0], 64);
-      _tile_stored(5, sums[1], 64);
-      _tile_stored(6, sums[2], 64);
-      _tile_stored(7, sums[3], 64);
+    } else {   // the gate block and its up block as two_row_tiles' two
+      two_row_tiles(x, x2, x_stride, chunks, gate, up, sums);
       store_gated(sums[2], sums[3], rest, H, out + 16 * H + b * kBlock);
     }
     store_gated(sums[0], sums[1], top, H, out + b * kBlock);
