@@ -92,10 +92,10 @@ class CompilePlan:
                                         (denoise, self.denoise),
                                         ('decode step and extend pass', self.decode)) if on]
         what = f'compiled: {", ".join(passes)} ({self.mode})' if passes else 'eager'
-        where = ('backbone and expert layers on weights prepacked in place'
+        where = ('vision tower, backbone and expert layers on weights prepacked in place'
                  if self.packed_in_place else
-                 f'backbone{", expert" if self.packed_expert else ""} and LM head on '
-                 'prepacked weights')
+                 f'vision tower, backbone{", expert" if self.packed_expert else ""} and LM '
+                 'head on prepacked weights')
         # the kernels of packed_native's library that run (the library is the process's)
         kernels = [name for name, on in (
             ('packed linear', not self.packed_in_place),

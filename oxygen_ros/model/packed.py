@@ -17,8 +17,9 @@ and falls back to `F.linear` when there is none or the weight changed since it w
 What packs (Pi05Model.pack_linears, chosen by engine/prepare.py):
   * a model whose passes compile (pi05-cpu): the vision tower's layers, the backbone
     (prefill, extend, decode), the LM head and, where the op's C++ kernel is built, the
-    expert, a copy beside the plain weights (~28 MB); through the Python kernel the expert's
-    ten-row matmuls stay plain (its per-call cost is what the reorder saves);
+    expert, a copy beside the plain weights (47 MB with the few-row copies); through the
+    Python kernel the expert's ten-row matmuls stay plain (its per-call cost is what the
+    reorder saves);
   * a model too big to compile (pi05, eager): the vision tower's, the backbone's and the
     expert's layers, in place: the packed copy replaces the plain weight (a meta tensor keeps
     its shape), since a second copy would be gigabytes. Eager `linear` finds it by the tensor
