@@ -189,11 +189,15 @@ def test_bench_node_part_end_to_end(tmp_path):
     assert int(row['ticks_delivered']) > 0 and 3.0 < float(row['window_s']) < 6.0
     if row['control_thread_found'] == 'True':
         assert float(row['cpu_outside_control_active_pct']) >= 0
+        # Each window's CPU by thread name: which thread to look at when a figure is high.
+        for key in ('cpu_threads_active', 'cpu_threads_idle'):
+            assert 'oxy_control:' in row[key], (key, row[key])
     ticks = _read_csv(out / 'node_ticks.csv')
     assert any(t['measured'] == 'True' for t in ticks)
     assert (out / 'node_latency.png').read_bytes()[:8] == PNG_MAGIC
     summary = (out / 'summary.md').read_text()
     assert '## The node' in summary and 'node inference_time p50' in summary
+    assert f'idle: {row["cpu_threads_idle"]}' in summary
     assert (out / 'node_logs' / 'node_monitor.json').is_file()
     assert 'Traceback' not in (out / 'node_logs' / 'oxygen_node.log').read_text()
 

@@ -2,11 +2,12 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from oxygen_ros.engine.budget import AdaptiveBudget, FixedBudget, StepCostModel
 from oxygen_ros.engine.workload import (default_num_slots, frame_noise, get_workload,
-                                        LanguagePolicy)
+                                        LanguagePolicy, NOISE_BLOCK_FRAMES)
 
 
 def test_fixed_budget():
@@ -180,6 +181,16 @@ def test_noise_depends_on_seed_and_frame_only():
     assert a.shape == (4, 32) and a.dtype.name == 'float32'
     assert (a == frame_noise(0, 5, 4, 32)).all()
     assert not (a == frame_noise(0, 6, 4, 32)).all() and not (a == frame_noise(1, 5, 4, 32)).all()
+    # Drawn a block of frames at a time: a caller's array is its own (the model may write
+    # into it), frames on either side of a block's edge differ, the whole is N(0, 1).
+    drawn = a.copy()
+    a += 1.0
+    assert (frame_noise(0, 5, 4, 32) == drawn).all()
+    frames = np.stack([frame_noise(3, f, 10, 32) for f in range(3 * NOISE_BLOCK_FRAMES)])
+    edge = NOISE_BLOCK_FRAMES
+    assert not np.isclose(frames[edge - 1], frames[edge]).any()
+    assert len({row.tobytes() for row in frames}) == len(frames)
+    assert abs(frames.mean()) < 0.05 and abs(frames.std() - 1.0) < 0.05
 
 
 def test_reference_workloads():

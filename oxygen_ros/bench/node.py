@@ -676,14 +676,19 @@ def node_row(opts: NodeBenchOptions, engine: EngineReference, run: NodeRun, rate
         'cpu_node_active_pct': run.cpu_active['total_pct'],
         'cpu_node_idle_pct': run.cpu_idle['total_pct'],
         'control_thread_found': run.cpu_active['control_thread_found'],
-        'cpu_threads_active': ' '.join(f'{name}:{pct:.1f}' for name, pct in
-                                       run.cpu_active['by_name_pct'].items()),
+        'cpu_threads_active': _thread_split(run.cpu_active),
+        'cpu_threads_idle': _thread_split(run.cpu_idle),
         'robot_cpu_pct': run.robot_cpu_pct,
         'other_load_engine_pct': engine.other_load_pct,
         'other_load_node_pct': run.other_load_pct,
         'idle_s': run.cpu_idle['wall_s'], 'warmup_s': opts.warmup_s,
     })
     return row
+
+
+def _thread_split(cpu: dict) -> str:
+    """'name:pct ...' of a window's CPU by thread name (cpu_between), busiest first."""
+    return ' '.join(f'{name}:{pct:.1f}' for name, pct in cpu['by_name_pct'].items())
 
 
 def run_node_part(opts: NodeBenchOptions, preset: str, device: str, dtype: str, seed: int,

@@ -228,8 +228,9 @@ def node_section(result: BenchResult, paths: dict[str, Path]) -> list[str]:
              'lost; raw frames need the Fast DDS profile, docs/cameras.md). The engine next to '
              'the robot shows what the '
              'stand-in robot process alone does to act() on this machine. CPU in '
-             '% of one core; per thread name: '
-             f'{r["cpu_threads_active"] or "–"}.', '']
+             '% of one core; per thread name, active: '
+             f'{r["cpu_threads_active"] or "–"}; idle: {r.get("cpu_threads_idle") or "–"}.',
+             '']
     busiest = max(r['other_load_engine_pct'], r['other_load_node_pct'])
     if busiest > NOISY_OTHER_LOAD_PCT:
         lines += [f'**Warning: other processes used {r["other_load_engine_pct"]:.0f}% of the '

@@ -195,6 +195,11 @@ def node_targets(result: BenchResult) -> list[dict]:
     if r['control_thread_found']:
         cpu_met = (r['cpu_outside_control_active_pct'] <= TARGET_NODE_CPU_ACTIVE_PCT
                    and r['cpu_outside_control_idle_pct'] <= TARGET_NODE_CPU_IDLE_PCT)
+        if not cpu_met:   # which threads: the busiest three of each window
+            cpu_note = '; by thread, % of a core: ' + '; '.join(
+                f'{window} ' + ' '.join(r[key].split()[:3])
+                for window, key in (('active', 'cpu_threads_active'),
+                                    ('idle', 'cpu_threads_idle')) if r.get(key))
     return [
         {'target': f'node inference_time p50 ≤ {TARGET_NODE_OVER_ENGINE_P50:.2f} × engine '
                    'act() p50',

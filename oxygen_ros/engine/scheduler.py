@@ -607,18 +607,22 @@ class Scheduler:
         """
         self._start_waiting(elapsed_s, deadline_s, other_rows)
         quota = self._quota
-        lead = max((r.priority for r in self.active if quota[r.request_id]), default=0)
-        plan = self._first_steps(lead)
+        # One pass over the live requests with steps left: new ones (their first step next)
+        # and started ones (a decode row each). Runs a few times a tick, right after model
+        # calls, when every object it reads is out of the caches.
+        new, rows = [], []
+        for r in self.active:
+            if quota[r.request_id]:
+                (rows if r.started else new).append(r)
+        plan = self._first_steps(new, max((r.priority for r in new + rows), default=0))
         if plan is not None:
             return plan
-        later = [r for r in self.active if quota[r.request_id] and not r.started]
-        reserve = self._first_steps_s(later)   # their first steps: after the decode steps
-        rows = [r for r in self.active if quota[r.request_id] and r.started]
+        reserve = self._first_steps_s(new)   # their first steps: after the decode steps
         if rows and self.batch_sizes and not self.budget.allow_more(
                 elapsed_s + reserve, len(rows) + other_rows, deadline_s):
             rows = self._yield_by_priority(rows, elapsed_s + reserve, deadline_s, other_rows)
         if not rows:
-            plan = self._first_steps(None)
+            plan = self._first_steps(new, None)
             if plan is not None:
                 return plan
             rows = self._more_for_asked(elapsed_s, deadline_s, other_rows)
@@ -634,13 +638,14 @@ class Scheduler:
                         [r.gen_len for r in rows], [r.next_input_token() for r in rows],
                         [r.block for r in rows])
 
-    def _first_steps(self, lead: int | None) -> StepPlan | None:
-        """Return the next first-step plan of new requests at priority >= lead (None: any).
+    def _first_steps(self, new: list[RequestState], lead: int | None) -> StepPlan | None:
+        """Return the next first-step plan of `new` requests at priority >= lead (None: any).
 
-        First tokens (one LM head call over their prefixes) before the extend pass.
+        new: live requests with steps left whose first step has not run. First tokens (one LM
+        head call over their prefixes) before the extend pass.
         """
-        new = [r for r in self.active if self._quota[r.request_id] and not r.started
-               and (lead is None or r.priority >= lead)]
+        if lead is not None:
+            new = [r for r in new if r.priority >= lead]
         first = [r for r in new if r.needs_prefix_token]
         if first:
             return StepPlan(True, [r.request_id for r in first], [r.slot for r in first], [], [])
