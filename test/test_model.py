@@ -89,6 +89,26 @@ def test_sample_actions_equals_uncached_joint_forward(model):
 
 
 @torch.no_grad()
+@torch.no_grad()
+def test_prefix_holds_each_shown_camera_and_zeros_for_the_others(model):
+    """A run of cameras from the first is read as a view, any other set by index: each shown
+    camera's rows are its own features, a masked one's zeros, whichever is masked."""
+    cfg = model.config
+    images, _, tokens, token_masks = make_inputs(cfg, B=1)
+    Ti = cfg.tokens_per_image
+    alone = [model.encode_images(images[0, c:c + 1])[0] for c in range(cfg.num_cameras)]
+    for shown in ([True, True, False], [False, True, True], [True, False, True],
+                  [False, False, False], [True, True, True]):
+        x, valid = model.embed_prefix(images, torch.tensor([shown]), tokens, token_masks)
+        for c, on in enumerate(shown):
+            rows = x[0, c * Ti:(c + 1) * Ti]
+            assert bool(valid[0, c * Ti:(c + 1) * Ti].all()) == on
+            if on:
+                torch.testing.assert_close(rows, alone[c], atol=1e-5, rtol=1e-5)
+            else:
+                assert not rows.any(), (shown, c)
+
+
 def test_sample_actions_leaves_cache_untouched(model):
     prefix = model.prefill(*make_inputs(model.config), extra_len=4)
     k, v = prefix.kv.k.clone(), prefix.kv.v.clone()
