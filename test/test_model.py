@@ -116,6 +116,43 @@ def test_sample_actions_leaves_cache_untouched(model):
     assert torch.equal(prefix.kv.k, k) and torch.equal(prefix.kv.v, v)
 
 
+@torch.no_grad()
+def test_denoise_modulations_are_cached_until_a_weight_they_come_from_changes():
+    """The loop's adaRMS modulations are computed once per weights: the same tensor frame
+    after frame, equal to computing them; a write into (or a new) weight they come from, or
+    another step count, computes them again, and the actions follow."""
+    model = Pi05Model(get_preset('tiny')).init_random(seed=5).eval()
+    cfg, steps = model.config, model.config.num_steps
+    prefix = model.prefill(*make_inputs(cfg, B=2, seed=3))
+    noise = torch.randn(2, cfg.action_horizon, cfg.action_dim)
+    context = model.action_context(prefix, cfg.action_horizon, 'cpu')
+
+    def computed(n=steps):
+        return torch.stack(model.expert_modulations(model.flow_times(n)))
+
+    def cached(n=steps):
+        return torch.stack(model.denoise_modulations(n, 'cpu'))
+
+    mods = model.denoise_modulations(steps, 'cpu')
+    assert model.denoise_modulations(steps, 'cpu') is mods
+    assert torch.equal(cached(), computed())
+    assert cached().shape == (2 * cfg.expert.depth + 1, steps, 3 * cfg.expert.width)
+    assert torch.equal(model.sample_actions(prefix, noise),
+                       model.denoise_loop(*context, noise, steps))   # computed in the loop
+    assert torch.equal(cached(steps - 1), computed(steps - 1))
+    before = model.sample_actions(prefix, noise)
+    model.expert.layers[-1].post_attention_layernorm.dense.weight.mul_(1.5)   # in place
+    again = model.denoise_modulations(steps, 'cpu')
+    assert again is not mods and torch.equal(cached(), computed())
+    after = model.sample_actions(prefix, noise)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, model.denoise_loop(*context, noise, steps))
+    model.time_mlp_in.weight = torch.nn.Parameter(model.time_mlp_in.weight * 0.5)   # replaced
+    assert torch.equal(cached(), computed())
+    assert torch.equal(model.sample_actions(prefix, noise),
+                       model.denoise_loop(*context, noise, steps))
+
+
 def recompute_logits(model, images, image_masks, tokens, token_masks, generated):
     """Uncached reference: logits for the next token after `generated`, recomputing everything.
 
@@ -479,8 +516,9 @@ def test_denoise_loop_graph_breaks_pinned(model, graph):
     noise = torch.randn(2, model.config.action_horizon, model.config.action_dim)
     inputs = model.action_context(prefix, model.config.action_horizon, 'cpu')
     step = model.denoise_step_region if graph == 'regions' else None
-    assert _explain(model.denoise_loop, *inputs, noise, model.config.num_steps,
-                    step) == GRAPHS['denoise loop']
+    steps = model.config.num_steps
+    assert _explain(model.denoise_loop, *inputs, noise, steps,
+                    model.denoise_modulations(steps, 'cpu'), step) == GRAPHS['denoise loop']
     ref = model.sample_actions(prefix, noise)
     try:
         model.compile_actions(mode=None, graph=graph, backend='eager', fullgraph=True)

@@ -238,6 +238,8 @@ class Pi05Model(nn.Module):
         self._decode_fn: CompiledFunction | None = None    # _decode_layers, compile_decode()
         self._extend_fn: CompiledFunction | None = None    # _extend_layers, compile_extend()
         self._denoise_fn: CompiledFunction | None = None   # denoise_loop, compile_actions()
+        # denoise_modulations: (steps, device) -> (the weights' stamp, 2L + 1 of [S, 3We])
+        self._modulations: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
         self._vision_fn: CompiledFunction | None = None    # encode_images, compile_prefill()
         self._prefill_fn: CompiledFunction | None = None   # prefill_layers, compile_prefill()
         self._lm_head_packed = False                       # pack_linears()
@@ -566,8 +568,9 @@ class Pi05Model(nn.Module):
             return rtc.sample(lambda x, t: self.denoise_velocity(*context, x, t), noise, steps,
                               inpaint)
         x = noise.float()
+        mods = self.denoise_modulations(steps, x.device)
         if self._denoise_fn is None:
-            return self.denoise_loop(*context, x, steps)
+            return self.denoise_loop(*context, x, steps, mods)
         prefix_kv, prefix_bias, cos, sin = context
         keys = [t for pair in prefix_kv for t in pair] + [prefix_bias]
         if prefix_bias.shape[1] > 1:   # one graph for every number of packed positions
@@ -576,7 +579,7 @@ class Pi05Model(nn.Module):
         if x.shape[0] > 1:   # and one for every batch of several rows
             for tensor in keys + [cos, sin, x]:
                 torch._dynamo.mark_dynamic(tensor, 0)
-        return self._denoise_fn(*context, x, steps)
+        return self._denoise_fn(*context, x, steps, mods)
 
     def action_context(self, prefix: PrefixCache, horizon: int, device
                        ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor,
@@ -618,20 +621,20 @@ class Pi05Model(nn.Module):
 
     def denoise_loop(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
                      prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     noise: torch.Tensor, steps: int,
+                     noise: torch.Tensor, steps: int, mods: list[torch.Tensor] | None = None,
                      step_fn: Callable | None = None) -> torch.Tensor:
         """All Euler steps from noise [B, H, A] (float32) -> actions [B, H, A] (float32).
 
         Static shapes and no host reads, so the whole loop compiles as one graph (one CUDA
-        graph on a GPU). The flow times are the same every frame, so the expert's adaRMS
-        modulations of all steps are computed first, in one matmul per norm.
+        graph on a GPU). mods: the expert's adaRMS modulations of every step, 2L + 1 of
+        [S, 3We] (`denoise_modulations`, which sample_actions passes); None computes them here.
+        Separate tensors, not one stacked: a step region's inputs may not alias each other.
         step_fn: what runs each step (default `denoise_step`; `denoise_step_region` in a loop
         of step regions, compile_actions).
         """
         B = noise.shape[0]
-        times = torch.tensor([1.0 - step / steps for step in range(steps)],
-                             device=noise.device)                                  # [S]
-        mods = self.expert_modulations(times)                  # 2L + 1 norms, each [S, 3We]
+        if mods is None:
+            mods = self.expert_modulations(self.flow_times(steps, noise.device))
         x_t = noise
         for step in range(steps):
             step_mods = [mod[step].expand(B, -1) for mod in mods]                  # [B, 3We]
@@ -647,6 +650,37 @@ class Pi05Model(nn.Module):
 
     # denoise_step as a nested compile region (compile_actions 'regions'); eager, a plain call
     denoise_step_region = torch.compiler.nested_compile_region(denoise_step)
+
+    @staticmethod
+    def flow_times(steps: int, device=None) -> torch.Tensor:
+        """Return the Euler steps' flow times [S]: 1, 1 - 1/S, ..., 1/S."""
+        return torch.tensor([1.0 - step / steps for step in range(steps)], device=device)
+
+    @torch.no_grad()
+    def denoise_modulations(self, steps: int, device) -> list[torch.Tensor]:
+        """Return the denoise loop's adaRMS modulations, 2L + 1 of [S, 3We] (float32), cached.
+
+        The flow times are the same every frame, so these are a constant of the weights: one
+        frame computed them in 2L + 3 float32 matmuls whose weights (a [We, 3We] dense per
+        norm) are read for it alone: pi05's 37 denses are 465 MB a frame (~47 ms here),
+        pi05-cpu's ~0.5 ms of a 10 ms denoise. Computed again when a weight they come from
+        was written or replaced (its version or storage changed) or for another device.
+        """
+        stamp = tuple((p.data_ptr(), p._version) for p in self._modulation_params())
+        key = (steps, torch.device(device))
+        hit = self._modulations.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        mods = self.expert_modulations(self.flow_times(steps, device))
+        self._modulations[key] = (stamp, mods)
+        return mods
+
+    def _modulation_params(self) -> list[torch.Tensor]:
+        """Return the parameters the adaRMS modulations are computed from."""
+        modules = [self.time_mlp_in, self.time_mlp_out, self.expert.norm.dense]
+        modules += [norm.dense for layer in self.expert.layers
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        return [p for module in modules for p in module.parameters()]
 
     def expert_modulations(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Compute the expert's adaRMS modulations at flow times t [R] -> 2L + 1 of [R, 3We].
