@@ -472,6 +472,8 @@ def test_floor_is_the_binding_limit_and_work_counts_computed_positions():
     every = phase_work(model, 3, 968, (1, 4), 17)
     assert libero['prefill'].flops < 0.65 * every['prefill'].flops   # 555 of 968 positions
     assert libero['denoise'] == every['denoise']                     # all P keys by default
+    steps = model.config.num_steps   # all work is the steps': the modulations are kept
+    assert libero['denoise'].bytes % steps == 0
     packed = phase_work(model, 2, 2 * 256 + 43, (1,), 17, denoise_keys=555)['denoise']
     assert packed.flops < libero['denoise'].flops and packed.bytes < libero['denoise'].bytes
     assert libero['decode 4'].flops == pytest.approx(4 * libero['decode 1'].flops)

@@ -8,7 +8,9 @@ Work is counted for what the passes compute, not for the static shapes:
   denoise   S steps of the expert over H action tokens, attending to the prefix keys it
             computes (on the CPU the valid ones, packed once per frame; on an accelerator all
             P, masked) and to the H action keys; every step reads the expert's weights and
-            those prefix K/V once; the adaRMS modulations of all steps once per frame;
+            those prefix K/V once; the adaRMS modulations are constants of the weights
+            (the flow times never change), computed once and kept (Pi05Model.
+            denoise_modulations): no work of a frame;
   decode B  one token for each of B rows: the backbone and the tied LM head read once, each
             row's K/V over P + J positions.
 FLOPs are 2 x multiply-adds of the matmuls (norms, softmax and element-wise work are left out:
@@ -75,22 +77,16 @@ def phase_work(model: Pi05Model, shown_images: int, valid_positions: int,
     layers_bytes = _param_bytes(model.backbone.layers)
     prefill = Work(vision.flops + 2 * backbone_macs,
                    vision.bytes + layers_bytes + P * kv_entry)
-    # denoise: S expert passes over H tokens attending P + H keys; modulations once
+    # denoise: S expert passes over H tokens attending P + H keys (modulations: kept)
     e_layer = _layer_macs(e.width, e.num_heads, e.num_kv_heads, e.head_dim, e.mlp_dim)
     keys = P if denoise_keys is None else denoise_keys
     step_macs = e.depth * (H * e_layer + 2 * H * (keys + H) * e.num_heads * e.head_dim)
     step_macs += 2 * H * cfg.action_dim * e.width
-    frame_macs = S * ((2 * e.depth + 1) * 3 * e.width ** 2 + 2 * e.width ** 2)
-    modulation_bytes = (sum(_param_bytes(layer.input_layernorm)
-                            + _param_bytes(layer.post_attention_layernorm)
-                            for layer in model.expert.layers)
-                        + _param_bytes(model.expert.norm) + _param_bytes(model.time_mlp_in)
-                        + _param_bytes(model.time_mlp_out))
     step_bytes = (sum(_param_bytes(layer.self_attn) + _param_bytes(layer.mlp)
                       for layer in model.expert.layers)
                   + _param_bytes(model.action_in_proj) + _param_bytes(model.action_out_proj)
                   + keys * kv_entry)
-    denoise = Work(2 * (S * step_macs + frame_macs), S * step_bytes + modulation_bytes)
+    denoise = Work(2 * S * step_macs, S * step_bytes)
     work = {'vision': vision, 'prefill': prefill, 'denoise': denoise}
     # decode: one token per row; weights once per step, K/V per row
     head_bytes = model.backbone.embed_tokens.weight.numel() * \
