@@ -666,7 +666,8 @@ class Pi05Model(nn.Module):
         pi05-cpu's ~0.5 ms of a 10 ms denoise. Computed again when a weight they come from
         was written or replaced (its version or storage changed) or for another device.
         """
-        stamp = tuple((p.data_ptr(), p._version) for p in self._modulation_params())
+        stamp = tuple((p.data_ptr(), None if p.is_inference() else p._version)
+                      for p in self._modulation_params())   # inference tensors: no version
         key = (steps, torch.device(device))
         hit = self._modulations.get(key)
         if hit is not None and hit[0] == stamp:
