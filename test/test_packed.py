@@ -246,6 +246,11 @@ def test_few_row_kernel_rounds_like_onednn_and_keeps_rows_batch_invariant():
             assert ((result.float() - want).abs() <= step).all(), (n, k)
         rows_alone = torch.cat([ops.linear(x[i:i + 1], weight) for i in range(8)])
         assert torch.equal(got, rows_alone), (n, k)
+        # any leading dims and strides: the rows read by pointer (a strided x copied first)
+        assert torch.equal(ops.linear(x.view(2, 4, k), weight), got.view(2, 4, n))
+        strided = torch.randn(8, 2 * k, dtype=BF16)[:, ::2]
+        assert torch.equal(ops.linear(strided, weight), ops.linear(strided.contiguous(), weight))
+        assert ops.small_row_calls() == calls + 1 + 8 + 3   # got, rows alone, these three
 
 
 @pytest.mark.skipif(not cpu_has_amx_bf16(), reason='no AMX-BF16: vdpbf16ps serves the few '

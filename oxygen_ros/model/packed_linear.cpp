@@ -364,16 +364,20 @@ gated_rows(const uint16_t* x, int M, int64_t K, const uint16_t* pairs, int64_t H
 std::atomic<int64_t> gated_count{0};   // products gated_gelu made in one pass (gated_calls)
 
 // rows [M, K] bf16 contiguous, in the few-row range (runs_small) -> [M, N] bf16
-at::Tensor small_rows_matmul(const at::Tensor& rows, const at::Tensor& pairs, int64_t N) {
-  auto out = at::empty({rows.size(0), N}, rows.options());
-  const auto* x = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+// x: M contiguous rows of K, in the few-row range (runs_small) -> `shape` (its last dim N).
+// The result is allocated in its final shape and x read by pointer: a reshape, a
+// contiguous() and a view through the dispatcher cost more than a denoise step's product.
+at::Tensor small_rows_matmul(const at::Tensor& x, int64_t M, const at::Tensor& pairs,
+                             at::IntArrayRef shape) {
+  const int64_t K = x.size(-1), N = shape.back();
+  auto out = at::empty(shape, x.options());
+  const auto* xd = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* w = reinterpret_cast<const uint16_t*>(pairs.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  if (runs_amx(rows.size(0), rows.size(1))) {
-    amx_matmul(x, static_cast<int>(rows.size(0)), rows.size(1), w, N, o);
+  if (runs_amx(M, K)) {
+    amx_matmul(xd, static_cast<int>(M), K, w, N, o);
   } else {
-    dispatch_rows(rows.size(0), x, rows.size(1), w, N, o,
-                  std::make_integer_sequence<int, kSmallRows>{});
+    dispatch_rows(M, xd, K, w, N, o, std::make_integer_sequence<int, kSmallRows>{});
   }
   return out;
 }
@@ -424,14 +428,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
   }
   auto shape = x.sizes().vec();
   shape.back() = weight.size(0);
-  auto rows = x.reshape({-1, x.size(-1)});
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
   // the few-row kernel has no bias (the vision tower's biased linears take 512 rows)
-  if (pairs.defined() && !bias.has_value() && rows.scalar_type() == at::kBFloat16 &&
-      runs_small(rows.size(0), weight.size(0), weight.size(1))) {
+  if (pairs.defined() && !bias.has_value() && x.scalar_type() == at::kBFloat16 &&
+      runs_small(M, weight.size(0), weight.size(1))) {
     small_row_count.fetch_add(1, std::memory_order_relaxed);
-    return small_rows_matmul(rows.contiguous(), pairs, weight.size(0)).view(shape);
+    return small_rows_matmul(x.is_contiguous() ? x : x.contiguous(), M, pairs, shape);
   }
-  return packed_matmul(rows, packed, bias).view(shape);
+  return packed_matmul(x.reshape({-1, K}), packed, bias).view(shape);
 }
 
 // few_rows: also keep the few-row kernel's copy (not for a weight only many rows multiply,
