@@ -363,7 +363,6 @@ gated_rows(const uint16_t* x, int M, int64_t K, const uint16_t* pairs, int64_t H
 
 std::atomic<int64_t> gated_count{0};   // products gated_gelu made in one pass (gated_calls)
 
-// rows [M, K] bf16 contiguous, in the few-row range (runs_small) -> [M, N] bf16
 // x: M contiguous rows of K, in the few-row range (runs_small) -> `shape` (its last dim N).
 // The result is allocated in its final shape and x read by pointer: a reshape, a
 // contiguous() and a view through the dispatcher cost more than a denoise step's product.
