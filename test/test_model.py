@@ -127,8 +127,11 @@ def test_denoise_modulations_are_cached_until_a_weight_they_come_from_changes():
     noise = torch.randn(2, cfg.action_horizon, cfg.action_dim)
     context = model.action_context(prefix, cfg.action_horizon, 'cpu')
 
+    def fresh(n=steps):
+        return model.expert_modulations(model.flow_times(n))
+
     def computed(n=steps):
-        return torch.stack(model.expert_modulations(model.flow_times(n)))
+        return torch.stack(fresh(n))
 
     def cached(n=steps):
         return torch.stack(model.denoise_modulations(n, 'cpu'))
@@ -138,7 +141,7 @@ def test_denoise_modulations_are_cached_until_a_weight_they_come_from_changes():
     assert torch.equal(cached(), computed())
     assert cached().shape == (2 * cfg.expert.depth + 1, steps, 3 * cfg.expert.width)
     assert torch.equal(model.sample_actions(prefix, noise),
-                       model.denoise_loop(*context, noise, steps))   # computed in the loop
+                       model.denoise_loop(*context, noise, steps, fresh()))
     assert torch.equal(cached(steps - 1), computed(steps - 1))
     before = model.sample_actions(prefix, noise)
     model.expert.layers[-1].post_attention_layernorm.dense.weight.mul_(1.5)   # in place
@@ -146,11 +149,11 @@ def test_denoise_modulations_are_cached_until_a_weight_they_come_from_changes():
     assert again is not mods and torch.equal(cached(), computed())
     after = model.sample_actions(prefix, noise)
     assert not torch.equal(after, before)
-    assert torch.equal(after, model.denoise_loop(*context, noise, steps))
+    assert torch.equal(after, model.denoise_loop(*context, noise, steps, fresh()))
     model.time_mlp_in.weight = torch.nn.Parameter(model.time_mlp_in.weight * 0.5)   # replaced
     assert torch.equal(cached(), computed())
     assert torch.equal(model.sample_actions(prefix, noise),
-                       model.denoise_loop(*context, noise, steps))
+                       model.denoise_loop(*context, noise, steps, fresh()))
 
 
 def recompute_logits(model, images, image_masks, tokens, token_masks, generated):

@@ -621,20 +621,19 @@ class Pi05Model(nn.Module):
 
     def denoise_loop(self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
                      prefix_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     noise: torch.Tensor, steps: int, mods: list[torch.Tensor] | None = None,
+                     noise: torch.Tensor, steps: int, mods: list[torch.Tensor],
                      step_fn: Callable | None = None) -> torch.Tensor:
         """All Euler steps from noise [B, H, A] (float32) -> actions [B, H, A] (float32).
 
         Static shapes and no host reads, so the whole loop compiles as one graph (one CUDA
         graph on a GPU). mods: the expert's adaRMS modulations of every step, 2L + 1 of
-        [S, 3We] (`denoise_modulations`, which sample_actions passes); None computes them here.
-        Separate tensors, not one stacked: a step region's inputs may not alias each other.
+        [S, 3We] (`denoise_modulations`, kept across frames, or `expert_modulations` of
+        `flow_times`); separate tensors, not one stacked: a step region's inputs may not alias
+        each other.
         step_fn: what runs each step (default `denoise_step`; `denoise_step_region` in a loop
         of step regions, compile_actions).
         """
         B = noise.shape[0]
-        if mods is None:
-            mods = self.expert_modulations(self.flow_times(steps, noise.device))
         x_t = noise
         for step in range(steps):
             step_mods = [mod[step].expand(B, -1) for mod in mods]                  # [B, 3We]
