@@ -1,7 +1,8 @@
 """The C++ kernels of attention and activation: torch's results within bf16, where they run.
 
-The AMX attention (model/attention_kernel.cpp) serves the folded heads of prefill and denoise
-at a head dim of 32 in bf16 on a CPU with AMX-BF16 (model/gemma.py `amx_attention_applies`);
+The attention kernel (model/attention_kernel.cpp) serves the folded heads of prefill and
+denoise (and without AMX a decode step's) at a head dim of 32 in bf16 on a CPU with AVX512-BF16,
+on AMX tiles where it has them (model/gemma.py `cpu_attention_applies`);
 the AVX-512 GELU (model/activation_kernel.cpp) a prefill's and the vision tower's activations
 in bf16 (gemma.py `gelu_tanh`); the gate/up product with the gated GELU in one pass
 (model/packed_linear.cpp `gated_gelu`) a packed prefill's MLPs on AMX. Their speed is the
@@ -20,7 +21,7 @@ from oxygen_ros.model import packed_native
 from oxygen_ros.model.compiled import cxx_compiler, use_persistent_cache
 from oxygen_ros.model import get_preset
 from oxygen_ros.model.config import _small
-from oxygen_ros.model.gemma import gelu_tanh
+from oxygen_ros.model.gemma import cpu_attention_applies, gelu_tanh
 from oxygen_ros.model.packed import PACKED, use_native_kernel
 
 BF16 = torch.bfloat16
@@ -47,20 +48,34 @@ def loaded(space: str, needs: str):
 
 
 def kernel():
-    return loaded('oxygen_attention', 'AMX-BF16')
+    return loaded('oxygen_attention', 'AVX512-BF16')
 
 
 def activation():
     return loaded('oxygen_activation', 'AVX512-BF16')
 
 
-@pytest.mark.parametrize('space, flag', [('oxygen_attention', 'amx_bf16'),
+@pytest.mark.parametrize('space, flag', [('oxygen_attention', 'avx512_bf16'),
                                          ('oxygen_activation', 'avx512_bf16')])
 def test_each_kernel_is_offered_where_the_cpu_has_what_it_needs(space, flag):
     library()
     ops = getattr(torch.ops, space)
     assert ops.available() == (flag in cpu_flags())
     assert packed_native.ready(space) == ops.available()
+
+
+def test_attention_multiplies_on_amx_tiles_where_the_cpu_has_them_else_takes_any_rows():
+    """On AMX tiles the kernel takes 32 rows a group or more (a decode step's 8 stay in
+    SDPA); in vdpbf16ps any count, so a decode step's folded heads attend through it too."""
+    kernel()
+    amx = 'amx_bf16' in cpu_flags()
+    assert torch.ops.oxygen_attention.on_amx() == amx == packed_native.attention_on_amx()
+    decode_rows = torch.zeros(1, 1, 8, 32, dtype=BF16)      # 8 heads x 1 token, one K/V head
+    denoise_rows = torch.zeros(1, 1, 80, 32, dtype=BF16)    # 8 heads x 10 actions
+    assert cpu_attention_applies(denoise_rows)
+    assert cpu_attention_applies(decode_rows) == (not amx)
+    assert not cpu_attention_applies(decode_rows.float())   # bf16 only
+    assert not cpu_attention_applies(torch.zeros(1, 1, 80, 256, dtype=BF16))   # pi05's dim
 
 
 def test_the_one_pass_gate_up_is_offered_where_the_cpu_has_amx():

@@ -99,7 +99,8 @@ class CompilePlan:
         # the kernels of packed_native's library that run (the library is the process's)
         kernels = [name for name, on in (
             ('packed linear', not self.packed_in_place),
-            ('AMX attention', packed_native.ready('oxygen_attention')),
+            ('AMX attention' if packed_native.attention_on_amx() else 'AVX-512 attention',
+             packed_native.ready('oxygen_attention')),
             ('AVX-512 GELU', packed_native.ready('oxygen_activation')),
             ('AMX gate/up with GELU',   # needs the copies beside the weights
              packed_native.ready('gated_gelu') and not self.packed_in_place)) if on]

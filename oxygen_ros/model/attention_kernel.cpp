@@ -1,4 +1,5 @@
-// Softmax attention on AMX tiles: oxygen_attention::attention (prefill, denoise, vision).
+// Softmax attention on AMX tiles, or in vdpbf16ps where the CPU has AVX512-BF16 but no AMX:
+// oxygen_attention::attention (prefill, denoise, vision; a decode step's rows without AMX).
 //
 // Why: pi05-cpu's prefill attends 8 query heads x 555 positions to one K/V head of 555 keys
 // at a head dim of 32, in six layers. ATen's flash kernel takes ~1.9 ms a layer for it (0.8 ns
@@ -6,9 +7,11 @@
 // one. Here 32 query rows meet all keys at once (a row's 555 scores fit in L1): QK^T and PV
 // run on AMX tiles (one TDPBF16PS per 16 rows x 16 keys x 32 dims), the softmax in AVX-512
 // with a short polynomial exp in base 2 (fast_exp.h; relative error ~7.5e-5, far under bf16's
-// 4e-3): ~1.0 ms a layer, measured alone on the AMX Xeon (QK^T ~0.3, softmax ~0.5, PV ~0.2). Head dims 48 and 64 (the vision tower's 48) take a second tile for the dims past 32.
+// 4e-3): ~1.0 ms a layer, measured alone on the AMX Xeon (QK^T ~0.3, softmax ~0.5, PV ~0.2).
+// Head dims 48 and 64 (the vision tower's 48) take a second tile for the dims past 32. Without
+// AMX the same layouts feed vdpbf16ps, a row at a time (see "the same products in vdpbf16ps").
 //
-// Contract (model/gemma.py `amx_attention_applies` decides when it runs): q [B, G, R, D]
+// Contract (model/gemma.py `cpu_attention_applies` decides when it runs): q [B, G, R, D]
 // (the heads sharing a K/V head folded into rows, or one head's rows), k, v [B, G, K, D],
 // D in {32, 48, 64}, bf16 on the CPU, any strides; key_bias [B, K] fp32 or bf16, added to the
 // scores (0, or -inf for a masked key), or a bool mask [B, K] (True = may attend), or none;
@@ -232,13 +235,14 @@ __attribute__((target("avx512f"))) inline __m512 biased(const float* scores, __m
 // AMX Xeon, alone). Either way a masked key weighs exactly 0.
 template <bool MaskOnly>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void softmax_rows(
-    const Keys& keys, float scale, const float* scores, uint16_t* probs, float* inv_sum) {
+    const Keys& keys, float scale, const float* scores, uint16_t* probs, float* inv_sum,
+    int64_t rows) {
   const int64_t width = keys.chunks * kChunk;
   const __m512 vscale = _mm512_set1_ps(scale * kLog2e);
   const __m512 floor = _mm512_set1_ps(-1e30f);
   const float* bias = keys.bias.data();   // in base 2 (arrange_keys)
   const uint16_t* keep = keys.keep.data();
-  for (int64_t r = 0; r < kRows; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
     const float* row = scores + r * width;
     __m512 max0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), max1 = max0;
     for (int64_t c = 0; c < width; c += 32) {  // width is whole chunks of 32
@@ -320,23 +324,150 @@ __attribute__((target("amx-tile,amx-bf16"))) void values(const Keys& keys,
   }
 }
 
+// ------------------------------------------- the same products in vdpbf16ps (no AMX)
+// Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4, Cooper Lake), one vdpbf16ps does for a
+// row what a tile product does for 16: it reads the same pair layouts (a key block's pairs are
+// a B tile's rows), so arrange_keys and the softmax serve both. Only the n rows asked are
+// computed. ATen's flash kernel, the alternative, took 147 us for a pi05-cpu denoise step's
+// 80 rows x 565 keys and 4 ms for a prefill layer (AMD EPYC, 1 thread).
+
+// scores[M rows][NB blocks of 16 keys from b0] = q_rows . keys: M x NB accumulators in
+// registers, a key vector loaded once for M rows (enough independent sums to hide latency).
+template <int M, int NB>
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void scores_dp_block(
+    const uint16_t* q_rows, const Keys& keys, int64_t b0, float* scores) {
+  const int64_t width = keys.chunks * kChunk, P = keys.dim / 2;
+  const auto* q_pairs = reinterpret_cast<const int32_t*>(q_rows);  // q[m][2p..2p+1] as one
+  const uint16_t* kp = keys.k_pairs.data() + b0 * kKeys * keys.dim;
+  __m512 acc[M][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh kv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      kv[j] = (__m512bh)_mm512_loadu_si512(kp + (j * P + p) * 2 * kKeys);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(q_pairs[m * P + p]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], qv, kv[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      _mm512_storeu_ps(scores + m * width + (b0 + j) * kKeys, acc[m][j]);
+    }
+  }
+}
+
+// M rows of QK^T over all key blocks (2 per chunk, so always an even count)
+template <int M>
+void scores_dp_rows(const uint16_t* q_rows, const Keys& keys, float* scores) {
+  const int64_t blocks = 2 * keys.chunks;
+  int64_t b = 0;
+  for (; b + 4 <= blocks; b += 4) scores_dp_block<M, 4>(q_rows, keys, b, scores);
+  for (; b < blocks; b += 2) scores_dp_block<M, 2>(q_rows, keys, b, scores);
+}
+
+// acc[M rows][D] = probs . V over all chunks, T = D / 16 dim vectors a row
+template <int M, int T>
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void values_dp_rows(
+    const Keys& keys, const uint16_t* probs, float* acc) {
+  const int64_t width = keys.chunks * kChunk;
+  const auto* p_pairs = reinterpret_cast<const int32_t*>(probs);  // probs[m][2i..2i+1]
+  const uint16_t* vp = keys.v_pairs.data();
+  __m512 sums[M][T];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) sums[m][t] = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c < keys.chunks; ++c) {
+    for (int64_t p = 0; p < kChunk / 2; ++p) {
+      __m512bh vv[T];
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        vv[t] = (__m512bh)_mm512_loadu_si512(vp + ((c * T + t) * 16 + p) * 32);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(p_pairs[m * width / 2 + c * 16 + p]);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) sums[m][t] = _mm512_dpbf16_ps(sums[m][t], pv, vv[t]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(acc + m * T * 16 + t * 16, sums[m][t]);
+  }
+}
+
+// n rows (1..32): groups of 4, then what is left
+void scores_dp(const uint16_t* q_rows, const Keys& keys, int64_t n, float* scores) {
+  const int64_t width = keys.chunks * kChunk, D = keys.dim;
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) scores_dp_rows<4>(q_rows + r * D, keys, scores + r * width);
+  switch (n - r) {
+    case 3: scores_dp_rows<3>(q_rows + r * D, keys, scores + r * width); break;
+    case 2: scores_dp_rows<2>(q_rows + r * D, keys, scores + r * width); break;
+    case 1: scores_dp_rows<1>(q_rows + r * D, keys, scores + r * width); break;
+    default: break;
+  }
+}
+
+template <int T>
+void values_dp_dims(const Keys& keys, const uint16_t* probs, int64_t n, float* acc) {
+  constexpr int kGroup = T <= 2 ? 8 : 4;   // up to 16 sums in registers
+  const int64_t width = keys.chunks * kChunk, D = keys.dim;
+  int64_t r = 0;
+  for (; r + kGroup <= n; r += kGroup) {
+    values_dp_rows<kGroup, T>(keys, probs + r * width, acc + r * D);
+  }
+  for (; r < n; ++r) values_dp_rows<1, T>(keys, probs + r * width, acc + r * D);
+}
+
+void values_dp(const Keys& keys, const uint16_t* probs, int64_t n, float* acc) {
+  switch (keys.dim) {
+    case 32: values_dp_dims<2>(keys, probs, n, acc); break;
+    case 48: values_dp_dims<3>(keys, probs, n, acc); break;
+    default: values_dp_dims<4>(keys, probs, n, acc); break;
+  }
+}
+
 // 32 query rows of one (batch, group): q_rows [32][D] bf16 (rows past n zero) -> out [n][D].
+// tiles: on AMX (all 32 rows, two row tiles), else vdpbf16ps (the n rows).
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void attend_rows(
     const uint16_t* q_rows, const Keys& keys, int64_t n, float scale, float* scores,
-    uint16_t* probs, float* acc, uint16_t* out) {
+    uint16_t* probs, float* acc, uint16_t* out, bool tiles) {
   const int64_t D = keys.dim;
-  if (D == 32) {
+  if (!tiles) {
+    scores_dp(q_rows, keys, n, scores);
+  } else if (D == 32) {
     scores_narrow(q_rows, keys, scores);
   } else {
     scores_wide(q_rows, keys, scores);
   }
   float inv_sum[kRows];
+  const int64_t rows = tiles ? kRows : n;
   if (keys.mask_only) {
-    softmax_rows<true>(keys, scale, scores, probs, inv_sum);
+    softmax_rows<true>(keys, scale, scores, probs, inv_sum, rows);
   } else {
-    softmax_rows<false>(keys, scale, scores, probs, inv_sum);
+    softmax_rows<false>(keys, scale, scores, probs, inv_sum, rows);
   }
-  values(keys, probs, acc);
+  if (tiles) {
+    values(keys, probs, acc);
+  } else {
+    values_dp(keys, probs, n, acc);
+  }
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t t = 0; t < D / 16; ++t) {
       const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + t * 16),
@@ -371,14 +502,17 @@ __attribute__((target("amx-tile"))) void configure_tiles(int64_t D) {
 
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
-bool available() { return oxygen::amx_ready(); }   // AMX-BF16 and the softmax's AVX-512
+// AVX512-BF16 (the softmax's, and vdpbf16ps where there is no AMX)
+bool available() { return oxygen::has_avx512_bf16(); }
+
+bool on_amx() { return oxygen::amx_ready(); }   // the products on AMX tiles
 
 int64_t calls() { return call_count.load(); }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& key_bias) {
-  TORCH_CHECK(oxygen::amx_ready(),
-              "oxygen_attention::attention needs AMX-BF16 (available() says)");
+  TORCH_CHECK(oxygen::has_avx512_bf16(),
+              "oxygen_attention::attention needs AVX512-BF16 (available() says)");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, G, rows, D]");
   const int64_t D = q.size(3);
   TORCH_CHECK((D == 32 || D == 48 || D == 64) && k.size(3) == D && v.size(3) == D,
@@ -423,6 +557,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto qs = q.strides();
   auto* od = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const bool tiles = oxygen::amx_ready();
   at::parallel_for(0, B * G * row_blocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = keys[0].chunks * kChunk;
     thread_local std::vector<float> scores, acc;
@@ -431,7 +566,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     probs.resize(kRows * width);
     acc.resize(kRows * D);
     q_rows.resize(kRows * D);
-    configure_tiles(D);
+    if (tiles) configure_tiles(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bg = item / row_blocks, r0 = (item % row_blocks) * kRows;
       const int64_t b = bg / G, g = bg % G, n = std::min(kRows, R - r0);
@@ -447,9 +582,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         }
       }
       attend_rows(q_rows.data(), keys[bg], n, scale, scores.data(), probs.data(), acc.data(),
-                  od + ((b * G + g) * R + r0) * D);
+                  od + ((b * G + g) * R + r0) * D, tiles);
     }
-    release_tiles();
+    if (tiles) release_tiles();
   });
   return out;
 }
@@ -459,6 +594,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 TORCH_LIBRARY(oxygen_attention, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_bias) -> Tensor");
   m.def("available() -> bool", available);
+  m.def("on_amx() -> bool", on_amx);
   m.def("calls() -> int", calls);
 }
 

@@ -334,13 +334,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns [B, Q, N*D]. Scale is D^-0.5 as in Gemma.
     With one mask row for all queries (prefill, decode) the heads of a group are folded into
     rows of one K/V head (fold_heads) instead of repeating K/V per head, and attend through
-    the AMX kernel where it applies (amx_attention_applies), SDPA elsewhere.
+    the C++ kernel where it applies (cpu_attention_applies), SDPA elsewhere.
     """
     B, Q, N, D = q.shape
     G = k.shape[2]
     if key_mask is None or key_mask.shape[1] == 1:
         folded, keys, values = fold_heads(q, G), k.transpose(1, 2), v.transpose(1, 2)
-        if amx_attention_applies(folded):
+        if cpu_attention_applies(folded):
             out = torch.ops.oxygen_attention.attention(
                 folded, keys, values, None if key_mask is None else key_mask[:, 0])
         else:
@@ -354,16 +354,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2).reshape(B, Q, N * D)
 
 
-def amx_attention_applies(folded: torch.Tensor) -> bool:
-    """Whether the rows of queries [B, G, rows, D] attend through the AMX kernel, not SDPA.
+def cpu_attention_applies(folded: torch.Tensor) -> bool:
+    """Whether the rows of queries [B, G, rows, D] attend through the C++ kernel, not SDPA.
 
-    It takes bf16 at a head dim of 32, 48 or 64 on a CPU with AMX-BF16
-    (packed_native.ready; attention_kernel.cpp says why), 32 rows or more a group
-    (heads sharing a K/V head folded into rows, or one head's): it computes rows 32 at a
-    time, and a decode step's 8 run faster in SDPA. It has no gradient: a pass that takes one
-    (guided real-time chunking) keeps SDPA.
+    It takes bf16 at a head dim of 32, 48 or 64 on a CPU with AVX512-BF16, on AMX tiles
+    where it has them (packed_native.ready; attention_kernel.cpp says why), with as many rows
+    a group (heads sharing a K/V head folded into rows, or one head's) as it needs to beat
+    SDPA (packed_native.attention_min_rows: 32 on tiles, a decode step's 8 running faster in
+    SDPA there). It has no gradient: a pass that takes one (guided real-time chunking) keeps
+    SDPA.
     """
-    return (folded.shape[-1] in (32, 48, 64) and folded.shape[2] >= 32
+    return (folded.shape[-1] in (32, 48, 64)
+            and folded.shape[2] >= packed_native.attention_min_rows()
             and folded.dtype == torch.bfloat16
             and folded.device.type == 'cpu' and packed_native.ready('oxygen_attention')
             and not (folded.requires_grad and torch.is_grad_enabled()))
@@ -388,7 +390,7 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
     pass: causal over its own tokens). Equals
     `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, mask2)[:, None])`, and is computed
     so: the heads sharing a K/V head fold into rows (fold_heads) and one fused kernel runs
-    (the AMX attention where amx_attention_applies: a denoise step's rows; else SDPA). Why
+    (the C++ attention where cpu_attention_applies: a denoise step's rows; else SDPA). Why
     the copy: with a head dim of 32 (pi05-cpu), four separate matmuls and a
     softmax over the two blocks cost ~3x the concatenation plus one SDPA in bfloat16 (1.4x in
     float32). Returns [B, Q, N*D].
@@ -406,7 +408,7 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
         bias = torch.cat([bias1.to(q.dtype), bias2], dim=1)                   # [B, K1+K2]
         mask = bias[:, None, None, :]                                         # [B, 1, 1, K]
     folded = fold_heads(q, G)
-    if bias.dim() == 2 and amx_attention_applies(folded):
+    if bias.dim() == 2 and cpu_attention_applies(folded):
         out = torch.ops.oxygen_attention.attention(folded, keys, values, bias)
     else:
         out = F.scaled_dot_product_attention(folded, keys, values,

@@ -72,8 +72,13 @@ struct Entry {
 // 1x2048x256: 13 vs 27 us) and loses past it (AMX multiplies many rows far faster). In
 // pi05-cpu's compiled passes 2^20 beat 2^19 (denoise 0.93x of oneDNN's vs 0.95x; decode 8
 // 1.00x either way).
+//
+// Without AMX oneDNN multiplies few rows in AVX512-BF16 too, and this kernel beats it at far
+// more work (AMD EPYC, Zen 4, 1 thread: 10x1024x128 14 vs 28 us, 8x2048x256 42 vs 60,
+// 8x16384x256 310 vs 379, 16x2048x256 91 vs 96; 16x16384x256 748 vs 668): 2^25.
 constexpr int64_t kSmallRows = 16;
 constexpr int64_t kSmallMacs = int64_t(1) << 20;
+constexpr int64_t kSmallMacsNoAmx = int64_t(1) << 25;
 constexpr int64_t kBlock = 16;      // output columns per vector (16 fp32 lanes)
 std::atomic<bool> small_rows_on{true};   // use_small_rows(): tests compare both kernels
 std::atomic<int64_t> small_row_count{0};  // products the kernel made (small_row_calls)
@@ -92,7 +97,9 @@ bool runs_amx(int64_t rows, int64_t K) {
 bool runs_small(int64_t rows, int64_t N, int64_t K) {
   return small_rows_on.load(std::memory_order_relaxed) &&
          (runs_amx(rows, K) ||
-          (rows >= 1 && rows <= kSmallRows && (rows == 1 || rows * N * K <= kSmallMacs)));
+          (rows >= 1 && rows <= kSmallRows &&
+           (rows == 1 ||
+            rows * N * K <= (oxygen::amx_ready() ? kSmallMacs : kSmallMacsNoAmx))));
 }
 
 // A bf16 weight [N, K] (K even) -> [ceil(N/16), K/2, 16, 2]: block b, pair p holds

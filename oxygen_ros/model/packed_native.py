@@ -1,6 +1,6 @@
 """Build and load the C++ kernels once per machine: packed linear, attention, activation.
 
-packed_linear.cpp (oxygen_packed_native), attention_kernel.cpp (oxygen_attention, AMX) and
+packed_linear.cpp (oxygen_packed_native), attention_kernel.cpp (oxygen_attention) and
 activation_kernel.cpp (oxygen_activation, AVX-512) make one library, built at the first
 configure that packs weights (~13 s with g++ on 2 cores, the sources compiled at once; g++ is
 the compiler inductor needs too), into the compile cache next to inductor's kernels, so a
@@ -37,6 +37,8 @@ _loaded: Path | None = None
 # available() op, once loaded), switched on (use_kernel)]
 _KERNELS = {'oxygen_attention': [False, True], 'oxygen_activation': [False, True],
             'gated_gelu': [False, True]}
+# Whether the attention kernel multiplies on AMX tiles (else vdpbf16ps), once loaded
+_attention_amx = [True]
 
 
 def _compile_command(compiler: str, source: Path, output: Path) -> list[str]:
@@ -93,6 +95,7 @@ def load(cache_dir: Path) -> str | None:
             if _KERNELS[space][0]:
                 torch.library.register_fake(name)(fake)
         _KERNELS['gated_gelu'][0] = bool(torch.ops.oxygen_packed_native.small_rows_on_amx())
+        _attention_amx[0] = bool(torch.ops.oxygen_attention.on_amx())
         return None
 
 
@@ -177,12 +180,28 @@ def loaded() -> bool:
 def ready(kernel: str) -> bool:
     """Whether `kernel` runs: the library loaded, the CPU has what it needs, switched on.
 
-    kernel: 'oxygen_attention' (AMX-BF16), 'oxygen_activation' (AVX512-BF16) or
+    kernel: 'oxygen_attention' (AVX512-BF16; AMX tiles where the CPU has them),
+    'oxygen_activation' (AVX512-BF16) or
     'gated_gelu' (packed_linear.cpp's gate/up with the gated GELU in one pass: AMX-BF16).
     A plain bool, so a traced pass asks it without a graph break.
     """
     available, on = _KERNELS[kernel]
     return available and on
+
+
+def attention_on_amx() -> bool:
+    """Whether the attention kernel multiplies on AMX tiles (else in vdpbf16ps)."""
+    return _attention_amx[0]
+
+
+def attention_min_rows() -> int:
+    """Query rows a K/V group needs to attend through the kernel rather than SDPA.
+
+    On AMX tiles the kernel computes 32 rows at a time: a decode step's 8 ran faster in SDPA
+    (AMX Xeon). In vdpbf16ps it computes the rows asked and beats SDPA at any count (8 rows x
+    572 keys 18 vs 44 us, 80 x 565 60 vs 217, 4440 x 555 2.7 vs 7.5 ms; AMD EPYC, 1 thread).
+    """
+    return 32 if _attention_amx[0] else 1
 
 
 def use_kernel(kernel: str, on: bool) -> bool:

@@ -11,7 +11,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import SiglipConfig
-from .gemma import amx_attention_applies, fuse_linears, gelu_tanh
+from .gemma import cpu_attention_applies, fuse_linears, gelu_tanh
 from .packed import linear, pack_fused
 
 LN_EPS = 1e-6
@@ -78,7 +78,7 @@ class SiglipAttention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = heads(q), heads(k), heads(v)
-        if amx_attention_applies(q):   # pi05-cpu's head dim 48 (So400m's 72 is not taken)
+        if cpu_attention_applies(q):   # pi05-cpu's head dim 48 (So400m's 72 is not taken)
             out = torch.ops.oxygen_attention.attention(q, k, v, None)
         else:
             out = F.scaled_dot_product_attention(q, k, v)
