@@ -234,7 +234,8 @@ def test_gelu_equals_torch_within_a_rounding_gated_and_strided():
 def test_a_prefill_and_the_vision_tower_run_the_gelu_and_give_torchs_result():
     """pi05-cpu's prefill (its [n, 1024] gates and [512, 768] vision activations, over the
     kernel's 16k-value threshold) runs the kernel; a decode step's few rows do not. Its
-    attention (backbone and vision tower) runs on AMX tiles where the CPU has them."""
+    attention (backbone and vision tower) runs through the attention kernel where the CPU
+    has AVX512-BF16."""
     ops = activation()
     model, frontend = random_setup(get_preset('pi05-cpu'), 'libero', seed=3, dtype=BF16)
     obs = random_observation('libero', 0, seed=5, image_size=224, instruction='pick up')
@@ -253,7 +254,7 @@ def test_a_prefill_and_the_vision_tower_run_the_gelu_and_give_torchs_result():
         finally:
             packed_native.use_kernel('oxygen_activation', old)
     cfg = model.config
-    if attention_calls:   # the backbone's head dim 32 and the vision tower's 48 on AMX tiles
+    if attention_calls:   # the backbone's head dim 32 and the vision tower's 48 in the kernel
         assert attention_calls() - attended == cfg.backbone.depth + cfg.vision.depth
     assert results[True][2] == cfg.backbone.depth + cfg.vision.depth
     assert results[False][2] == 0
