@@ -7,7 +7,8 @@ the AVX-512 GELU (model/activation_kernel.cpp) a prefill's and the vision tower'
 in bf16 (gemma.py `gelu_tanh`); the gate/up product with the gated GELU in one pass
 (model/packed_linear.cpp `gated_gelu`) a packed prefill's MLPs on AMX. Their speed is the
 benchmark's (`oxygen-ros phases`); here: equal to torch's within bf16 rounding, masked keys
-weigh nothing, rows independent of each other, the model's passes run them (counted) and give
+weigh nothing (whole blocks of them skipped), rows independent of each other, keys in two
+blocks or a pool's entries read where they lie, the model's passes run them (counted) and give
 torch's results, compiled without a graph break.
 """
 
@@ -19,7 +20,7 @@ from oxygen_ros.engine import random_observation, random_setup
 from oxygen_ros.engine.hardware import cpu_flags
 from oxygen_ros.model import packed_native
 from oxygen_ros.model.compiled import cxx_compiler, use_persistent_cache
-from oxygen_ros.model import get_preset
+from oxygen_ros.model import get_preset, KVTensors
 from oxygen_ros.model.config import _small
 from oxygen_ros.model.gemma import cpu_attention_applies, gelu_tanh
 from oxygen_ros.model.packed import PACKED, use_native_kernel
@@ -126,6 +127,77 @@ def test_kernel_equals_sdpa_within_bf16_and_keeps_rows_independent(B, G, R, K, D
     assert torch.equal(ops.attention(q[:, :, :3].contiguous(), k, v, bias), got[:, :, :3])
     unmasked = ops.attention(q, k, v, None)
     assert (unmasked.float() - sdpa_reference(q, k, v, None)).abs().max() <= 2 * stock_error + 2e-3
+    # the keys in two blocks, each read where it lies: split at a block of 16, bit for bit;
+    # anywhere else (each block padded on its own), within the same rounding
+    aligned = 16 * (K // 32)
+    for at in (aligned, K // 2 + 1, K - 1):
+        split = ops.attention(q, k[:, :, :at], v[:, :, :at], bias[:, :at],
+                              k[:, :, at:], v[:, :, at:], bias[:, at:])
+        if at % 16 == 0:
+            assert torch.equal(split, got), at
+        assert (split.float() - want).abs().max() <= 1.5 * stock_error + 2e-3, at
+    parts = (k[:, :, :at], v[:, :, :at], bias[:, :at], k[:, :, at:], v[:, :, at:])
+    assert torch.equal(ops.attention(q, *parts, None),
+                       ops.attention(q, *parts, torch.zeros(B, K - at))), 'no key_bias2: all seen'
+    # a bias that is no mask (finite values besides 0): added to the scores as they are
+    ramp = torch.where(valid, -2 * torch.rand(B, K, generator=g), float('-inf'))
+    ramped = ops.attention(q, k, v, ramp)
+    assert (ramped.float() - sdpa_reference(q, k, v, ramp)).abs().max() <= 2 * stock_error + 2e-3
+
+
+@torch.no_grad()
+def test_blocks_of_masked_keys_are_skipped_without_changing_a_bit():
+    """A decode step reads its slot's every position, valid or not (a missing camera's, the
+    prompt's padding: runs of masked keys). Blocks of 16 masked keys are dropped before the
+    products: the result is the kernel's over the keys with those blocks cut out, bit for bit,
+    with batch rows that keep different counts of blocks."""
+    ops = kernel()
+    g = torch.Generator().manual_seed(7)
+    B, R, K, D = 2, 8, 200, 32
+    q = (torch.randn(B, 1, R, D, generator=g) * 2).to(BF16)
+    k = torch.randn(B, 1, K, D, generator=g).to(BF16)
+    v = torch.randn(B, 1, K, D, generator=g).to(BF16)
+    valid = torch.rand(B, K, generator=g) > 0.3
+    valid[:, 0] = True
+    cut = [range(16, 64), range(96, 112)]            # whole blocks of row 0 (its 2nd-4th, 7th)
+    for run in cut:
+        valid[0, run.start:run.stop] = False
+    valid[1, 192:] = False                           # row 1's last block (8 keys)
+    got = ops.attention(q, k, v, valid)
+    rest = [i for i in range(K) if not any(i in run for run in cut)]
+    assert torch.equal(got[:1], ops.attention(q[:1], k[:1, :, rest], v[:1, :, rest],
+                                              valid[:1, rest]))
+    assert torch.equal(got[1:], ops.attention(q[1:], k[1:, :, :192], v[1:, :, :192],
+                                              valid[1:, :192]))
+    bias = torch.zeros(B, K).masked_fill(~valid, float('-inf'))
+    assert (got.float() - sdpa_reference(q, k, v, bias)).abs().max() <= 2e-2
+    # masked blocks' keys and values are never read: not even a NaN there reaches the result
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[0, :, 16:64] = float('nan')
+    v_nan[0, :, 16:64] = float('nan')
+    assert torch.equal(ops.attention(q, k_nan, v_nan, valid), got)
+
+
+@torch.no_grad()
+def test_rows_read_their_entries_of_a_pool_in_place():
+    """A decode step's rows attend to their slots and blocks where they lie in the pool:
+    index picks each row's entry of k, v [S, G, K, D]; the result is the gathered call's,
+    bit for bit, in any order and with entries read twice."""
+    ops = kernel()
+    g = torch.Generator().manual_seed(3)
+    S, B, R, K1, K2, D = 5, 3, 8, 100, 17, 32
+    q = torch.randn(B, 1, R, D, generator=g).to(BF16)
+    pool_k, pool_v = (torch.randn(S, K1, 1, D, generator=g).to(BF16).transpose(1, 2)
+                      for _ in range(2))
+    gen_k, gen_v = (torch.randn(S, K2, 1, D, generator=g).to(BF16).transpose(1, 2)
+                    for _ in range(2))
+    bias1 = torch.zeros(B, K1).masked_fill(torch.rand(B, K1, generator=g) > 0.7, float('-inf'))
+    bias2 = torch.zeros(B, K2).masked_fill(torch.rand(B, K2, generator=g) > 0.5, float('-inf'))
+    slots, blocks = torch.tensor([4, 1, 4]), torch.tensor([0, 2, 3])
+    got = ops.attention(q, pool_k, pool_v, bias1, gen_k, gen_v, bias2, slots, blocks)
+    gathered = ops.attention(q, pool_k[slots], pool_v[slots], bias1, gen_k[blocks],
+                             gen_v[blocks], bias2)
+    assert torch.equal(got, gathered)
 
 
 def test_bad_inputs_are_refused_with_the_reason():
@@ -143,6 +215,21 @@ def test_bad_inputs_are_refused_with_the_reason():
         ops.attention(q, q[:, :, :0], q[:, :, :0], None)
     with pytest.raises(RuntimeError, match=r'key_bias must be \[B, K\]'):
         ops.attention(q, q, q, torch.zeros(1, 31))
+    with pytest.raises(RuntimeError, match='k2 and v2 come together'):
+        ops.attention(q, q, q, None, q)
+    with pytest.raises(RuntimeError, match=r'k2, v2 must be \[S2, G, K2, D\]'):
+        ops.attention(q, q, q, None, q[..., :16], q[..., :16])
+    with pytest.raises(RuntimeError, match=r"k's index 3 \(row 0\) is outside its 1 entries"):
+        ops.attention(q, q, q, None, index=torch.tensor([3]))
+    with pytest.raises(RuntimeError, match=r"k's index must be long \[B\]"):
+        ops.attention(q, q, q, None, index=torch.tensor([0.0]))
+    with pytest.raises(RuntimeError, match='without an index its first dim must be B'):
+        ops.attention(q, q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), None)
+    with pytest.raises(RuntimeError, match=r'key_bias2 must be \[B, K\] = \[1, 32\]'):
+        ops.attention(q, q, q, None, q, q, torch.zeros(1, 5))
+    # the keys may all lie in the second block
+    assert torch.equal(ops.attention(q, q[:, :, :0], q[:, :, :0], None, q, q),
+                       ops.attention(q, q, q, None))
 
 
 @torch.no_grad()
@@ -171,6 +258,36 @@ def test_prefill_and_denoise_attend_through_the_kernel_and_give_sdpa_actions():
     # K of the second layer depends on the first layer's attention
     torch.testing.assert_close(results[True][0], results[False][0], atol=0.05, rtol=0.02)
     torch.testing.assert_close(results[True][1], results[False][1], atol=0.05, rtol=0.05)
+
+
+@torch.no_grad()
+def test_decode_steps_read_the_pool_in_place_through_the_kernel_and_give_sdpas_logits():
+    """A decode step's rows attend through the kernel to their slots and blocks where they lie
+    in the pool (slots not in a run: the index picks them), with SDPA's logits."""
+    ops = kernel()
+    cfg = HEAD_DIM_32
+    model, frontend = random_setup(cfg, 'libero', seed=3, dtype=BF16)
+    frames = [frontend.prepare(random_observation('libero', i, seed=5 + i,
+                                                  image_size=cfg.vision.image_size,
+                                                  instruction='pick up the bowl')).tensors
+              for i in range(2)]
+    inputs = [torch.cat([f[key] for f in frames])
+              for key in ('images', 'image_masks', 'tokens', 'token_masks')]
+    pool = KVTensors.allocate(cfg, num_slots=5, max_len=cfg.prefix_len + 8, dtype=BF16)
+    prefix = model.prefill(*inputs, kv=pool, slots=torch.tensor([4, 1]))
+    gen_len, tokens = torch.tensor([0, 0]), torch.tensor([7, 9])
+    results = {}
+    for on in (True, False):
+        old = packed_native.use_kernel('oxygen_attention', on)
+        try:
+            calls = ops.calls()
+            logits = model.decode_step(pool, prefix.slots, prefix.valid, prefix.n_valid,
+                                       gen_len, tokens)
+            results[on] = (logits, ops.calls() - calls)
+        finally:
+            packed_native.use_kernel('oxygen_attention', old)
+    assert results[True][1] == cfg.backbone.depth and results[False][1] == 0
+    torch.testing.assert_close(results[True][0], results[False][0], atol=0.05, rtol=0.05)
 
 
 @torch.no_grad()

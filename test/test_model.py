@@ -197,6 +197,12 @@ def test_cached_decode_equals_recompute(model):
         logits = model.decode_step(prefix.kv, prefix.slots, prefix.valid, prefix.n_valid,
                                    torch.tensor([j]), torch.tensor([token]))[0]
     assert generated == model.generate(prefix, 6, eos_id=None)[0]
+    # greedy: the step's own argmax, the logits' (entry 4 written again with the same K/V)
+    step = (prefix.kv, prefix.slots, prefix.valid, prefix.n_valid, torch.tensor([4]),
+            torch.tensor([generated[4]]))
+    best = model.decode_step(*step, greedy=True)
+    assert best.dtype == torch.long and best.tolist() == [generated[5]]
+    assert torch.equal(best, model.decode_step(*step).argmax(-1))
 
 
 @torch.no_grad()

@@ -283,9 +283,9 @@ class ModelRunner:
         # A static attend length from the host's ints (a few buckets: few graphs, no sync);
         # at most max_gen_len, so no real row ever reads the scratch entry padding writes.
         attend_len = attend_bucket(max(gen_lens) + 1, s.max_gen_len)
-        logits = self._step([p[0] for p in pad], rows, [p[1] for p in pad],
-                            [p[2] for p in pad], attend_len)
-        every = logits.argmax(-1).tolist()                                   # syncs
+        best = self._step([p[0] for p in pad], rows, [p[1] for p in pad],
+                          [p[2] for p in pad], attend_len)
+        every = best.tolist()                                                # syncs
         self._add('decode', start)
         return [every[i] for i in real]
 
@@ -318,7 +318,7 @@ class ModelRunner:
 
     def _step(self, slots: list[int], blocks: list[int], gen_lens: list[int],
               tokens: list[int], attend_len: int) -> torch.Tensor:
-        """Run the model's decode step on padded rows -> logits [B, V] (no sync).
+        """Run the model's decode step on padded rows -> greedy token ids [B] (no sync).
 
         Row b: prefix slot slots[b], generation block blocks[b].
         """
@@ -338,8 +338,8 @@ class ModelRunner:
         n_valid = s.n_valid.index_select(0, slot_index)                     # [B]
         decode_step = self.model.decode_step   # looked up per call: tests may wrap it
         return decode_step(self.kv, slot_index, prefix_valid, n_valid, gen_len, fed,
-                           attend_len=attend_len, gen=self.gen,
-                           blocks=block_index)                               # [B, vocab]
+                           attend_len=attend_len, gen=self.gen, blocks=block_index,
+                           greedy=True)                                      # [B]
 
     @torch.no_grad()
     def warm_up_compiled(self, action_rows: Sequence[int] = (1,),

@@ -15,7 +15,12 @@
 // (the heads sharing a K/V head folded into rows, or one head's rows), k, v [B, G, K, D],
 // D in {32, 48, 64}, bf16 on the CPU, any strides; key_bias [B, K] fp32 or bf16, added to the
 // scores (0, or -inf for a masked key), or a bool mask [B, K] (True = may attend), or none;
-// scale D^-0.5. Returns [B, G, R, D] bf16:
+// scale D^-0.5. Optionally a second block of keys k2, v2 [B, G, K2, D] with key_bias2 [B, K2]
+// (or none: all visible): the rows attend to both with one softmax, each read where it lies
+// (a decode step's prefix slot and its generated block; a denoise step's prefix and own
+// block), not concatenated first. With index (long [B]), batch row b reads entry index[b] of
+// k, v [S, G, K, D] (a pool's storage, read in place: no gather of each row's slot first);
+// index2 the same for k2, v2. Returns [B, G, R, D] bf16:
 // SDPA's result within bf16 rounding (P is rounded to bf16 for PV as in ATen's kernel;
 // maxima and sums are fp32). A masked key weighs exactly 0, and every row is computed alone:
 // a row's result does not depend on the others. packed_native.py builds this file with the
@@ -27,6 +32,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -50,16 +56,27 @@ std::atomic<int64_t> call_count{0};
 using oxygen::TileConfig;
 
 // One (batch, group): keys in the two layouts the tiles read, padded to whole chunks of 32.
+// Only the blocks of 16 keys with a key that may be attended are kept (`sources`, in order):
+// a masked key weighs exactly 0, so a block of them adds nothing and is skipped whole (a decode
+// step's slot of 968 prefix positions holds ~555 valid ones, in runs: a missing camera's, the
+// prompt's padding).
 //   k_pairs [2 * chunks][D/2 pairs][16 keys][2]: QK^T B tiles per block of 16 keys (16 pairs
 //     of dims a tile, a second for dims past 32)
 //   v_pairs [chunks][D/16 dim tiles][16 pairs][16 dims][2]: a PV B tile per 32 keys, 16 dims
 //   bias [chunks * 32]: the key's bias in base 2 (0, or -inf for a masked key); -inf for padding
-//   keep [chunks * 2]: per block of 16 keys, bit j set where key 16 i + j has a bias of 0
+//   keep [chunks * 2]: per block of 16 keys, bit j set where its key j has a bias of 0
+//   sources: where each block kept comes from (its part, first key, keys)
 // The buffers are reused from call to call (arrange_keys overwrites all of them).
+struct Source {
+  int part;
+  int64_t first, count;
+};
+
 struct Keys {
   std::vector<uint16_t> k_pairs, v_pairs;
   std::vector<float> bias;
   std::vector<uint16_t> keep;
+  std::vector<Source> sources;
   bool mask_only = true;  // every bias is 0 or -inf (a mask, as the model's): keep says it all
   int64_t chunks = 0;
   int64_t dim = 0;  // D
@@ -109,59 +126,181 @@ struct KeyBias {
   }
 };
 
-void arrange_keys(Rows k, Rows v, int64_t K, int64_t D, const KeyBias& bias, Keys& keys) {
-  keys.chunks = (K + kChunk - 1) / kChunk;
+// One part of a (batch, group)'s keys: K rows of k and v and their bias. The keys are the
+// parts one after another (a decode step's prefix slot, then its generated block: read where
+// they live, never concatenated); each part's last block is padded to 16 keys on its own.
+struct KeyPart {
+  Rows k, v;
+  int64_t count;
+  KeyBias bias;
+};
+
+// Pairs [p0, p0 + n) (n <= 16) of `count` (<= 16) keys, a key's pairs 32-bit words from
+// `first` on (keys key_stride apart) -> out [n pairs][16 keys]: a 16 x 16 transpose of words in
+// registers, keys past `count` zero. The scalar scatter it replaces cost ~25 ns a key (D = 32):
+// a decode step's 8 rows spent 80% of their call arranging 1000 keys.
+__attribute__((target("avx512f"))) void transpose_pairs(const uint32_t* first,
+                                                        int64_t key_stride, int64_t count,
+                                                        int64_t n, uint32_t* out) {
+  const auto lanes = static_cast<__mmask16>((1u << n) - 1);
+  __m512i r[16], t[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    r[i] = i < count ? _mm512_maskz_loadu_epi32(lanes, first + i * key_stride)
+                     : _mm512_setzero_si512();
+  }
+  // within 128-bit lanes: words of key pairs, then pairs of those
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {   // r[i + c] lane L: keys i..i+3 of pair 4 L + c
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // then across lanes: pair 4 L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512i even_lo = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);
+    const __m512i odd_lo = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+    const __m512i even_hi = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i odd_hi = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+    t[c] = _mm512_shuffle_i32x4(even_lo, even_hi, 0x88);
+    t[8 + c] = _mm512_shuffle_i32x4(even_lo, even_hi, 0xdd);
+    t[4 + c] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0xdd);
+  }
+  for (int64_t p = 0; p < n; ++p) _mm512_storeu_si512(out + p * 16, t[p]);
+}
+
+// The bias of keys [key, key + count) (count <= 16, a block) -> block `to` of keys.bias (base
+// 2, for softmax_rows; -inf past count) and its keep bits (bias 0); mask_only cleared by a
+// bias neither 0 nor -inf. Returns whether every key of the block is masked (-inf).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) bool arrange_bias(const KeyBias& bias,
+                                                                       int64_t key,
+                                                                       int64_t count,
+                                                                       int64_t to, Keys& keys) {
+  const auto lanes = static_cast<__mmask16>((1u << count) - 1);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 b = _mm512_setzero_ps();
+  if (bias.stride != 1 && bias.kind != KeyBias::kNone) {
+    alignas(64) float each[kKeys] = {};
+    for (int64_t j = 0; j < count; ++j) each[j] = bias.at(key + j);
+    b = _mm512_load_ps(each);
+  } else if (bias.kind == KeyBias::kFloat) {
+    b = _mm512_maskz_loadu_ps(lanes, static_cast<const float*>(bias.data) + key);
+  } else if (bias.kind == KeyBias::kBFloat16) {
+    const __m256i half = _mm256_maskz_loadu_epi16(
+        lanes, static_cast<const uint16_t*>(bias.data) + key);
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  } else if (bias.kind == KeyBias::kBool) {
+    const __m128i flags = _mm_maskz_loadu_epi8(lanes, static_cast<const bool*>(bias.data) + key);
+    b = _mm512_mask_blend_ps(_mm_test_epi8_mask(flags, flags), minus_inf, _mm512_setzero_ps());
+  }
+  const __mmask16 keep = _mm512_mask_cmp_ps_mask(lanes, b, _mm512_setzero_ps(), _CMP_EQ_OQ);
+  const __mmask16 masked = _mm512_mask_cmp_ps_mask(lanes, b, minus_inf, _CMP_EQ_OQ);
+  keys.keep[to] = keep;
+  if ((keep | masked) != lanes) keys.mask_only = false;
+  b = _mm512_mask_blend_ps(lanes, minus_inf, _mm512_mul_ps(b, _mm512_set1_ps(kLog2e)));
+  _mm512_storeu_ps(keys.bias.data() + to * kKeys, b);
+  return masked == lanes;
+}
+
+constexpr int64_t kAhead = 4;   // blocks prefetched ahead of the one arranged
+
+void arrange_keys(const KeyPart* parts, int n_parts, int64_t D, Keys& keys) {
+  int64_t blocks = 0;  // the parts'
+  for (int i = 0; i < n_parts; ++i) blocks += (parts[i].count + kKeys - 1) / kKeys;
   keys.dim = D;
+  keys.mask_only = true;
+  keys.bias.resize((blocks + 1) * kKeys);
+  keys.keep.resize(blocks + 1);
+  keys.sources.resize(blocks);
+  int64_t kept = 0;  // a block's bias lands at the next free place; a masked one is overwritten
+  for (int i = 0; i < n_parts; ++i) {
+    const KeyPart& part = parts[i];
+    for (int64_t first = 0; first < part.count; first += kKeys) {
+      const int64_t count = std::min(kKeys, part.count - first);
+      const bool masked = arrange_bias(part.bias, first, count, kept, keys);
+      const bool last = i == n_parts - 1 && first + count == part.count;
+      if (!masked || (kept == 0 && last)) keys.sources[kept++] = {i, first, count};  // >= 1
+    }
+  }
+  keys.chunks = (kept + 1) / 2;
   const int64_t width = keys.chunks * kChunk;
   keys.k_pairs.resize(width * D);
   keys.v_pairs.resize(width * D);
-  keys.bias.resize(width);
-  keys.keep.assign(width / kKeys, 0);
-  keys.mask_only = true;
-  // padding keys: zero (finite scores, which their -inf bias then drops)
-  const int64_t last = (keys.chunks - 1) * kChunk;
-  std::fill(keys.k_pairs.begin() + last * D, keys.k_pairs.end(), 0);
-  std::fill(keys.v_pairs.begin() + last * D, keys.v_pairs.end(), 0);
-  std::fill(keys.bias.begin() + K, keys.bias.end(), -std::numeric_limits<float>::infinity());
-  const bool dense = k.dim_stride == 1 && v.dim_stride == 1 && k.key_stride % 2 == 0;
-  auto* k32 = reinterpret_cast<uint32_t*>(keys.k_pairs.data());
-  for (int64_t key = 0; key < K; ++key) {
-    const int64_t blk = key / kKeys, j = key % kKeys;
-    const uint16_t* row = k.data + key * k.key_stride;
-    if (dense) {  // a pair of dims is one 32-bit word
-      const auto* pairs = reinterpret_cast<const uint32_t*>(row);
-      for (int64_t p = 0; p < D / 2; ++p) {
-        k32[(blk * (D / 2) + p) * kKeys + j] = pairs[p];
+  static const uint16_t zero[kMaxHeadDim] = {};
+  for (int64_t to = 0; to < kept; ++to) {
+    const Source& from = keys.sources[to];
+    const Rows k = parts[from.part].k, v = parts[from.part].v;
+    const int64_t first = from.first, count = from.count;
+    if (to + kAhead < kept) {   // a later block's rows on their way (a decode step's are cold)
+      const Source& next = keys.sources[to + kAhead];
+      const Rows nk = parts[next.part].k, nv = parts[next.part].v;
+      for (int64_t j = 0; j < next.count; ++j) {
+        const char* k_row =
+            reinterpret_cast<const char*>(nk.data + (next.first + j) * nk.key_stride);
+        const char* v_row =
+            reinterpret_cast<const char*>(nv.data + (next.first + j) * nv.key_stride);
+        for (int64_t line = 0; line < D * 2; line += 64) {   // a row's cache lines (D x 2 B)
+          _mm_prefetch(k_row + line, _MM_HINT_T0);
+          _mm_prefetch(v_row + line, _MM_HINT_T0);
+        }
+      }
+    }
+    const bool dense = k.dim_stride == 1 && v.dim_stride == 1 && k.key_stride % 2 == 0;
+    if (dense) {  // a pair of dims is one 32-bit word; keys past count zero
+      for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+        transpose_pairs(reinterpret_cast<const uint32_t*>(k.data + first * k.key_stride) + p0,
+                        k.key_stride / 2, count, std::min<int64_t>(16, D / 2 - p0),
+                        reinterpret_cast<uint32_t*>(keys.k_pairs.data()) +
+                            (to * (D / 2) + p0) * kKeys);
       }
     } else {
-      for (int64_t d = 0; d < D; ++d) {
-        keys.k_pairs[((blk * (D / 2) + d / 2) * kKeys + j) * 2 + d % 2] = row[d * k.dim_stride];
+      uint16_t* block = keys.k_pairs.data() + to * kKeys * D;
+      std::fill(block, block + kKeys * D, 0);
+      for (int64_t j = 0; j < count; ++j) {
+        const uint16_t* row = k.data + (first + j) * k.key_stride;
+        for (int64_t d = 0; d < D; ++d) {
+          block[((d / 2) * kKeys + j) * 2 + d % 2] = row[d * k.dim_stride];
+        }
       }
     }
-    const float b = bias.at(key);
-    keys.bias[key] = b * kLog2e;   // base 2 (softmax_rows)
-    if (b == 0.0f) {
-      keys.keep[blk] |= static_cast<uint16_t>(1u << j);
-    } else if (!std::isinf(b) || b > 0) {
-      keys.mask_only = false;
-    }
-  }
-  static const uint16_t zero[kMaxHeadDim] = {};
-  for (int64_t key = 0; key < K; key += 2) {
-    const int64_t chunk = key / kChunk, pair = (key % kChunk) / 2;
-    for (int64_t t = 0; t < D / 16; ++t) {
-      uint16_t* out = keys.v_pairs.data() + ((chunk * (D / 16) + t) * 16 + pair) * 32;
-      if (dense) {
-        interleave_rows(v.data + key * v.key_stride + 16 * t,
-                        key + 1 < K ? v.data + (key + 1) * v.key_stride + 16 * t : zero, out);
-      } else {
-        for (int64_t e = 0; e < 2 && key + e < K; ++e) {
+    // V: the block's key pairs are pairs 0-7 (an even block) or 8-15 of chunk to / 2
+    for (int64_t j = 0; j < kKeys; j += 2) {
+      const int64_t key = first + j, pair = (to % 2) * (kKeys / 2) + j / 2;
+      for (int64_t t = 0; t < D / 16; ++t) {
+        uint16_t* out = keys.v_pairs.data() + (((to / 2) * (D / 16) + t) * 16 + pair) * 32;
+        if (j >= count) {  // padding: zero, which its -inf bias drops
+          std::fill(out, out + 32, 0);
+        } else if (dense) {
+          interleave_rows(v.data + key * v.key_stride + 16 * t,
+                          j + 1 < count ? v.data + (key + 1) * v.key_stride + 16 * t : zero,
+                          out);
+        } else {
           for (int64_t d = 0; d < 16; ++d) {
-            out[d * 2 + e] = v.data[(key + e) * v.key_stride + (16 * t + d) * v.dim_stride];
+            out[d * 2] = v.data[key * v.key_stride + (16 * t + d) * v.dim_stride];
+            out[d * 2 + 1] = j + 1 < count
+                ? v.data[(key + 1) * v.key_stride + (16 * t + d) * v.dim_stride] : 0;
           }
         }
       }
     }
+  }
+  if (kept % 2 == 1) {  // the last chunk's second block: padding
+    std::fill(keys.k_pairs.end() - kKeys * D, keys.k_pairs.end(), 0);
+    for (int64_t t = 0; t < D / 16; ++t) {
+      uint16_t* out = keys.v_pairs.data() + (((kept / 2) * (D / 16) + t) * 16 + 8) * 32;
+      std::fill(out, out + 8 * 32, 0);
+    }
+    std::fill(keys.bias.begin() + kept * kKeys, keys.bias.begin() + width,
+              -std::numeric_limits<float>::infinity());
+    keys.keep[kept] = 0;
   }
 }
 
@@ -509,8 +648,68 @@ bool on_amx() { return oxygen::amx_ready(); }   // the products on AMX tiles
 
 int64_t calls() { return call_count.load(); }
 
+// A key bias as passed ([B, K] fp32, bf16 or bool; another dtype converted once), read in
+// place by KeyBias; none where undefined.
+struct BiasArg {
+  at::Tensor tensor;
+  KeyBias::Kind kind = KeyBias::kNone;
+
+  BiasArg(const std::optional<at::Tensor>& bias, int64_t B, int64_t K, const char* name) {
+    if (!bias.has_value()) return;
+    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == B && bias->size(1) == K, name,
+                " must be [B, K] = [", B, ", ", K, "], got ", bias->sizes());
+    const auto dtype = bias->scalar_type();
+    tensor = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kBool
+                 ? *bias : bias->to(at::kFloat);
+    kind = tensor.scalar_type() == at::kFloat      ? KeyBias::kFloat
+           : tensor.scalar_type() == at::kBFloat16 ? KeyBias::kBFloat16
+                                                   : KeyBias::kBool;
+  }
+
+  KeyBias row(int64_t b) const {
+    if (!tensor.defined()) return {};
+    return {kind, static_cast<const char*>(tensor.data_ptr()) +
+                      b * tensor.stride(0) * tensor.element_size(), tensor.stride(1)};
+  }
+};
+
+// K/V rows of group g of entry e of k [S, G, K, D]
+Rows rows_of(const at::Tensor& k, int64_t e, int64_t g) {
+  return {reinterpret_cast<const uint16_t*>(k.data_ptr()) + e * k.stride(0) + g * k.stride(1),
+          k.stride(2), k.stride(3)};
+}
+
+// The entry of k [S, G, K, D] each batch row reads: index[b] (long [B] on the CPU, checked
+// against S), or b itself without an index (then S = B).
+std::vector<int64_t> entries(const std::optional<at::Tensor>& index, const at::Tensor& k,
+                             int64_t B, const char* name) {
+  std::vector<int64_t> out(B);
+  if (!index.has_value()) {
+    TORCH_CHECK(k.size(0) == B, name, ": without an index its first dim must be B = ", B,
+                ", got ", k.size(0));
+    for (int64_t b = 0; b < B; ++b) out[b] = b;
+    return out;
+  }
+  TORCH_CHECK(index->dim() == 1 && index->size(0) == B && index->scalar_type() == at::kLong &&
+                  index->device().is_cpu(),
+              name, "'s index must be long [B] = [", B, "] on the CPU, got ", index->sizes(),
+              " ", index->scalar_type());
+  const auto rows = index->contiguous();
+  const int64_t* ids = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ids[b] >= 0 && ids[b] < k.size(0), name, "'s index ", ids[b], " (row ", b,
+                ") is outside its ", k.size(0), " entries");
+    out[b] = ids[b];
+  }
+  return out;
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const std::optional<at::Tensor>& key_bias) {
+                     const std::optional<at::Tensor>& key_bias,
+                     const std::optional<at::Tensor>& k2, const std::optional<at::Tensor>& v2,
+                     const std::optional<at::Tensor>& key_bias2,
+                     const std::optional<at::Tensor>& index,
+                     const std::optional<at::Tensor>& index2) {
   TORCH_CHECK(oxygen::has_avx512_bf16(),
               "oxygen_attention::attention needs AVX512-BF16 (available() says)");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, G, rows, D]");
@@ -520,46 +719,48 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16, "q, k, v must be bfloat16");
   const int64_t B = q.size(0), G = q.size(1), R = q.size(2), K = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == G && v.sizes() == k.sizes(), "k, v shapes differ");
-  TORCH_CHECK(K > 0, "attention needs at least one key");
-  at::Tensor bias;  // key_bias, read in place (KeyBias): float32, bf16 or bool [B, K]
-  KeyBias::Kind kind = KeyBias::kNone;
-  if (key_bias.has_value()) {
-    TORCH_CHECK(key_bias->dim() == 2 && key_bias->size(0) == B && key_bias->size(1) == K,
-                "key_bias must be [B, K], got ", key_bias->sizes());
-    const auto dtype = key_bias->scalar_type();
-    bias = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kBool
-               ? *key_bias : key_bias->to(at::kFloat);
-    kind = bias.scalar_type() == at::kFloat      ? KeyBias::kFloat
-           : bias.scalar_type() == at::kBFloat16 ? KeyBias::kBFloat16
-                                                 : KeyBias::kBool;
+  TORCH_CHECK(k.size(1) == G && v.sizes() == k.sizes(),
+              "k, v must be [S, G, K, D] alike with q's G and D, got ", k.sizes(), " and ",
+              v.sizes());
+  TORCH_CHECK(k2.has_value() == v2.has_value(), "k2 and v2 come together");
+  TORCH_CHECK(k2.has_value() || !index2.has_value(), "index2 needs k2 and v2");
+  TORCH_CHECK(k2.has_value() || !key_bias2.has_value(), "key_bias2 needs k2 and v2");
+  const int64_t K2 = k2.has_value() ? k2->size(2) : 0;
+  if (k2.has_value()) {
+    TORCH_CHECK(k2->dim() == 4 && k2->size(1) == G && k2->size(3) == D &&
+                    v2->sizes() == k2->sizes(),
+                "k2, v2 must be [S2, G, K2, D] like k, got ", k2->sizes(), " and ", v2->sizes());
+    TORCH_CHECK(k2->scalar_type() == at::kBFloat16 && v2->scalar_type() == at::kBFloat16,
+                "k2, v2 must be bfloat16");
   }
+  TORCH_CHECK(K + K2 > 0, "attention needs at least one key");
+  const BiasArg bias(key_bias, B, K, "key_bias"), bias2(key_bias2, B, K2, "key_bias2");
+  const std::vector<int64_t> at1 = entries(index, k, B, "k"),
+                             at2 = k2.has_value() ? entries(index2, *k2, B, "k2")
+                                                  : std::vector<int64_t>();
   call_count.fetch_add(1, std::memory_order_relaxed);
   auto out = at::empty({B, G, R, D}, q.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   thread_local std::vector<Keys> keys;  // this caller's; the workers below only read them
   if (static_cast<int64_t>(keys.size()) < B * G) keys.resize(B * G);
-  const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
-  const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
   for (int64_t bg = 0; bg < B * G; ++bg) {
     const int64_t b = bg / G, g = bg % G;
-    arrange_keys({kd + b * k.stride(0) + g * k.stride(1), k.stride(2), k.stride(3)},
-                 {vd + b * v.stride(0) + g * v.stride(1), v.stride(2), v.stride(3)}, K, D,
-                 bias.defined()
-                     ? KeyBias{kind,
-                               static_cast<const char*>(bias.data_ptr()) +
-                                   b * bias.stride(0) * bias.element_size(),
-                               bias.stride(1)}
-                     : KeyBias{},
-                 keys[bg]);
+    KeyPart parts[2] = {{rows_of(k, at1[b], g), rows_of(v, at1[b], g), K, bias.row(b)}, {}};
+    int n_parts = 1;
+    if (K2 > 0) {
+      parts[n_parts++] = {rows_of(*k2, at2[b], g), rows_of(*v2, at2[b], g), K2, bias2.row(b)};
+    }
+    arrange_keys(parts, n_parts, D, keys[bg]);
   }
   const int64_t row_blocks = (R + kRows - 1) / kRows;
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto qs = q.strides();
   auto* od = reinterpret_cast<uint16_t*>(out.data_ptr());
   const bool tiles = oxygen::amx_ready();
+  int64_t chunks = 0;  // the most any (batch, group) kept: its masked blocks are skipped
+  for (int64_t bg = 0; bg < B * G; ++bg) chunks = std::max(chunks, keys[bg].chunks);
   at::parallel_for(0, B * G * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t width = keys[0].chunks * kChunk;
+    const int64_t width = chunks * kChunk;
     thread_local std::vector<float> scores, acc;
     thread_local std::vector<uint16_t> probs, q_rows;
     scores.resize(kRows * width);
@@ -592,7 +793,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY(oxygen_attention, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_bias) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_bias, Tensor? k2=None, "
+        "Tensor? v2=None, Tensor? key_bias2=None, Tensor? index=None, Tensor? index2=None) "
+        "-> Tensor");
   m.def("available() -> bool", available);
   m.def("on_amx() -> bool", on_amx);
   m.def("calls() -> int", calls);

@@ -377,9 +377,15 @@ def key_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias.masked_fill(~mask, float('-inf'))
 
 
+def kernel_attends(q: torch.Tensor, G: int) -> bool:
+    """Whether queries q [B, Q, N, D] over G K/V heads attend through the C++ kernel."""
+    return cpu_attention_applies(fold_heads(q, G))
+
+
 def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
                          bias1: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor,
-                         bias2: torch.Tensor | None = None) -> torch.Tensor:
+                         bias2: torch.Tensor | None = None, *, rows1: torch.Tensor | None = None,
+                         rows2: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the keys of two blocks with one softmax.
 
     q [B, Q, N, D]; k1, v1 [B, K1, G, D] with bias1 [B, K1] (key_bias of its mask), e.g. a
@@ -388,15 +394,29 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
     request's generation block, masked to the entries written). Every query sees the same
     keys, except with bias2 [B, Q, K2]: a mask per query over the second block (an extend
     pass: causal over its own tokens). Equals
-    `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, mask2)[:, None])`, and is computed
-    so: the heads sharing a K/V head fold into rows (fold_heads) and one fused kernel runs
-    (the C++ attention where cpu_attention_applies: a denoise step's rows; else SDPA). Why
-    the copy: with a head dim of 32 (pi05-cpu), four separate matmuls and a
-    softmax over the two blocks cost ~3x the concatenation plus one SDPA in bfloat16 (1.4x in
-    float32). Returns [B, Q, N*D].
+    `attention(q, cat(k1, k2), cat(v1, v2), cat(mask1, mask2)[:, None])`. The heads sharing a
+    K/V head fold into rows (fold_heads) and one fused kernel runs: the C++ attention where
+    cpu_attention_applies, which reads both blocks where they lie (a decode step's slot and
+    block stay in the pool); else SDPA over the concatenation. Why not two SDPAs: with a head
+    dim of 32 (pi05-cpu), four separate matmuls and a softmax over the two blocks cost ~3x
+    the concatenation plus one SDPA in bfloat16 (1.4x in float32). Returns [B, Q, N*D].
+
+    rows1 (long [B]): k1, v1 are [S, K1, G, D] (a pool's slots) and row b reads entry
+    rows1[b]; the kernel reads it in place, SDPA after a gather. rows2 the same for k2, v2.
     """
     B, Q, N, D = q.shape
     G, K2 = k1.shape[2], k2.shape[1]
+    folded = fold_heads(q, G)
+    if ((bias2 is None or bias2.dim() == 2) and cpu_attention_applies(folded)
+            and k1.dtype == k2.dtype == q.dtype):
+        out = torch.ops.oxygen_attention.attention(
+            folded, k1.transpose(1, 2), v1.transpose(1, 2), bias1, k2.transpose(1, 2),
+            v2.transpose(1, 2), bias2, rows1, rows2)                          # [B, G, rQ, D]
+        return unfold_heads(out, Q)
+    if rows1 is not None:
+        k1, v1 = k1.index_select(0, rows1).to(q.dtype), v1.index_select(0, rows1).to(q.dtype)
+    if rows2 is not None:
+        k2, v2 = k2.index_select(0, rows2).to(q.dtype), v2.index_select(0, rows2).to(q.dtype)
     keys = torch.cat([k1, k2], dim=1).transpose(1, 2)                        # [B, G, K, D]
     values = torch.cat([v1, v2], dim=1).transpose(1, 2)
     bias2 = bias1.new_zeros(B, K2, dtype=q.dtype) if bias2 is None else bias2.to(q.dtype)
@@ -407,10 +427,5 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
     else:
         bias = torch.cat([bias1.to(q.dtype), bias2], dim=1)                   # [B, K1+K2]
         mask = bias[:, None, None, :]                                         # [B, 1, 1, K]
-    folded = fold_heads(q, G)
-    if bias.dim() == 2 and cpu_attention_applies(folded):
-        out = torch.ops.oxygen_attention.attention(folded, keys, values, bias)
-    else:
-        out = F.scaled_dot_product_attention(folded, keys, values,
-                                             attn_mask=mask)                  # [B, G, rQ, D]
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # [B, G, rQ, D]
     return unfold_heads(out, Q)                                               # [B, Q, N*D]

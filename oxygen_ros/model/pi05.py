@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from . import rtc
 from .compiled import CompiledFunction
 from .config import Pi05Config
-from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, rope_table
+from .gemma import (attention, attention_two_blocks, GemmaModel, kernel_attends, key_bias,
+                    rope_table)
 from .packed import linear, PACKED
 from .pages import release_unused_pages
 from .siglip import MultiModalProjector, SiglipVisionTower
@@ -735,7 +736,7 @@ class Pi05Model(nn.Module):
     def decode_step(self, kv: KVTensors, slots: torch.Tensor, prefix_valid: torch.Tensor,
                     n_valid: torch.Tensor, gen_len: torch.Tensor, tokens: torch.Tensor,
                     attend_len: int | None = None, *, gen: KVTensors | None = None,
-                    blocks: torch.Tensor | None = None) -> torch.Tensor:
+                    blocks: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
         """Feed one token per row, append its K/V, return next-token logits [B, V].
 
         slots long [B]: the prefix slot of each row in `kv`; prefix_valid bool [B, P]; n_valid,
@@ -759,6 +760,9 @@ class Pi05Model(nn.Module):
         rows as long as they write an entry no real row attends: a reserved null block, or any
         block's last entry (outside every real row's mask). Their gen_len need not be below J;
         their logits are to be dropped.
+
+        greedy: return each row's argmax token id, long [B], instead of the logits: the step's
+        graph computes it (vectorized; ATen's argmax took ~14 us a row of a 16K vocabulary).
         """
         P, T = prefix_valid.shape[1], kv.max_len
         gen_offset, room = (P, T - P) if gen is None else (0, gen.max_len)
@@ -771,16 +775,17 @@ class Pi05Model(nn.Module):
         device = kv.k.device
         cos, sin = self.rope_tables(P + room, device)
         decode = self._decode_fn or self._decode_layers
-        return decode(kv.k, kv.v, gen.k, gen.v, cos, sin, slots, blocks,
-                      prefix_valid.to(device), n_valid.to(device), gen_len.to(device),
-                      tokens.to(device), attend_len, gen_offset)
+        logits, best = decode(kv.k, kv.v, gen.k, gen.v, cos, sin, slots, blocks,
+                              prefix_valid.to(device), n_valid.to(device), gen_len.to(device),
+                              tokens.to(device), attend_len, gen_offset)
+        return best if greedy else logits
 
     def _decode_layers(self, k_store: torch.Tensor, v_store: torch.Tensor, k_gen: torch.Tensor,
                        v_gen: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        slots: torch.Tensor, blocks: torch.Tensor, prefix_valid: torch.Tensor,
                        n_valid: torch.Tensor, gen_len: torch.Tensor, tokens: torch.Tensor,
-                       J: int, gen_offset: int) -> torch.Tensor:
-        """Tensor work of decode_step (what compile_decode compiles); see decode_step.
+                       J: int, gen_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensor work of decode_step (what compile_decode compiles) -> (logits, argmax ids).
 
         k_store, v_store [L, S, T, G, D] prefix storage; k_gen, v_gen [L, S', T', G, D]
         generated storage (the prefix storage itself when gen_offset = P); cos, sin [>= P + J,
@@ -791,7 +796,7 @@ class Pi05Model(nn.Module):
         B, P = prefix_valid.shape
         device = k_store.device
         run, block_run = host_run(slots), host_run(blocks)
-        block_index = blocks.to(device)
+        slot_index, block_index = slots.to(device), blocks.to(device)
         x = self.backbone.embed_tokens(tokens)[:, None].to(self.compute_dtype)
         x = x * math.sqrt(self.config.backbone.width)                           # [B, 1, W]
         positions = (n_valid + gen_len)[:, None]                                # [B, 1]
@@ -810,6 +815,13 @@ class Pi05Model(nn.Module):
                 where = (torch.full_like(block_index, i), block_index, write_index)
                 k_gen.index_put_(where, k[:, 0].to(k_gen.dtype))
                 v_gen.index_put_(where, v[:, 0].to(v_gen.dtype))
+                if k_store.dtype == k_gen.dtype == q.dtype and kernel_attends(q, k.shape[2]):
+                    # the kernel reads each row's slot and block where they lie in the pool
+                    # (the gathers below copied 8 rows' prefixes, 1 MB a layer, every step)
+                    return attention_two_blocks(
+                        q, k_store[i, :, :P], v_store[i, :, :P], prefix_bias,
+                        k_gen[i, :, gen_offset:gen_end], v_gen[i, :, gen_offset:gen_end],
+                        generated_bias, rows1=slot_index, rows2=block_index)
                 return attend_prefix_and_generated(
                     q, slot_rows(k_store[i], slots, run, 0, P).to(q.dtype),         # [B, P, G, D]
                     slot_rows(v_store[i], slots, run, 0, P).to(q.dtype), prefix_bias,
@@ -818,7 +830,8 @@ class Pi05Model(nn.Module):
                     generated_bias)                                             # [B, 1, N*D]
             x = layer(x, cos, sin, attend)
         h, _ = self.backbone.norm(x)
-        return self.lm_logits(h[:, 0])
+        logits = self.lm_logits(h[:, 0])
+        return logits, logits.argmax(-1)                                        # [B, V], [B]
 
     @torch.no_grad()
     def extend_step(self, kv: KVTensors, slots: torch.Tensor, prefix_valid: torch.Tensor,
