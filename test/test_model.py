@@ -7,10 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from oxygen_ros.model import get_preset, KVTensors, Pi05Model
-from oxygen_ros.model.gemma import (attention, attention_two_blocks, gated_residual, key_bias,
-                                    rope)
-from oxygen_ros.model.pi05 import (attend_bucket, DENOISE_GRAPHS, host_run, slot_rows,
-                                   time_embedding)
+from oxygen_ros.model.gemma import (attention, attention_two_blocks, gated_residual, host_run,
+                                    key_bias, rope, take_rows)
+from oxygen_ros.model.pi05 import attend_bucket, DENOISE_GRAPHS, time_embedding
 
 ATOL = 2e-5
 
@@ -409,7 +408,7 @@ def test_action_path_reads_prefix_in_place(model):
     inputs = make_inputs(cfg, B=2, seed=12)
     pool = KVTensors.allocate(cfg, num_slots=5, max_len=P + 4)
     run = model.prefill(*inputs, kv=pool, slots=torch.tensor([1, 2]))
-    view = slot_rows(pool.k[0], run.slots, host_run(run.slots), 0, P)
+    view = take_rows(pool.k[0, :, :P], run.slots)
     assert view.data_ptr() == pool.k[0, 1].data_ptr()
     assert host_run(torch.tensor([3, 1])) is None
     pool2 = KVTensors.allocate(cfg, num_slots=5, max_len=P + 4)

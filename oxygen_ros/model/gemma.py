@@ -377,9 +377,28 @@ def key_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias.masked_fill(~mask, float('-inf'))
 
 
-def kernel_attends(q: torch.Tensor, G: int) -> bool:
-    """Whether queries q [B, Q, N, D] over G K/V heads attend through the C++ kernel."""
-    return cpu_attention_applies(fold_heads(q, G))
+def host_run(ids: torch.Tensor) -> int | None:
+    """First id when `ids` are host ids forming a run (s, s+1, ...), else None.
+
+    Host ids cost nothing to read. Ids on an accelerator are never read (that would sync),
+    nor while torch.compile traces (shapes and paths must not depend on values).
+    """
+    if ids.device.type != 'cpu' or torch.compiler.is_compiling():
+        return None
+    values = ids.tolist()
+    return values[0] if values == list(range(values[0], values[0] + len(values))) else None
+
+
+def take_rows(storage: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Entries `ids` [B] of storage [S, ...] (a pool's slots or blocks) -> [B, ...].
+
+    A run of host ids (host_run) is a view; otherwise one gather (index_select) on the
+    storage's device.
+    """
+    run = host_run(ids)
+    if run is not None:
+        return storage[run:run + ids.shape[0]]
+    return storage.index_select(0, ids.to(storage.device))
 
 
 def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
@@ -401,8 +420,10 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
     dim of 32 (pi05-cpu), four separate matmuls and a softmax over the two blocks cost ~3x
     the concatenation plus one SDPA in bfloat16 (1.4x in float32). Returns [B, Q, N*D].
 
-    rows1 (long [B]): k1, v1 are [S, K1, G, D] (a pool's slots) and row b reads entry
-    rows1[b]; the kernel reads it in place, SDPA after a gather. rows2 the same for k2, v2.
+    rows1 (long [B]): k1, v1 are [S, K1, G, D] (a pool's slots, in the storage's dtype) and
+    row b reads entry rows1[b]: the kernel reads it in place, SDPA after take_rows (a view
+    for a host run of ids) and a cast to q's dtype. rows2 the same for k2, v2. This is the
+    one place that decides between the two.
     """
     B, Q, N, D = q.shape
     G, K2 = k1.shape[2], k2.shape[1]
@@ -414,9 +435,9 @@ def attention_two_blocks(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
             v2.transpose(1, 2), bias2, rows1, rows2)                          # [B, G, rQ, D]
         return unfold_heads(out, Q)
     if rows1 is not None:
-        k1, v1 = k1.index_select(0, rows1).to(q.dtype), v1.index_select(0, rows1).to(q.dtype)
+        k1, v1 = take_rows(k1, rows1).to(q.dtype), take_rows(v1, rows1).to(q.dtype)
     if rows2 is not None:
-        k2, v2 = k2.index_select(0, rows2).to(q.dtype), v2.index_select(0, rows2).to(q.dtype)
+        k2, v2 = take_rows(k2, rows2).to(q.dtype), take_rows(v2, rows2).to(q.dtype)
     keys = torch.cat([k1, k2], dim=1).transpose(1, 2)                        # [B, G, K, D]
     values = torch.cat([v1, v2], dim=1).transpose(1, 2)
     bias2 = bias1.new_zeros(B, K2, dtype=q.dtype) if bias2 is None else bias2.to(q.dtype)

@@ -50,8 +50,7 @@ import torch.nn.functional as F
 from . import rtc
 from .compiled import CompiledFunction
 from .config import Pi05Config
-from .gemma import (attention, attention_two_blocks, GemmaModel, kernel_attends, key_bias,
-                    rope_table)
+from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, rope_table, take_rows
 from .packed import linear, PACKED
 from .pages import release_unused_pages
 from .siglip import MultiModalProjector, SiglipVisionTower
@@ -115,30 +114,6 @@ class PrefixCache:
                            self.n_valid[i:i + 1], self.last_hidden[i:i + 1], self.prefix_len)
 
 
-def host_run(slots: torch.Tensor) -> int | None:
-    """First id when `slots` are host ids forming a run (s, s+1, ...), else None.
-
-    Host ids cost nothing to read. Ids on an accelerator are never read (that would sync),
-    nor while torch.compile traces (shapes and paths must not depend on values).
-    """
-    if slots.device.type != 'cpu' or torch.compiler.is_compiling():
-        return None
-    ids = slots.tolist()
-    return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
-
-
-def slot_rows(storage: torch.Tensor, slots: torch.Tensor, run: int | None,
-              start: int, stop: int) -> torch.Tensor:
-    """Read storage [S, T, ...] rows `slots`, positions [start, stop) -> [B, stop-start, ...].
-
-    A run of ids (`run` = its first id, see host_run) is a view; otherwise one gather
-    (index_select) by `slots` on the storage's device.
-    """
-    if run is not None:
-        return storage[run:run + slots.shape[0], start:stop]
-    return storage[:, start:stop].index_select(0, slots.to(storage.device))
-
-
 def pick_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """Row b's entries order[b] along dim 1: x [B, T, ...], order [B, n] -> [B, n, ...].
 
@@ -182,20 +157,6 @@ def extend_bucket(tokens: int) -> int:
     at most 7 padding tokens, which write only their block's scratch entry.
     """
     return -(-tokens // 8) * 8
-
-
-def attend_prefix_and_generated(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
-                                prefix_bias: torch.Tensor, k_gen: torch.Tensor,
-                                v_gen: torch.Tensor, gen_bias: torch.Tensor) -> torch.Tensor:
-    """Attend a decode step's q [B, 1, N, D] over its prefix and its generated tokens.
-
-    k_prefix, v_prefix [B, P, G, D] with prefix_bias [B, P] (the slot's valid positions);
-    k_gen, v_gen [B, J, G, D] with gen_bias [B, J] (the entries generated so far, this
-    step's included). The two parts are read where they live (a prefix slot and a
-    generation block) and attended with one softmax (attention_two_blocks: one fused SDPA
-    over both, as the denoise step). -> [B, 1, N*D].
-    """
-    return attention_two_blocks(q, k_prefix, v_prefix, prefix_bias, k_gen, v_gen, gen_bias)
 
 
 def time_embedding(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -599,7 +560,6 @@ class Pi05Model(nn.Module):
         widened here, once per frame).
         """
         P, kv = prefix.prefix_len, prefix.kv
-        run = host_run(prefix.slots)
         dtype = self.compute_dtype
         valid = prefix.valid.to(device)                                          # [B, P]
         if prefix.n_valid.device.type == 'cpu':
@@ -609,10 +569,10 @@ class Pi05Model(nn.Module):
             valid = valid.gather(1, order)                                     # [B, n]
 
             def rows(storage):
-                return pick_rows(slot_rows(storage, prefix.slots, run, 0, P), order).to(dtype)
+                return pick_rows(take_rows(storage[:, :P], prefix.slots), order).to(dtype)
         else:
             def rows(storage):
-                return slot_rows(storage, prefix.slots, run, 0, P).to(dtype)
+                return take_rows(storage[:, :P], prefix.slots).to(dtype)
         prefix_kv = [(rows(kv.k[i]), rows(kv.v[i]))                        # 2 x [B, n, G, D]
                      for i in range(self.config.backbone.depth)]
         prefix_bias = key_bias(valid, dtype)                                    # [B, n]
@@ -795,8 +755,7 @@ class Pi05Model(nn.Module):
         """
         B, P = prefix_valid.shape
         device = k_store.device
-        run, block_run = host_run(slots), host_run(blocks)
-        slot_index, block_index = slots.to(device), blocks.to(device)
+        block_index = blocks.to(device)
         x = self.backbone.embed_tokens(tokens)[:, None].to(self.compute_dtype)
         x = x * math.sqrt(self.config.backbone.width)                           # [B, 1, W]
         positions = (n_valid + gen_len)[:, None]                                # [B, 1]
@@ -815,19 +774,12 @@ class Pi05Model(nn.Module):
                 where = (torch.full_like(block_index, i), block_index, write_index)
                 k_gen.index_put_(where, k[:, 0].to(k_gen.dtype))
                 v_gen.index_put_(where, v[:, 0].to(v_gen.dtype))
-                if k_store.dtype == k_gen.dtype == q.dtype and kernel_attends(q, k.shape[2]):
-                    # the kernel reads each row's slot and block where they lie in the pool
-                    # (the gathers below copied 8 rows' prefixes, 1 MB a layer, every step)
-                    return attention_two_blocks(
-                        q, k_store[i, :, :P], v_store[i, :, :P], prefix_bias,
-                        k_gen[i, :, gen_offset:gen_end], v_gen[i, :, gen_offset:gen_end],
-                        generated_bias, rows1=slot_index, rows2=block_index)
-                return attend_prefix_and_generated(
-                    q, slot_rows(k_store[i], slots, run, 0, P).to(q.dtype),         # [B, P, G, D]
-                    slot_rows(v_store[i], slots, run, 0, P).to(q.dtype), prefix_bias,
-                    slot_rows(k_gen[i], blocks, block_run, gen_offset, gen_end).to(q.dtype),
-                    slot_rows(v_gen[i], blocks, block_run, gen_offset, gen_end).to(q.dtype),
-                    generated_bias)                                             # [B, 1, N*D]
+                # row b's prefix slot and generation block are read where they lie in the
+                # pool (attention_two_blocks: by the kernel in place, or gathered for SDPA)
+                return attention_two_blocks(
+                    q, k_store[i, :, :P], v_store[i, :, :P], prefix_bias,
+                    k_gen[i, :, gen_offset:gen_end], v_gen[i, :, gen_offset:gen_end],
+                    generated_bias, rows1=slots, rows2=blocks)              # [B, 1, N*D]
             x = layer(x, cos, sin, attend)
         h, _ = self.backbone.norm(x)
         logits = self.lm_logits(h[:, 0])
@@ -875,7 +827,6 @@ class Pi05Model(nn.Module):
         B, Q = tokens.shape
         P = prefix_valid.shape[1]
         device = k_store.device
-        run, block_run = host_run(slots), host_run(blocks)
         block_index = blocks.to(device)[:, None].expand(B, Q)                   # [B, Q]
         x = self.backbone.embed_tokens(tokens).to(self.compute_dtype)
         x = x * math.sqrt(self.config.backbone.width)                           # [B, Q, W]
@@ -897,11 +848,9 @@ class Pi05Model(nn.Module):
                 k_gen.index_put_(where, k.to(k_gen.dtype))                      # k [B, Q, G, D]
                 v_gen.index_put_(where, v.to(v_gen.dtype))
                 return attention_two_blocks(
-                    q, slot_rows(k_store[i], slots, run, 0, P).to(q.dtype),         # [B, P, G, D]
-                    slot_rows(v_store[i], slots, run, 0, P).to(q.dtype), prefix_bias,
-                    slot_rows(k_gen[i], blocks, block_run, 0, J).to(q.dtype),      # [B, J, G, D]
-                    slot_rows(v_gen[i], blocks, block_run, 0, J).to(q.dtype),
-                    generated_bias)                                             # [B, Q, N*D]
+                    q, k_store[i, :, :P], v_store[i, :, :P], prefix_bias,
+                    k_gen[i, :, :J], v_gen[i, :, :J], generated_bias,
+                    rows1=slots, rows2=blocks)                                  # [B, Q, N*D]
             x = layer(x, cos, sin, attend)
         last = x[torch.arange(B, device=device), n_tokens - 1]                 # [B, W]
         h, _ = self.backbone.norm(last[:, None])
