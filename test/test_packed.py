@@ -22,7 +22,8 @@ from oxygen_ros.engine.hardware import cpu_flags
 from oxygen_ros.model import get_preset, KVTensors
 from oxygen_ros.model import packed_native
 from oxygen_ros.model.compiled import cxx_compiler, use_persistent_cache
-from oxygen_ros.model.packed import linear, PACKED, packing_unavailable_reason, use_native_kernel
+from oxygen_ros.model.packed import (linear, PACKED, packing_unavailable_reason, plain_linear,
+                                     use_native_kernel)
 
 TINY = get_preset('tiny')
 BF16 = torch.bfloat16
@@ -256,6 +257,36 @@ def test_few_row_kernel_rounds_like_onednn_and_keeps_rows_batch_invariant():
         assert ops.small_row_calls() == calls + 1 + 8 + 3   # got, rows alone, these three
 
 
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason='no AVX512-BF16: a plain weight\'s few '
+                    'rows run F.linear')
+@torch.no_grad()
+def test_plain_weight_kernel_reads_in_place_within_bf16_and_keeps_rows_batch_invariant():
+    """The few-row kernel on a plain weight (pi05's tied LM head, packed in place): within one
+    bf16 step of the float32 product, an odd count of 32-wide chunks handled, each row of a
+    batch (several passes past two rows) equal bit for bit to that row alone; plain_linear
+    sends it at most two rows and F.linear the rest; bad inputs refused with the reason."""
+    ops = native_kernel()
+    assert packed_native.ready('plain_rows')
+    for n, k in ((1000, 64), (257, 2048), (33, 96)):
+        weight = torch.randn(n, k, dtype=BF16)
+        x = torch.randn(5, k, dtype=BF16)
+        want = x.float() @ weight.float().t()
+        got = ops.plain_rows(x, weight)
+        step = want.abs() * 2.0 ** -7 + 1e-3 * want.abs().max()   # sums of k in fp32, rounded
+        assert ((got.float() - want).abs() <= step).all(), (n, k)
+        rows_alone = torch.cat([ops.plain_rows(x[i:i + 1], weight) for i in range(5)])
+        assert torch.equal(got, rows_alone), (n, k)
+        assert torch.equal(ops.plain_rows(x[:4].view(2, 2, k), weight), got[:4].view(2, 2, n))
+        assert torch.equal(plain_linear(x[:2], weight), got[:2])
+        assert torch.equal(plain_linear(x[:3], weight), F.linear(x[:3], weight))
+    with pytest.raises(RuntimeError, match='multiple of 32'):
+        ops.plain_rows(torch.randn(1, 48, dtype=BF16), torch.randn(8, 48, dtype=BF16))
+    with pytest.raises(RuntimeError, match='must be bfloat16'):
+        ops.plain_rows(torch.randn(1, 64), torch.randn(8, 64))
+    assert plain_linear(torch.randn(1, 48, dtype=BF16), torch.randn(8, 48, dtype=BF16)
+                        ).shape == (1, 8)   # F.linear
+
+
 @pytest.mark.skipif(not cpu_has_amx_bf16(), reason='no AMX-BF16: vdpbf16ps serves the few '
                     'rows (test_the_few_row_kernel_is_offered_... checks the rule)')
 @torch.no_grad()
@@ -485,5 +516,13 @@ def test_prepare_packs_in_place_above_the_compile_range(monkeypatch):
     if cxx_compiler() is not None:
         assert plan.native_kernel and 'packed linear' not in plan.describe()
         assert ('AVX-512 GELU' in plan.describe()) == packed_native.ready('oxygen_activation')
+        # the tied LM head stays plain (the embedding) and is read in place by its kernel
+        plain_head = packed_native.ready('plain_rows')
+        assert ('plain-weight LM head' in plan.describe()) == plain_head
+        if plain_head:
+            hidden = torch.randn(1, TINY.backbone.width, dtype=BF16)
+            embed = model.backbone.embed_tokens.weight
+            assert torch.equal(model.lm_logits(hidden), torch.ops.oxygen_packed_native
+                               .plain_rows(hidden, embed).float())
     off, _ = random_setup(TINY, 'libero', seed=1, dtype=BF16)
     assert not prepare.prepare_model(off, 'cpu', 'off').packed_bytes and not off.packed

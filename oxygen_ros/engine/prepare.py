@@ -103,7 +103,9 @@ class CompilePlan:
              packed_native.ready('oxygen_attention')),
             ('AVX-512 GELU', packed_native.ready('oxygen_activation')),
             ('AMX gate/up with GELU',   # needs the copies beside the weights
-             packed_native.ready('gated_gelu') and not self.packed_in_place)) if on]
+             packed_native.ready('gated_gelu') and not self.packed_in_place),
+            ('plain-weight LM head',   # in place the tied head stays plain (the embedding)
+             packed_native.ready('plain_rows') and self.packed_in_place)) if on]
         kernels = kernels if self.native_kernel else []
         kernel = f'; C++ kernels: {", ".join(kernels)}' if kernels else ''
         packed = (f'; {where} ({self.packed_bytes / 2**20:.0f} MB)'

@@ -280,6 +280,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool,
     return _packed_matmul(x, copy, weight.shape[0], bias)
 
 
+PLAIN_ROWS = 2   # rows plain_linear reads a weight once for (packed_linear.cpp kPlainRows)
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Return x [..., K] @ weight [N, K]^T for a plain bf16 weight with no packed copy.
+
+    Up to PLAIN_ROWS rows read it where it lies through the C++ kernel (packed_linear.cpp
+    plain_rows, AVX512-BF16): full pi05's tied LM head, 1 GB that is also the embedding, in
+    ~39 ms against ATen's ~50 (2 threads, AMD EPYC). Elsewhere (more rows, another dtype or
+    device, a gradient, a traced pass, the library not loaded) F.linear.
+    """
+    if (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == 'cpu'
+            and x.numel() <= PLAIN_ROWS * x.shape[-1] and weight.shape[1] % 32 == 0
+            and weight.is_contiguous() and packed_native.ready('plain_rows')
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return torch.ops.oxygen_packed_native.plain_rows(x, weight)
+    return F.linear(x, weight)
+
+
 def use_native_kernel(cache_dir) -> str | None:
     """Build (once, cached in cache_dir) and load the op's C++ kernel; None, or why not.
 

@@ -388,6 +388,134 @@ at::Tensor small_rows_matmul(const at::Tensor& x, int64_t M, const at::Tensor& p
   return out;
 }
 
+// --------------------------------------------------- few rows on a plain weight, in place
+// out[M, N] = x[M, K] @ w[N, K]^T reading w where it lies, row-major: each output is a dot
+// product of a weight row with a row of x, 32 of K a vdpbf16ps, summed across lanes at the
+// end. For a weight that has no packed copy and should not get one: full pi05's tied LM head
+// (1 GB, also the embedding), whose plain bf16 GEMV through ATen streams it at about half
+// the bandwidth this kernel reads it at. The weight is read row after row, one sequential
+// stream a thread (rows read side by side, 4 KB apart, share L1 sets and ran at 60%); two
+// chains of sums a row (even and odd chunks of 32) hide vdpbf16ps' latency. Every output
+// adds in that order whatever M, so rows batched give their one-by-one results bit for bit.
+// AMD EPYC (Zen 4), 2 threads, [257152, 2048]: 1 and 2 rows 38-40 ms (26-28 GB/s) against
+// ATen's 45-54; at 4 and 8 rows it fell to 10 and 7 GB/s (ATen 17-19): packed.plain_linear
+// sends it at most kPlainRows rows.
+constexpr int64_t kPlainRows = 2;   // rows of x a pass of the weight serves
+constexpr int64_t kPlainK = 32;     // K per vdpbf16ps
+
+// xs: M rows of x arranged by chunk (plain_rows: chunk c of row m at (c * M + m) * 32)
+template <int M>
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) inline void plain_dot_row(
+    const uint16_t* xs, int64_t K, const uint16_t* w, float* sums) {
+  __m512 even[M], odd[M];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 * kPlainK <= K; k += 2 * kPlainK) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k + kPlainK);
+    const uint16_t* x0 = xs + k * M;   // chunk k / 32: M vectors, then the next chunk's M
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      even[m] = _mm512_dpbf16_ps(even[m], (__m512bh)_mm512_loadu_si512(x0 + m * kPlainK), w0);
+      odd[m] = _mm512_dpbf16_ps(odd[m],
+                                (__m512bh)_mm512_loadu_si512(x0 + (M + m) * kPlainK), w1);
+    }
+  }
+  if (k < K) {   // an odd number of chunks: the last goes to the even chain
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      even[m] = _mm512_dpbf16_ps(even[m],
+                                 (__m512bh)_mm512_loadu_si512(xs + k * M + m * kPlainK), w0);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m]));
+  }
+}
+
+// Weight rows [n0, n1) against M rows of x (arranged) -> out[M, N] (bf16, rounded once), a tile of
+// kPlainTile outputs at a time through fp32 sums on the stack.
+template <int M>
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void plain_rows_range(
+    const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, int64_t n0, int64_t n1,
+    uint16_t* out) {
+  constexpr int64_t kTile = 256;
+  // [output][row]: a row's M sums side by side (kept a row's stride apart, M of them spread
+  // over a 4 KB page and the next loads stalled on them: M = 4 ran at half M = 3's speed)
+  alignas(64) float sums[kTile * M];
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set1_epi32(M),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                             10, 11, 12, 13, 14, 15));
+  for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
+    const int64_t width = std::min(kTile, n1 - t0);
+    for (int64_t n = 0; n < width; ++n) {
+      plain_dot_row<M>(x, K, w + (t0 + n) * K, sums + n * M);
+    }
+    for (int m = 0; m < M; ++m) {
+      for (int64_t c = 0; c < width; c += 16) {
+        const int64_t left = std::min<int64_t>(16, width - c);
+        const __mmask16 keep = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+        const __m512 column = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, lanes,
+                                                       sums + c * M + m, 4);
+        _mm256_mask_storeu_epi16(out + m * N + t0 + c, keep,
+                                 (__m256i)_mm512_cvtneps_pbh(column));
+      }
+    }
+  }
+}
+
+template <int... Ms>
+void dispatch_plain(int64_t rows, const uint16_t* x, int64_t K, const uint16_t* w, int64_t N,
+                    int64_t n0, int64_t n1, uint16_t* out, std::integer_sequence<int, Ms...>) {
+  ((rows == Ms + 1 ? (plain_rows_range<Ms + 1>(x, K, w, N, n0, n1, out), true) : false) ||
+   ...);
+}
+
+// x [..., K] bf16, weight [N, K] bf16 contiguous, K a multiple of 32, on a CPU with
+// AVX512-BF16 -> [..., N] bf16. Threads split the weight's rows: each reads its share once
+// per group of kPlainRows rows of x.
+at::Tensor plain_rows(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(oxygen::has_avx512_bf16(), "plain_rows needs AVX512-BF16, this CPU has none");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "plain_rows: x and weight must be bfloat16, got ", x.scalar_type(), " and ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && x.size(-1) == weight.size(1) &&
+                  weight.size(1) % kPlainK == 0,
+              "plain_rows: weight must be a contiguous [N, K] with K = x's last dim and a "
+              "multiple of ", kPlainK, ", got x ", x.sizes(), ", weight ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const auto rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  auto out = at::empty({M, N}, rows.options());
+  const auto* xd = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // >= 256 KB of weight a task
+  const int64_t grain = std::max<int64_t>(16, (int64_t(256) << 10) / (K * 2));
+  // a group's rows by chunk of 32: rows of x K * 2 bytes apart (4 KB in pi05) share L1 sets
+  // with each other and with the weight's stream, and were read from L2 at every chunk
+  std::vector<uint16_t> arranged(std::min(kPlainRows, M) * K);
+  for (int64_t r0 = 0; r0 < M; r0 += kPlainRows) {
+    const int64_t group = std::min(kPlainRows, M - r0);
+    for (int64_t c = 0; c < K / kPlainK; ++c) {
+      for (int64_t m = 0; m < group; ++m) {
+        std::copy_n(xd + (r0 + m) * K + c * kPlainK, kPlainK,
+                    arranged.data() + (c * group + m) * kPlainK);
+      }
+    }
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+      dispatch_plain(group, arranged.data(), K, w, N, begin, end, o + r0 * N,
+                     std::make_integer_sequence<int, kPlainRows>{});
+    });
+  }
+  return out.view(shape);
+}
+
 // ---------------------------------------------------------------- the registry
 std::mutex registry_lock;
 std::unordered_map<int64_t, Entry> registry;  // key: the plain weight's data pointer
@@ -524,6 +652,7 @@ int64_t entries() {
 TORCH_LIBRARY(oxygen_packed_native, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("gated_gelu(Tensor x, Tensor weight) -> Tensor");
+  m.def("plain_rows(Tensor x, Tensor weight) -> Tensor");
   m.def("gated_calls() -> int", gated_calls);
   m.def("remember(Tensor weight, Tensor packed, bool few_rows=True) -> int", remember);
   m.def("forget(int key) -> ()", forget);
@@ -539,4 +668,5 @@ TORCH_LIBRARY(oxygen_packed_native, m) {
 TORCH_LIBRARY_IMPL(oxygen_packed_native, CPU, m) {
   m.impl("linear", linear);
   m.impl("gated_gelu", gated_gelu);
+  m.impl("plain_rows", plain_rows);
 }

@@ -36,7 +36,7 @@ _loaded: Path | None = None
 # The library's kernels beside the packed linear: op namespace -> [runs on this CPU (its
 # available() op, once loaded), switched on (use_kernel)]
 _KERNELS = {'oxygen_attention': [False, True], 'oxygen_activation': [False, True],
-            'gated_gelu': [False, True]}
+            'gated_gelu': [False, True], 'plain_rows': [False, True]}
 # Whether the attention kernel multiplies on AMX tiles (else vdpbf16ps), once loaded
 _attention_amx = [True]
 
@@ -95,6 +95,8 @@ def load(cache_dir: Path) -> str | None:
             if _KERNELS[space][0]:
                 torch.library.register_fake(name)(fake)
         _KERNELS['gated_gelu'][0] = bool(torch.ops.oxygen_packed_native.small_rows_on_amx())
+        _KERNELS['plain_rows'][0] = bool(
+            torch.ops.oxygen_packed_native.small_rows_available())   # AVX512-BF16
         _attention_amx[0] = bool(torch.ops.oxygen_attention.on_amx())
         return None
 
@@ -181,8 +183,9 @@ def ready(kernel: str) -> bool:
     """Whether `kernel` runs: the library loaded, the CPU has what it needs, switched on.
 
     kernel: 'oxygen_attention' (AVX512-BF16; AMX tiles where the CPU has them),
-    'oxygen_activation' (AVX512-BF16) or
-    'gated_gelu' (packed_linear.cpp's gate/up with the gated GELU in one pass: AMX-BF16).
+    'oxygen_activation' (AVX512-BF16),
+    'gated_gelu' (packed_linear.cpp's gate/up with the gated GELU in one pass: AMX-BF16) or
+    'plain_rows' (packed_linear.cpp's few rows on a plain weight: AVX512-BF16).
     A plain bool, so a traced pass asks it without a graph break.
     """
     available, on = _KERNELS[kernel]

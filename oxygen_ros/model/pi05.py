@@ -51,7 +51,7 @@ from . import rtc
 from .compiled import CompiledFunction
 from .config import Pi05Config
 from .gemma import attention, attention_two_blocks, GemmaModel, key_bias, rope_table, take_rows
-from .packed import linear, PACKED
+from .packed import linear, PACKED, plain_linear
 from .pages import release_unused_pages
 from .siglip import MultiModalProjector, SiglipVisionTower
 
@@ -688,9 +688,16 @@ class Pi05Model(nn.Module):
 
     # -------------------------------------------------------------------- text
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head: [B, W] final-normed hidden -> float32 logits [B, V]."""
+        """Tied LM head: [B, W] final-normed hidden -> float32 logits [B, V].
+
+        Packed beside the embedding where the passes compile; plain otherwise (pi05 packed in
+        place: a copy would be 1 GB), read in place by plain_linear's kernel.
+        """
         embed = self.backbone.embed_tokens.weight
-        return linear(hidden.to(embed.dtype), embed, self._lm_head_packed).float()
+        x = hidden.to(embed.dtype)
+        if self._lm_head_packed:
+            return linear(x, embed, True).float()
+        return plain_linear(x, embed).float()
 
     @torch.no_grad()
     def decode_step(self, kv: KVTensors, slots: torch.Tensor, prefix_valid: torch.Tensor,
