@@ -42,6 +42,7 @@
 
 #include "cpu_features.h"
 #include "fast_exp.h"
+#include "pair_dot.h"
 
 namespace {
 
@@ -476,27 +477,9 @@ template <int M, int NB>
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void scores_dp_block(
     const uint16_t* q_rows, const Keys& keys, int64_t b0, float* scores) {
   const int64_t width = keys.chunks * kChunk, P = keys.dim / 2;
-  const auto* q_pairs = reinterpret_cast<const int32_t*>(q_rows);  // q[m][2p..2p+1] as one
-  const uint16_t* kp = keys.k_pairs.data() + b0 * kKeys * keys.dim;
   __m512 acc[M][NB];
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) {
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
-  }
-  for (int64_t p = 0; p < P; ++p) {
-    __m512bh kv[NB];
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) {
-      kv[j] = (__m512bh)_mm512_loadu_si512(kp + (j * P + p) * 2 * kKeys);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m512bh qv = (__m512bh)_mm512_set1_epi32(q_pairs[m * P + p]);
-#pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], qv, kv[j]);
-    }
-  }
+  oxygen::pair_dot<M, NB>(reinterpret_cast<const int32_t*>(q_rows),
+                          keys.k_pairs.data() + b0 * kKeys * keys.dim, P, acc);
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) {
 #pragma GCC unroll 8

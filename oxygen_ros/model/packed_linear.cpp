@@ -36,6 +36,7 @@
 
 #include "cpu_features.h"
 #include "fast_exp.h"
+#include "pair_dot.h"
 
 namespace {
 
@@ -118,32 +119,9 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void small_rows_
     const uint16_t* x, int64_t K, const uint16_t* pairs, int64_t b0, int64_t N,
     uint16_t* out) {
   const int64_t P = K / 2;
-  const int32_t* x_pairs = reinterpret_cast<const int32_t*>(x);  // x[m][2p..2p+1] as one
-  __m512 acc[M][NB];  // all in registers: the loops over m and j unroll
-#pragma GCC unroll 16
-  for (int m = 0; m < M; ++m) {
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) {
-      acc[m][j] = _mm512_setzero_ps();
-    }
-  }
-  const uint16_t* w = pairs + b0 * P * 2 * kBlock;
-  for (int64_t p = 0; p < P; ++p) {
-    __m512bh wv[NB];
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) {
-      wv[j] = (__m512bh)_mm512_loadu_si512(w + (j * P + p) * 2 * kBlock);
-    }
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) {
-      // broadcast straight from memory (an embedded {1to16}), not through a register
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x_pairs[m * P + p]);
-#pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j) {
-        acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
-      }
-    }
-  }
+  __m512 acc[M][NB];
+  oxygen::pair_dot<M, NB>(reinterpret_cast<const int32_t*>(x), pairs + b0 * P * 2 * kBlock, P,
+                          acc);
   for (int j = 0; j < NB; ++j) {
     const int64_t col = (b0 + j) * kBlock;
     const int64_t width = std::min<int64_t>(kBlock, N - col);

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ('packed_linear.cpp', 'attention_kernel.cpp', 'activation_kernel.cpp'))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ('cpu_features.h', 'fast_exp.h'))
+HEADERS = tuple(Path(__file__).with_name(name)
+                for name in ('cpu_features.h', 'fast_exp.h', 'pair_dot.h'))
 BUILD_TIMEOUT_S = 300
 _lock = threading.Lock()
 _loaded: Path | None = None
