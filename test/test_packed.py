@@ -263,8 +263,8 @@ def test_few_row_kernel_rounds_like_onednn_and_keeps_rows_batch_invariant():
 def test_plain_weight_kernel_reads_in_place_within_bf16_and_keeps_rows_batch_invariant():
     """The few-row kernel on a plain weight (pi05's tied LM head, packed in place): within one
     bf16 step of the float32 product, an odd count of 32-wide chunks handled, each row of a
-    batch (several passes past two rows) equal bit for bit to that row alone; plain_linear
-    sends it at most two rows and F.linear the rest; bad inputs refused with the reason."""
+    batch (several passes past four rows) equal bit for bit to that row alone; plain_linear
+    sends it at most four rows and F.linear more; bad inputs refused with the reason."""
     ops = native_kernel()
     assert packed_native.ready('plain_rows')
     for n, k in ((1000, 64), (257, 2048), (33, 96)):
@@ -277,8 +277,9 @@ def test_plain_weight_kernel_reads_in_place_within_bf16_and_keeps_rows_batch_inv
         rows_alone = torch.cat([ops.plain_rows(x[i:i + 1], weight) for i in range(5)])
         assert torch.equal(got, rows_alone), (n, k)
         assert torch.equal(ops.plain_rows(x[:4].view(2, 2, k), weight), got[:4].view(2, 2, n))
-        assert torch.equal(plain_linear(x[:2], weight), got[:2])
-        assert torch.equal(plain_linear(x[:3], weight), F.linear(x[:3], weight))
+        assert torch.equal(ops.plain_rows(x[:, ::1].t().contiguous().t(), weight), got)
+        assert torch.equal(plain_linear(x[:4], weight), got[:4])
+        assert torch.equal(plain_linear(x, weight), F.linear(x, weight))
     with pytest.raises(RuntimeError, match='multiple of 32'):
         ops.plain_rows(torch.randn(1, 48, dtype=BF16), torch.randn(8, 48, dtype=BF16))
     with pytest.raises(RuntimeError, match='must be bfloat16'):

@@ -375,11 +375,16 @@ at::Tensor small_rows_matmul(const at::Tensor& x, int64_t M, const at::Tensor& p
 // stream a thread (rows read side by side, 4 KB apart, share L1 sets and ran at 60%); two
 // chains of sums a row (even and odd chunks of 32) hide vdpbf16ps' latency. Every output
 // adds in that order whatever M, so rows batched give their one-by-one results bit for bit.
-// AMD EPYC (Zen 4), 2 threads, [257152, 2048]: 1 and 2 rows 38-40 ms (26-28 GB/s) against
-// ATen's 45-54; at 4 and 8 rows it fell to 10 and 7 GB/s (ATen 17-19): packed.plain_linear
-// sends it at most kPlainRows rows.
-constexpr int64_t kPlainRows = 2;   // rows of x a pass of the weight serves
+// AMD EPYC (Zen 4), 2 threads, [257152, 2048]: 1 to 4 rows 39-52 ms against ATen's 52-70;
+// from 5 rows on no faster than ATen (8 rows 87-93 vs 63-75 ms): packed.plain_linear sends
+// it at most kPlainRows rows (more run in passes of kPlainRows, each reading the weight).
+constexpr int64_t kPlainRows = 4;   // rows of x a pass of the weight serves
 constexpr int64_t kPlainK = 32;     // K per vdpbf16ps
+// From 3 rows of x on, a row's products take long enough that the hardware's prefetch fell
+// behind the stream (4 rows: 117 ms where 1 row took 43): the weight 4 rows ahead is asked
+// into L2 (past the last row it names no data: a prefetch never faults). Fewer rows run
+// faster without (the hint cost 1 row ~20%).
+constexpr int64_t kAheadRows = 4;
 
 // xs: M rows of x arranged by chunk (plain_rows: chunk c of row m at (c * M + m) * 32)
 template <int M>
@@ -390,6 +395,11 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) inline void plai
   for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 2 * kPlainK <= K; k += 2 * kPlainK) {
+    if constexpr (M >= 3) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * K + k), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * K + k + kPlainK),
+                   _MM_HINT_T1);
+    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k + kPlainK);
     const uint16_t* x0 = xs + k * M;   // chunk k / 32: M vectors, then the next chunk's M
@@ -414,15 +424,14 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) inline void plai
   }
 }
 
-// Weight rows [n0, n1) against M rows of x (arranged) -> out[M, N] (bf16, rounded once), a tile of
-// kPlainTile outputs at a time through fp32 sums on the stack.
+// Weight rows [n0, n1) against M rows of x (arranged) -> out[M, N] (bf16, rounded once), kTile
+// outputs at a time through fp32 sums on the stack.
 template <int M>
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void plain_rows_range(
     const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, int64_t n0, int64_t n1,
     uint16_t* out) {
   constexpr int64_t kTile = 256;
-  // [output][row]: a row's M sums side by side (kept a row's stride apart, M of them spread
-  // over a 4 KB page and the next loads stalled on them: M = 4 ran at half M = 3's speed)
+  // [output][row]: a weight row's M sums side by side (one store each, near each other)
   alignas(64) float sums[kTile * M];
   const __m512i lanes = _mm512_mullo_epi32(_mm512_set1_epi32(M),
                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
@@ -475,8 +484,8 @@ at::Tensor plain_rows(const at::Tensor& x, const at::Tensor& weight) {
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   // >= 256 KB of weight a task
   const int64_t grain = std::max<int64_t>(16, (int64_t(256) << 10) / (K * 2));
-  // a group's rows by chunk of 32: rows of x K * 2 bytes apart (4 KB in pi05) share L1 sets
-  // with each other and with the weight's stream, and were read from L2 at every chunk
+  // a group's rows by chunk of 32, the M vectors a chunk's products read side by side (rows
+  // of x K * 2 bytes apart, 4 KB in pi05, would share L1 sets with each other)
   std::vector<uint16_t> arranged(std::min(kPlainRows, M) * K);
   for (int64_t r0 = 0; r0 < M; r0 += kPlainRows) {
     const int64_t group = std::min(kPlainRows, M - r0);
