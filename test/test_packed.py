@@ -24,6 +24,7 @@ from oxygen_ros.model import packed_native
 from oxygen_ros.model.compiled import cxx_compiler, use_persistent_cache
 from oxygen_ros.model.packed import (linear, PACKED, packing_unavailable_reason, plain_linear,
                                      use_native_kernel)
+from oxygen_ros.model.pi05 import greedy_ids
 
 TINY = get_preset('tiny')
 BF16 = torch.bfloat16
@@ -131,6 +132,7 @@ def test_compiled_packed_decode_equals_eager_without_graph_breaks(native, monkey
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
     code = explanation.graphs[0].code
     assert ('oxygen_packed_native.linear' in code) is native
+    assert ('row_argmax' in code) == packed_native.ready('row_argmax')   # the greedy ids
     assert ('oxygen_packed.linear' in code) is not native
     eager = model._decode_layers(*args)
     _, config = prepare.compile_settings('cpu')
@@ -286,6 +288,33 @@ def test_plain_weight_kernel_reads_in_place_within_bf16_and_keeps_rows_batch_inv
         ops.plain_rows(torch.randn(1, 64), torch.randn(8, 64))
     assert plain_linear(torch.randn(1, 48, dtype=BF16), torch.randn(8, 48, dtype=BF16)
                         ).shape == (1, 8)   # F.linear
+
+
+@torch.no_grad()
+def test_greedy_ids_are_torchs_argmax_with_ties_infinities_and_nan():
+    """The decode step's greedy ids (C++ row_argmax where the CPU has AVX-512): torch.argmax's
+    answer for any width, ties (the first index, within a lane and across lanes), rows of
+    -inf, +inf, NaN (the first NaN, as torch) and strided rows; bad input refused."""
+    ops = native_kernel()
+    if not packed_native.ready('row_argmax'):
+        pytest.skip('no AVX-512: the decode step keeps torch.argmax')
+    gen = torch.Generator().manual_seed(0)
+    for B, V in ((1, 16384), (8, 16384), (3, 17), (2, 1), (4, 100)):
+        x = torch.randn(B, V, generator=gen)
+        assert torch.equal(ops.row_argmax(x), x.argmax(-1)), (B, V)
+    x = torch.zeros(6, 40)
+    x[0, [5, 21, 37]] = 3.0          # across lanes and chunks
+    x[1, [3, 19]] = 2.0              # one lane, two chunks
+    x[2] = float('-inf')
+    x[3, 30] = float('inf')
+    x[4, [9, 33]] = float('nan')
+    x[5, 39] = 1.0                   # in the tail past the last whole 16
+    assert torch.equal(ops.row_argmax(x), x.argmax(-1))
+    assert torch.equal(greedy_ids(x), x.argmax(-1))
+    strided = torch.randn(4, 64, generator=gen)[:, ::2]
+    assert torch.equal(ops.row_argmax(strided), strided.argmax(-1))
+    with pytest.raises(RuntimeError, match='float32'):
+        ops.row_argmax(torch.randn(2, 8, dtype=BF16))
 
 
 @pytest.mark.skipif(not cpu_has_amx_bf16(), reason='no AMX-BF16: vdpbf16ps serves the few '

@@ -37,7 +37,8 @@ _loaded: Path | None = None
 # The library's kernels beside the packed linear: op namespace -> [runs on this CPU (its
 # available() op, once loaded), switched on (use_kernel)]
 _KERNELS = {'oxygen_attention': [False, True], 'oxygen_activation': [False, True],
-            'gated_gelu': [False, True], 'plain_rows': [False, True]}
+            'gated_gelu': [False, True], 'plain_rows': [False, True],
+            'row_argmax': [False, True]}
 # Whether the attention kernel multiplies on AMX tiles (else vdpbf16ps), once loaded
 _attention_amx = [True]
 
@@ -98,6 +99,9 @@ def load(cache_dir: Path) -> str | None:
         _KERNELS['gated_gelu'][0] = bool(torch.ops.oxygen_packed_native.small_rows_on_amx())
         _KERNELS['plain_rows'][0] = bool(
             torch.ops.oxygen_packed_native.small_rows_available())   # AVX512-BF16
+        _KERNELS['row_argmax'][0] = bool(torch.ops.oxygen_packed_native.row_argmax_available())
+        if _KERNELS['row_argmax'][0]:
+            torch.library.register_fake('oxygen_packed_native::row_argmax')(_argmax_fake)
         _attention_amx[0] = bool(torch.ops.oxygen_attention.on_amx())
         return None
 
@@ -186,7 +190,8 @@ def ready(kernel: str) -> bool:
     kernel: 'oxygen_attention' (AVX512-BF16; AMX tiles where the CPU has them),
     'oxygen_activation' (AVX512-BF16),
     'gated_gelu' (packed_linear.cpp's gate/up with the gated GELU in one pass: AMX-BF16) or
-    'plain_rows' (packed_linear.cpp's few rows on a plain weight: AVX512-BF16).
+    'plain_rows' (packed_linear.cpp's few rows on a plain weight: AVX512-BF16) or
+    'row_argmax' (packed_linear.cpp's greedy ids from float32 logits: AVX-512).
     A plain bool, so a traced pass asks it without a graph break.
     """
     available, on = _KERNELS[kernel]
@@ -217,6 +222,10 @@ def use_kernel(kernel: str, on: bool) -> bool:
 def _attention_fake(q, k, v, key_bias, k2=None, v2=None, key_bias2=None, index=None,
                     index2=None):
     return q.new_empty(q.shape)
+
+
+def _argmax_fake(x):
+    return x.new_empty(x.shape[0], dtype=torch.long)
 
 
 def _gelu_fake(x, up):
