@@ -189,7 +189,7 @@ def ready(kernel: str) -> bool:
 
     kernel: 'oxygen_attention' (AVX512-BF16; AMX tiles where the CPU has them),
     'oxygen_activation' (AVX512-BF16),
-    'gated_gelu' (packed_linear.cpp's gate/up with the gated GELU in one pass: AMX-BF16) or
+    'gated_gelu' (packed_linear.cpp's gate/up with the gated GELU in one pass: AMX-BF16),
     'plain_rows' (packed_linear.cpp's few rows on a plain weight: AVX512-BF16) or
     'row_argmax' (packed_linear.cpp's greedy ids from float32 logits: AVX-512).
     A plain bool, so a traced pass asks it without a graph break.
