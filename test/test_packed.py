@@ -279,7 +279,7 @@ def test_plain_weight_kernel_reads_in_place_within_bf16_and_keeps_rows_batch_inv
         rows_alone = torch.cat([ops.plain_rows(x[i:i + 1], weight) for i in range(5)])
         assert torch.equal(got, rows_alone), (n, k)
         assert torch.equal(ops.plain_rows(x[:4].view(2, 2, k), weight), got[:4].view(2, 2, n))
-        assert torch.equal(ops.plain_rows(x[:, ::1].t().contiguous().t(), weight), got)
+        assert torch.equal(ops.plain_rows(x.t().contiguous().t(), weight), got)
         assert torch.equal(plain_linear(x[:4], weight), got[:4])
         assert torch.equal(plain_linear(x, weight), F.linear(x, weight))
     with pytest.raises(RuntimeError, match='multiple of 32'):

@@ -10,14 +10,19 @@
 
 namespace oxygen {
 
-// AVX-512 with its bf16 instructions (vdpbf16ps, vcvtne2ps2bf16) and the byte/word and
-// 128/256-bit forms the kernels' masked loads and stores use: Cooper Lake, Sapphire Rapids
-// and later Xeons, AMD Zen 4.
-inline bool has_avx512_bf16() {
+// AVX-512 with the byte/word and 128/256-bit forms the kernels' masked loads and stores use
+// (Skylake-SP and later Xeons, AMD Zen 4).
+inline bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512bf16");
+                          __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+
+// has_avx512 and its bf16 instructions (vdpbf16ps, vcvtne2ps2bf16): Cooper Lake, Sapphire
+// Rapids and later Xeons, AMD Zen 4.
+inline bool has_avx512_bf16() {
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512bf16");
   return yes;
 }
 

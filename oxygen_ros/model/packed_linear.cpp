@@ -534,9 +534,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t argmax_row(const fl
   }
   const float top = _mm512_reduce_max_ps(best);
   const __mmask16 tops = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-  // the smallest index among the lanes holding the best; a row of -inf (no lane moved) is 0
+  // the smallest index among the lanes holding the best; a row of -inf (no lane moved: -1) is 0
   const int first = _mm512_mask_reduce_min_epi32(tops, where);
-  return first < 0 || top == -INFINITY ? 0 : first;
+  return first < 0 ? 0 : first;
 }
 
 at::Tensor row_argmax(const at::Tensor& x) {
@@ -553,9 +553,7 @@ at::Tensor row_argmax(const at::Tensor& x) {
   return out;
 }
 
-bool row_argmax_available() { return __builtin_cpu_supports("avx512f") &&
-                                     __builtin_cpu_supports("avx512bw") &&
-                                     __builtin_cpu_supports("avx512vl"); }
+bool row_argmax_available() { return oxygen::has_avx512(); }
 
 // ---------------------------------------------------------------- the registry
 std::mutex registry_lock;
