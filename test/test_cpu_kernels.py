@@ -427,6 +427,44 @@ def test_kernels_serve_threads_at_once():
     assert not wrong, wrong[:5]
 
 
+@torch.no_grad()
+def test_kernels_split_their_work_across_torchs_threads():
+    """The library runs its tasks on torch's threads (it is built with OpenMP: without it
+    at::parallel_for's region compiled away and every kernel ran on one thread at any
+    torch.get_num_threads()), and two threads give one thread's results bit for bit: the
+    attention's workers read the caller's arranged keys, each kernel splits rows or columns
+    only."""
+    attention = kernel()
+    ops = torch.ops.oxygen_packed_native
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 1, 300, 32, generator=g).to(BF16)     # 2 x 10 row blocks: 20 tasks
+    k = torch.randn(2, 1, 555, 32, generator=g).to(BF16)
+    v = torch.randn(2, 1, 555, 32, generator=g).to(BF16)
+    x = torch.randn(300, 512, generator=g).to(BF16)
+    weight = torch.randn(4096, 256, generator=g).to(BF16)    # 2 MB: past one task's grain
+    rows = torch.randn(3, 256, generator=g).to(BF16)
+    PACKED.pack(weight)
+
+    def results():
+        out = [attention.attention(q, k, v, None), ops.plain_rows(rows, weight),
+               ops.linear(rows, weight)]
+        if packed_native.ready('oxygen_activation'):
+            out.append(torch.ops.oxygen_activation.gelu_tanh(x, x))
+        return out
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert ops.parallel_threads() == 1
+        alone = results()
+        torch.set_num_threads(2)
+        assert ops.parallel_threads() == 2, 'the kernels run on one thread: built without OpenMP'
+        for one, two in zip(alone, results()):
+            assert torch.equal(one, two)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def gated():
     """The packed linear's op namespace where its gate/up with the gated GELU runs (AMX)."""
     library()

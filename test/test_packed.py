@@ -290,6 +290,65 @@ def test_plain_weight_kernel_reads_in_place_within_bf16_and_keeps_rows_batch_inv
                         ).shape == (1, 8)   # F.linear
 
 
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason='no AVX512-BF16: oneDNN serves the few '
+                    'rows of a copy packed in place')
+@torch.no_grad()
+def test_few_rows_read_onednns_copy_in_place_within_bf16_where_its_layout_is_known():
+    """A weight packed in place (full pi05's backbone) has only oneDNN's copy: where that
+    copy's layout is the one blocked_rows knows (checked against the plain values, every
+    element, at pack time), 1-4 rows read it where it lies, within one bf16 step of float32,
+    each row equal alone and batched, two threads equal one; 5 rows, a bias, or a layout that
+    does not match go to oneDNN; bad inputs are refused with the reason."""
+    ops = native_kernel()
+    assert packed_native.ready('blocked_rows')
+    threads = torch.get_num_threads()
+    for n, k in ((128, 64), (320, 96), (2048, 256)):
+        weight = torch.randn(n, k, dtype=BF16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        # the check compares values: the same copy against other values says no
+        assert not ops.blocked_layout_matches(weight.flip(0).contiguous(), packed)
+        if not ops.blocked_layout_matches(weight, packed):
+            continue   # oneDNN chose another layout here: packed.linear keeps oneDNN's product
+        x = torch.randn(4, k, dtype=BF16)
+        want = x.float() @ weight.float().t()
+        got = ops.blocked_rows(x, packed, n)
+        step = want.abs() * 2.0 ** -7 + 1e-3 * want.abs().max()   # sums of k in fp32, rounded
+        assert ((got.float() - want).abs() <= step).all(), (n, k)
+        assert torch.equal(torch.cat([ops.blocked_rows(x[i:i + 1], packed, n) for i in range(4)]),
+                           got), (n, k)
+        assert torch.equal(ops.blocked_rows(x.view(2, 2, k), packed, n), got.view(2, 2, n))
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(ops.blocked_rows(x, packed, n), got)
+            torch.set_num_threads(2)
+            assert torch.equal(ops.blocked_rows(x, packed, n), got)
+        finally:
+            torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match='takes 1 to 4 rows'):
+        ops.blocked_rows(torch.randn(5, 64, dtype=BF16), packed, 2048)
+    with pytest.raises(RuntimeError, match='must be bfloat16'):
+        ops.blocked_rows(torch.randn(1, 256), packed, 2048)
+
+    # through packed.linear: a layer packed in place
+    layer = torch.nn.Linear(256, 2048, bias=False).to(BF16)
+    plain = layer.weight.detach().clone()
+    PACKED.pack_in_place(layer, 'weight')
+    entry = PACKED.entry(layer.weight)
+    assert entry.blocked_rows == ops.blocked_layout_matches(plain, entry.packed)
+    for rows in (1, 4, 5):
+        x = torch.randn(rows, 256, dtype=BF16)
+        got = linear(x, layer.weight, True)
+        onednn = torch.ops.mkldnn._linear_pointwise(x, entry.packed, None, 'none', [], '')
+        if entry.blocked_rows and rows <= 4:
+            assert torch.equal(got, ops.blocked_rows(x, entry.packed, 2048))
+        else:
+            assert torch.equal(got, onednn)
+    bias = torch.randn(2048, dtype=BF16)
+    x = torch.randn(1, 256, dtype=BF16)
+    assert torch.equal(linear(x, layer.weight, True, bias),
+                       torch.ops.mkldnn._linear_pointwise(x, entry.packed, bias, 'none', [], ''))
+
+
 @torch.no_grad()
 def test_greedy_ids_are_torchs_argmax_with_ties_infinities_and_nan():
     """The decode step's greedy ids (C++ row_argmax where the CPU has AVX-512): torch.argmax's
@@ -549,6 +608,13 @@ def test_prepare_packs_in_place_above_the_compile_range(monkeypatch):
         # the tied LM head stays plain (the embedding) and is read in place by its kernel
         plain_head = packed_native.ready('plain_rows')
         assert ('plain-weight LM head' in plan.describe()) == plain_head
+        # the backbone's and expert's copies a decode step's rows read in C++, where oneDNN
+        # laid them out as blocked_rows reads (test_few_rows_read_onednns_copy_... checks it)
+        readable = PACKED.blocked_rows_copies(model.parameters())
+        assert plan.blocked_rows_copies == readable
+        assert ('few rows on the packed copies' in plan.describe()) == (readable > 0)
+        if not packed_native.ready('blocked_rows'):
+            assert readable == 0
         if plain_head:
             hidden = torch.randn(1, TINY.backbone.width, dtype=BF16)
             embed = model.backbone.embed_tokens.weight

@@ -39,7 +39,7 @@ import torch
 
 from oxygen_ros.model import packed_native
 from oxygen_ros.model.compiled import unavailable_reason, use_persistent_cache
-from oxygen_ros.model.packed import packing_unavailable_reason, use_native_kernel
+from oxygen_ros.model.packed import PACKED, packing_unavailable_reason, use_native_kernel
 from oxygen_ros.model.pages import release_unused_pages
 from oxygen_ros.model.pi05 import Pi05Model
 
@@ -66,6 +66,7 @@ class CompilePlan:
     packed_bytes: int = 0               # weights prepacked for oneDNN (model/packed.py)
     packed_in_place: bool = False       # the packed copies replaced the plain weights
     native_kernel: bool = False         # packed_native's C++ library is loaded (its kernels)
+    blocked_rows_copies: int = 0        # in-place copies a decode step's rows read in C++
 
     def __post_init__(self):
         if self.prefill is None:
@@ -105,7 +106,9 @@ class CompilePlan:
             ('AMX gate/up with GELU',   # needs the copies beside the weights
              packed_native.ready('gated_gelu') and not self.packed_in_place),
             ('plain-weight LM head',   # in place the tied head stays plain (the embedding)
-             packed_native.ready('plain_rows') and self.packed_in_place)) if on]
+             packed_native.ready('plain_rows') and self.packed_in_place),
+            ('few rows on the packed copies',   # where oneDNN's layout is the one it reads
+             self.blocked_rows_copies > 0)) if on]
         kernels = kernels if self.native_kernel else []
         kernel = f'; C++ kernels: {", ".join(kernels)}' if kernels else ''
         packed = (f'; {where} ({self.packed_bytes / 2**20:.0f} MB)'
@@ -219,6 +222,7 @@ def prepare_model(model: Pi05Model, device: str, setting: str = 'auto',
         if in_place:
             plan.packed_bytes = model.pack_linears(in_place=True)
             plan.packed_in_place = True
+            plan.blocked_rows_copies = PACKED.blocked_rows_copies(model.parameters())
         else:
             plan.packed_bytes = model.pack_linears(expert=plan.denoise and plan.native_kernel)
     mode, config = compile_settings(device)

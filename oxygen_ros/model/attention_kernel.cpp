@@ -724,7 +724,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   call_count.fetch_add(1, std::memory_order_relaxed);
   auto out = at::empty({B, G, R, D}, q.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  thread_local std::vector<Keys> keys;  // this caller's; the workers below only read them
+  // The caller's arranged keys, kept between calls. A thread_local named inside the workers'
+  // lambda would be each worker's own (empty) one, so they read them through this reference.
+  thread_local std::vector<Keys> kept;
+  std::vector<Keys>& keys = kept;
   if (static_cast<int64_t>(keys.size()) < B * G) keys.resize(B * G);
   for (int64_t bg = 0; bg < B * G; ++bg) {
     const int64_t b = bg / G, g = bg % G;

@@ -79,6 +79,7 @@ class _Entry:
     packed: torch.Tensor         # oneDNN-blocked copy (an mkldnn tensor)
     native: bool = False         # also in the C++ kernel's registry (same key)
     few_rows: bool = True        # the C++ kernel keeps its few-row copy too
+    blocked_rows: bool = False   # in place, and blocked_rows reads the copy (layout checked)
 
     def matches(self, weight: torch.Tensor) -> bool:
         """Say whether `weight` is the tensor packed, unchanged (no view, no in-place write)."""
@@ -129,14 +130,18 @@ class PackedLinears:
         """
         weight = getattr(module, name)
         packed = reorder(weight)
+        # checked against the plain values while they exist (a read of both, ~0.1 s a GB)
+        blocked = (packed_native.ready('blocked_rows')
+                   and torch.ops.oxygen_packed_native.blocked_layout_matches(weight, packed))
         release(module, name)
-        return self._add(getattr(module, name), packed)
+        return self._add(getattr(module, name), packed, blocked_rows=blocked)
 
-    def _add(self, weight: torch.Tensor, packed: torch.Tensor, few_rows: bool = True) -> int:
+    def _add(self, weight: torch.Tensor, packed: torch.Tensor, few_rows: bool = True,
+             blocked_rows: bool = False) -> int:
         # The entry follows the weight itself (a detached alias would die at once).
         key = id(weight) if weight.is_meta else weight.data_ptr()
         entry = _Entry(weakref.ref(weight), tuple(weight.shape), tuple(weight.stride()),
-                       _version(weight), packed, few_rows=few_rows)
+                       _version(weight), packed, few_rows=few_rows, blocked_rows=blocked_rows)
         few_row_bytes = 0   # the C++ kernel's copy for few rows, where it keeps one
         with self._lock:
             self._entries[key] = entry
@@ -165,8 +170,17 @@ class PackedLinears:
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
         """Return the packed copy of `weight`, or None when there is no valid one."""
+        entry = self.entry(weight)
+        return entry.packed if entry is not None else None
+
+    def entry(self, weight: torch.Tensor) -> _Entry | None:
+        """Return the entry of `weight`'s packed copy, or None when there is no valid one."""
         entry = self._entries.get(id(weight) if weight.is_meta else weight.data_ptr())
-        return entry.packed if entry is not None and entry.matches(weight) else None
+        return entry if entry is not None and entry.matches(weight) else None
+
+    def blocked_rows_copies(self, weights) -> int:
+        """Count the `weights` packed in place whose copy blocked_rows reads (layout checked)."""
+        return sum(bool(entry and entry.blocked_rows) for entry in map(self.entry, weights))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -254,6 +268,12 @@ def gated_in_one_pass(x: torch.Tensor, weight: torch.Tensor, packed: bool) -> bo
             and not (torch.is_grad_enabled() and x.requires_grad))
 
 
+# Rows blocked_rows serves (packed_linear.cpp kBlockedRows): full pi05's decode steps on its
+# backbone packed in place. oneDNN's product for 1-4 rows streamed the copy at 17-22 GB/s, the
+# kernel at 24-33 (2 threads, AMD EPYC; docs/bench/phases.md).
+BLOCKED_ROWS = 4
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """Return x [..., K] @ weight [N, K]^T (+ bias [N]), through the packed copy when `packed`.
@@ -266,17 +286,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool,
         if packed_native.loaded():
             return torch.ops.oxygen_packed_native.linear(x, weight, bias)
         return torch.ops.oxygen_packed.linear(x, weight, bias)
-    copy = PACKED.lookup(weight)
-    if copy is None:
+    entry = PACKED.entry(weight)
+    if entry is None:
         if weight.is_meta:
             raise RuntimeError(f'a linear weight {tuple(weight.shape)} was released into its '
                                'packed copy at configure and then changed or dropped: its values '
                                'are gone (build and prepare the model again to change weights)')
         return _packed_linear(x, weight, bias)   # the plain weight, logged once
+    copy = entry.packed
     if x.requires_grad and torch.is_grad_enabled():
         # oneDNN's packed product has no gradient (guided real-time chunking takes one
         # through the expert): the plain values, unpacked again where they were released.
         return F.linear(x, copy.to_dense() if weight.is_meta else weight, bias)
+    if (entry.blocked_rows and bias is None and x.dtype == torch.bfloat16
+            and 0 < x.numel() <= BLOCKED_ROWS * x.shape[-1]
+            and packed_native.ready('blocked_rows')):
+        # a decode step's rows on a copy packed in place: read where it lies (C++ kernel)
+        return torch.ops.oxygen_packed_native.blocked_rows(x, copy, weight.shape[0])
     return _packed_matmul(x, copy, weight.shape[0], bias)
 
 

@@ -134,25 +134,25 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void small_rows_
   }
 }
 
-// All blocks of M rows: NB at a time, then one at a time.
+// Blocks [b0, b1) of M rows: NB at a time, then one at a time (a column's sums are the same
+// either way).
 template <int M>
-void small_rows(const uint16_t* x, int64_t K, const uint16_t* pairs, int64_t N,
-                uint16_t* out) {
+void small_rows(const uint16_t* x, int64_t K, const uint16_t* pairs, int64_t N, int64_t b0,
+                int64_t b1, uint16_t* out) {
   constexpr int NB = M >= 8 ? 1 : (M >= 4 ? 2 : (M >= 2 ? 4 : 8));
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  int64_t b = 0;
-  for (; b + NB <= blocks; b += NB) {
+  int64_t b = b0;
+  for (; b + NB <= b1; b += NB) {
     small_rows_blocks<M, NB>(x, K, pairs, b, N, out);
   }
-  for (; b < blocks; ++b) {
+  for (; b < b1; ++b) {
     small_rows_blocks<M, 1>(x, K, pairs, b, N, out);
   }
 }
 
 template <int... Ms>
 void dispatch_rows(int64_t rows, const uint16_t* x, int64_t K, const uint16_t* pairs, int64_t N,
-                   uint16_t* out, std::integer_sequence<int, Ms...>) {
-  ((rows == Ms + 1 ? (small_rows<Ms + 1>(x, K, pairs, N, out), true) : false) || ...);
+                   int64_t b0, int64_t b1, uint16_t* out, std::integer_sequence<int, Ms...>) {
+  ((rows == Ms + 1 ? (small_rows<Ms + 1>(x, K, pairs, N, b0, b1, out), true) : false) || ...);
 }
 
 // ------------------------------------------------------- the few-row kernel on AMX tiles
@@ -362,7 +362,12 @@ at::Tensor small_rows_matmul(const at::Tensor& x, int64_t M, const at::Tensor& p
   if (runs_amx(M, K)) {
     amx_matmul(xd, static_cast<int>(M), K, w, N, o);
   } else {
-    dispatch_rows(M, xd, K, w, N, o, std::make_integer_sequence<int, kSmallRows>{});
+    // threads split the column blocks, >= 256 KB of weight a task (one thread: no region)
+    const int64_t grain = std::max<int64_t>(8, (int64_t(256) << 10) / (K * kBlock * 2));
+    at::parallel_for(0, (N + kBlock - 1) / kBlock, grain, [&](int64_t begin, int64_t end) {
+      dispatch_rows(M, xd, K, w, N, begin, end, o,
+                    std::make_integer_sequence<int, kSmallRows>{});
+    });
   }
   return out;
 }
@@ -501,6 +506,122 @@ at::Tensor plain_rows(const at::Tensor& x, const at::Tensor& weight) {
                      std::make_integer_sequence<int, kPlainRows>{});
     });
   }
+  return out.view(shape);
+}
+
+// ---------------------------------------- few rows on oneDNN's packed copy, where it lies
+// Full pi05 packs its backbone in place: oneDNN's copy (packed for a prefill's rows) is the
+// only one, with no pair copy for the few-row kernel. oneDNN's own product for a decode step's
+// 1-4 rows streamed it at 17-22 GB/s (its four layer shapes, 2 threads, AMD EPYC); this reads
+// the copy where it lies at 24-33 GB/s when its layout is the one the kernel knows,
+// [N/64][K/2][64][2]: block b's pair p holds w[64b + c][2p], w[64b + c][2p + 1] for c < 64 (a
+// pair layout of 64-column blocks, what oneDNN chose for every pi05 shape on that machine).
+// blocked_layout_matches compares a copy with its plain weight, every element, before the
+// plain one is released (packed.py, at pack time); any other layout stays with oneDNN.
+constexpr int64_t kBlockedCols = 64;   // columns of a block of oneDNN's copy
+constexpr int64_t kBlockedRows = 4;    // rows of x a call serves (packed.py sends no more)
+
+}  // namespace
+
+// weak: AOTInductor's accessors, internal to torch; where a torch lacks them the kernel is off
+namespace at::native {
+__attribute__((weak)) void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor);
+__attribute__((weak)) int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor);
+}  // namespace at::native
+
+namespace {
+
+bool blocked_rows_available() {
+  return oxygen::has_avx512_bf16() && at::native::data_ptr_from_mkldnn != nullptr &&
+         at::native::nbytes_from_mkldnn != nullptr;
+}
+
+// Say whether `packed` (oneDNN's copy of the bf16 weight [N, K]) is laid out as the kernel
+// reads it, element for element.
+bool blocked_layout_matches(const at::Tensor& weight, const at::Tensor& packed) {
+  if (!blocked_rows_available() || !packed.is_mkldnn() || weight.dim() != 2 ||
+      weight.scalar_type() != at::kBFloat16 || !weight.is_contiguous()) {
+    return false;
+  }
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (N % kBlockedCols != 0 || K % 2 != 0 || at::native::nbytes_from_mkldnn(packed) != N * K * 2) {
+    return false;
+  }
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  const auto* c = reinterpret_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
+  std::atomic<bool> same{true};
+  at::parallel_for(0, N / kBlockedCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end && same.load(std::memory_order_relaxed); ++b) {
+      const uint16_t* block = c + b * kBlockedCols * K;
+      for (int64_t p = 0; p < K / 2; ++p) {
+        for (int64_t col = 0; col < kBlockedCols; ++col) {
+          const uint16_t* want = w + (b * kBlockedCols + col) * K + 2 * p;
+          const uint16_t* got = block + (p * kBlockedCols + col) * 2;
+          if (got[0] != want[0] || got[1] != want[1]) same.store(false);
+        }
+      }
+    }
+  });
+  return same.load();
+}
+
+// Blocks [b0, b1) of the copy against M rows of x -> out[M, N] (bf16, rounded once): a block's
+// 64 columns as 4 vectors of 16, each pair's 256 bytes read once for the M rows.
+template <int M>
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void blocked_range(
+    const uint16_t* x, int64_t K, const uint16_t* copy, int64_t N, int64_t b0, int64_t b1,
+    uint16_t* out) {
+  constexpr int NB = kBlockedCols / kBlock;
+  const int64_t P = K / 2;
+  for (int64_t b = b0; b < b1; ++b) {
+    __m512 acc[M][NB];
+    oxygen::pair_dot_steps<M, NB>(reinterpret_cast<const int32_t*>(x),
+                                  copy + b * kBlockedCols * K, P, 2 * kBlock,
+                                  2 * kBlockedCols, acc);
+    for (int m = 0; m < M; ++m) {
+      for (int j = 0; j < NB; ++j) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * N + b * kBlockedCols + j * kBlock),
+                            (__m256i)_mm512_cvtneps_pbh(acc[m][j]));
+      }
+    }
+  }
+}
+
+template <int... Ms>
+void dispatch_blocked(int64_t rows, const uint16_t* x, int64_t K, const uint16_t* copy,
+                      int64_t N, int64_t b0, int64_t b1, uint16_t* out,
+                      std::integer_sequence<int, Ms...>) {
+  ((rows == Ms + 1 ? (blocked_range<Ms + 1>(x, K, copy, N, b0, b1, out), true) : false) || ...);
+}
+
+// x [..., K] bf16 (1..kBlockedRows rows), packed: oneDNN's copy of a weight [N, K] whose
+// layout blocked_layout_matches confirmed -> [..., N] bf16. Threads split the blocks.
+at::Tensor blocked_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(blocked_rows_available(), "blocked_rows needs AVX512-BF16 and torch's mkldnn "
+              "accessors; this CPU or torch has not");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.is_mkldnn(),
+              "blocked_rows: x must be bfloat16 and packed an mkldnn tensor, got ",
+              x.scalar_type(), " and ", packed.layout());
+  const int64_t K = x.size(-1);
+  const auto rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
+  TORCH_CHECK(M >= 1 && M <= kBlockedRows && N % kBlockedCols == 0 && K % 2 == 0 &&
+                  at::native::nbytes_from_mkldnn(packed) == N * K * 2,
+              "blocked_rows: takes 1 to ", kBlockedRows, " rows of an even K against a copy of ",
+              "N x K bf16 with N a multiple of ", kBlockedCols, ", got ", M, " rows, K ", K,
+              ", N ", N, ", copy of ", at::native::nbytes_from_mkldnn(packed), " bytes");
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  auto out = at::empty({M, N}, rows.options());
+  const auto* xd = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+  const auto* c = reinterpret_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // >= 256 KB of weight a task
+  const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / (kBlockedCols * K * 2));
+  at::parallel_for(0, N / kBlockedCols, grain, [&](int64_t begin, int64_t end) {
+    dispatch_blocked(M, xd, K, c, N, begin, end, o,
+                     std::make_integer_sequence<int, kBlockedRows>{});
+  });
   return out.view(shape);
 }
 
@@ -688,6 +809,16 @@ int64_t entries() {
 
 // linear has a CPU kernel (its fake, for tracing, is registered from Python); the
 // bookkeeping ops take any inputs (a packed copy is an mkldnn tensor).
+// Threads at::parallel_for hands the library's tasks to: torch.get_num_threads() where the
+// library was built with OpenMP (packed_native's -fopenmp); built without, the header's
+// parallel region compiles away and every kernel runs on the caller's thread alone.
+int64_t parallel_threads() {
+  std::atomic<int64_t> tasks{0};
+  at::parallel_for(0, at::get_num_threads(), 1,
+                   [&](int64_t, int64_t) { tasks.fetch_add(1, std::memory_order_relaxed); });
+  return tasks.load();
+}
+
 TORCH_LIBRARY(oxygen_packed_native, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("gated_gelu(Tensor x, Tensor weight) -> Tensor");
@@ -704,6 +835,10 @@ TORCH_LIBRARY(oxygen_packed_native, m) {
   m.def("small_rows_on_amx() -> bool", small_rows_on_amx);
   m.def("use_amx_rows(bool on) -> bool", use_amx_rows);
   m.def("small_row_calls() -> int", small_row_calls);
+  m.def("parallel_threads() -> int", parallel_threads);
+  m.def("blocked_rows(Tensor x, Tensor packed, int N) -> Tensor", blocked_rows);
+  m.def("blocked_rows_available() -> bool", blocked_rows_available);
+  m.def("blocked_layout_matches(Tensor weight, Tensor packed) -> bool", blocked_layout_matches);
 }
 
 TORCH_LIBRARY_IMPL(oxygen_packed_native, CPU, m) {

@@ -38,7 +38,7 @@ _loaded: Path | None = None
 # available() op, once loaded), switched on (use_kernel)]
 _KERNELS = {'oxygen_attention': [False, True], 'oxygen_activation': [False, True],
             'gated_gelu': [False, True], 'plain_rows': [False, True],
-            'row_argmax': [False, True]}
+            'blocked_rows': [False, True], 'row_argmax': [False, True]}
 # Whether the attention kernel multiplies on AMX tiles (else vdpbf16ps), once loaded
 _attention_amx = [True]
 
@@ -47,7 +47,11 @@ def _compile_command(compiler: str, source: Path, output: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return ([compiler, '-O2', '-std=c++20', '-fPIC', '-w', f'-D_GLIBCXX_USE_CXX11_ABI={abi}']
+    # -fopenmp: at::parallel_for is a header template that opens its OpenMP region in the
+    # caller's code; compiled without it, every kernel ran on one thread whatever
+    # torch.get_num_threads() said (full pi05's LM head: 26 GB/s at 1 thread or 2).
+    return ([compiler, '-O2', '-std=c++20', '-fPIC', '-w', '-fopenmp',
+             f'-D_GLIBCXX_USE_CXX11_ABI={abi}']
             + [f'-I{path}' for path in cpp_extension.include_paths()]
             + ['-c', str(source), '-o', str(output)])
 
@@ -55,7 +59,9 @@ def _compile_command(compiler: str, source: Path, output: Path) -> list[str]:
 def _link_command(compiler: str, objects: list[Path], output: Path) -> list[str]:
     from torch.utils import cpp_extension
 
-    return ([compiler, '-shared'] + [str(o) for o in objects] + ['-o', str(output)]
+    # -fopenmp links libgomp.so.1 by name: torch's own copy (same soname), already loaded, so
+    # the kernels share torch's thread pool rather than starting a second one.
+    return ([compiler, '-shared', '-fopenmp'] + [str(o) for o in objects] + ['-o', str(output)]
             + [f'-L{path}' for path in cpp_extension.library_paths()]
             + ['-lc10', '-ltorch_cpu', '-ltorch'])
 
@@ -99,6 +105,8 @@ def load(cache_dir: Path) -> str | None:
         _KERNELS['gated_gelu'][0] = bool(torch.ops.oxygen_packed_native.small_rows_on_amx())
         _KERNELS['plain_rows'][0] = bool(
             torch.ops.oxygen_packed_native.small_rows_available())   # AVX512-BF16
+        _KERNELS['blocked_rows'][0] = bool(
+            torch.ops.oxygen_packed_native.blocked_rows_available())
         _KERNELS['row_argmax'][0] = bool(torch.ops.oxygen_packed_native.row_argmax_available())
         if _KERNELS['row_argmax'][0]:
             torch.library.register_fake('oxygen_packed_native::row_argmax')(_argmax_fake)
@@ -190,7 +198,8 @@ def ready(kernel: str) -> bool:
     kernel: 'oxygen_attention' (AVX512-BF16; AMX tiles where the CPU has them),
     'oxygen_activation' (AVX512-BF16),
     'gated_gelu' (packed_linear.cpp's gate/up with the gated GELU in one pass: AMX-BF16),
-    'plain_rows' (packed_linear.cpp's few rows on a plain weight: AVX512-BF16) or
+    'plain_rows' (packed_linear.cpp's few rows on a plain weight: AVX512-BF16),
+    'blocked_rows' (its few rows on oneDNN's packed copy where it lies: AVX512-BF16) or
     'row_argmax' (packed_linear.cpp's greedy ids from float32 logits: AVX-512).
     A plain bool, so a traced pass asks it without a graph break.
     """
