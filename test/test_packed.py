@@ -265,22 +265,31 @@ def test_few_row_kernel_rounds_like_onednn_and_keeps_rows_batch_invariant():
 def test_plain_weight_kernel_reads_in_place_within_bf16_and_keeps_rows_batch_invariant():
     """The few-row kernel on a plain weight (pi05's tied LM head, packed in place): within one
     bf16 step of the float32 product, an odd count of 32-wide chunks handled, each row of a
-    batch (several passes past four rows) equal bit for bit to that row alone; plain_linear
-    sends it at most four rows and F.linear more; bad inputs refused with the reason."""
+    batch (two passes past eight rows) equal bit for bit to that row alone, two threads equal
+    one; plain_linear sends it at most eight rows and F.linear more; bad inputs refused with
+    the reason."""
     ops = native_kernel()
     assert packed_native.ready('plain_rows')
+    threads = torch.get_num_threads()
     for n, k in ((1000, 64), (257, 2048), (33, 96)):
         weight = torch.randn(n, k, dtype=BF16)
-        x = torch.randn(5, k, dtype=BF16)
+        x = torch.randn(9, k, dtype=BF16)
         want = x.float() @ weight.float().t()
         got = ops.plain_rows(x, weight)
         step = want.abs() * 2.0 ** -7 + 1e-3 * want.abs().max()   # sums of k in fp32, rounded
         assert ((got.float() - want).abs() <= step).all(), (n, k)
-        rows_alone = torch.cat([ops.plain_rows(x[i:i + 1], weight) for i in range(5)])
+        rows_alone = torch.cat([ops.plain_rows(x[i:i + 1], weight) for i in range(9)])
         assert torch.equal(got, rows_alone), (n, k)
-        assert torch.equal(ops.plain_rows(x[:4].view(2, 2, k), weight), got[:4].view(2, 2, n))
+        assert torch.equal(ops.plain_rows(x[:8].view(2, 4, k), weight), got[:8].view(2, 4, n))
         assert torch.equal(ops.plain_rows(x.t().contiguous().t(), weight), got)
-        assert torch.equal(plain_linear(x[:4], weight), got[:4])
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(ops.plain_rows(x, weight), got)
+            torch.set_num_threads(2)
+            assert torch.equal(ops.plain_rows(x, weight), got)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(plain_linear(x[:8], weight), got[:8])
         assert torch.equal(plain_linear(x, weight), F.linear(x, weight))
     with pytest.raises(RuntimeError, match='multiple of 32'):
         ops.plain_rows(torch.randn(1, 48, dtype=BF16), torch.randn(8, 48, dtype=BF16))

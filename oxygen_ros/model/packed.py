@@ -306,7 +306,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool,
     return _packed_matmul(x, copy, weight.shape[0], bias)
 
 
-PLAIN_ROWS = 4   # rows plain_linear reads a weight once for (packed_linear.cpp kPlainRows)
+PLAIN_ROWS = 8   # rows plain_linear reads a weight once for (packed_linear.cpp kPlainRows)
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -314,7 +314,7 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     Up to PLAIN_ROWS rows read it where it lies through the C++ kernel (packed_linear.cpp
     plain_rows, AVX512-BF16): full pi05's tied LM head, 1 GB that is also the embedding, in
-    39-52 ms against ATen's 52-70 for 1 to 4 rows (2 threads, AMD EPYC). Elsewhere (more
+    20-46 ms against ATen's 43-62 for 1 to 8 rows (2 threads, AMD EPYC). Elsewhere (more
     rows, another dtype or device, a gradient, a traced pass, the library not loaded)
     F.linear.
     """

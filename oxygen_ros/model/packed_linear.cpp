@@ -381,10 +381,11 @@ at::Tensor small_rows_matmul(const at::Tensor& x, int64_t M, const at::Tensor& p
 // stream a thread (rows read side by side, 4 KB apart, share L1 sets and ran at 60%); two
 // chains of sums a row (even and odd chunks of 32) hide vdpbf16ps' latency. Every output
 // adds in that order whatever M, so rows batched give their one-by-one results bit for bit.
-// AMD EPYC (Zen 4), 2 threads, [257152, 2048]: 1 to 4 rows 39-52 ms against ATen's 52-70;
-// from 5 rows on no faster than ATen (8 rows 87-93 vs 63-75 ms): packed.plain_linear sends
-// it at most kPlainRows rows (more run in passes of kPlainRows, each reading the weight).
-constexpr int64_t kPlainRows = 4;   // rows of x a pass of the weight serves
+// AMD EPYC (Zen 4), 2 threads, [257152, 2048], side by side: 1 to 4 rows 20-33 ms against
+// ATen's 43-62, 5 to 8 rows in one pass 32-46 against 50-62 (in passes of 4 they took 45-65).
+// packed.plain_linear sends it at most kPlainRows rows (more run in passes of kPlainRows,
+// each reading the weight).
+constexpr int64_t kPlainRows = 8;   // rows of x a pass of the weight serves
 constexpr int64_t kPlainK = 32;     // K per vdpbf16ps
 // From 3 rows of x on, a row's products take long enough that the hardware's prefetch fell
 // behind the stream (4 rows: 117 ms where 1 row took 43): the weight 4 rows ahead is asked
