@@ -23,7 +23,9 @@ What packs (Pi05Model.pack_linears, chosen by engine/prepare.py):
   * a model too big to compile (pi05, eager): the vision tower's, the backbone's and the
     expert's layers, in place: the packed copy replaces the plain weight (a meta tensor keeps
     its shape), since a second copy would be gigabytes. Eager `linear` finds it by the tensor
-    itself; a gradient (guided real-time chunking) runs on the values unpacked again.
+    itself; a gradient (guided real-time chunking) runs on the values unpacked again; a
+    decode step's 1-4 rows are read from the copy where it lies by packed_linear.cpp's
+    blocked_rows, where the copy's layout is the one it knows (checked at pack time).
 The vision tower's linears carry a bias: oneDNN adds it inside the product (in float32,
 rounded once), where the plain path's addmm first copied it into the output (pi05's vision
 pass, eager: 464 -> 408 ms side by side; at pi05-cpu's size no change a pass shows).
