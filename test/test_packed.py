@@ -314,10 +314,13 @@ def test_few_rows_read_onednns_copy_in_place_within_bf16_where_its_layout_is_kno
     for n, k in ((128, 64), (320, 96), (2048, 256)):
         weight = torch.randn(n, k, dtype=BF16)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-        # the check compares values: the same copy against other values says no
-        assert not ops.blocked_layout_matches(weight.flip(0).contiguous(), packed)
+        # the check compares values (every element, or three pairs a block): the same copy
+        # against other values says no
+        for full in (True, False):
+            assert not ops.blocked_layout_matches(weight.flip(0).contiguous(), packed, full)
         if not ops.blocked_layout_matches(weight, packed):
             continue   # oneDNN chose another layout here: packed.linear keeps oneDNN's product
+        assert ops.blocked_layout_matches(weight, packed, False)
         x = torch.randn(4, k, dtype=BF16)
         want = x.float() @ weight.float().t()
         got = ops.blocked_rows(x, packed, n)
@@ -344,6 +347,10 @@ def test_few_rows_read_onednns_copy_in_place_within_bf16_where_its_layout_is_kno
     PACKED.pack_in_place(layer, 'weight')
     entry = PACKED.entry(layer.weight)
     assert entry.blocked_rows == ops.blocked_layout_matches(plain, entry.packed)
+    # a second weight of that shape: its copy checked at three pairs a block
+    second = torch.nn.Linear(256, 2048, bias=False).to(BF16)
+    PACKED.pack_in_place(second, 'weight')
+    assert PACKED.entry(second.weight).blocked_rows == entry.blocked_rows
     for rows in (1, 4, 5):
         x = torch.randn(rows, 256, dtype=BF16)
         got = linear(x, layer.weight, True)

@@ -110,6 +110,7 @@ class PackedLinears:
         # its entry check keeps it from touching an entry that took the same key since.
         self._lock = threading.RLock()
         self.python_stale_calls = 0   # Python calls whose weight had no valid packed copy
+        self._layouts: dict[tuple[int, ...], bool] = {}   # shape -> blocked_rows reads it
 
     @property
     def stale_calls(self) -> int:
@@ -132,11 +133,25 @@ class PackedLinears:
         """
         weight = getattr(module, name)
         packed = reorder(weight)
-        # checked against the plain values while they exist (a read of both, ~0.1 s a GB)
-        blocked = (packed_native.ready('blocked_rows')
-                   and torch.ops.oxygen_packed_native.blocked_layout_matches(weight, packed))
+        blocked = self._blocked_layout(weight, packed)   # while the plain values exist
         release(module, name)
         return self._add(getattr(module, name), packed, blocked_rows=blocked)
+
+    def _blocked_layout(self, weight: torch.Tensor, packed: torch.Tensor) -> bool:
+        # oneDNN lays a shape out one way: its first copy is compared with the plain values
+        # in full (~3 GB/s, a third of a second for full pi05's 4 backbone shapes), the
+        # others of that shape at three pairs of every block
+        if not packed_native.ready('blocked_rows'):
+            return False
+        shape = tuple(weight.shape)
+        known = self._layouts.get(shape)
+        if known is False:
+            return False
+        matches = torch.ops.oxygen_packed_native.blocked_layout_matches(
+            weight, packed, full=known is None)
+        if known is None:
+            self._layouts[shape] = matches
+        return matches
 
     def _add(self, weight: torch.Tensor, packed: torch.Tensor, few_rows: bool = True,
              blocked_rows: bool = False) -> int:

@@ -517,8 +517,8 @@ at::Tensor plain_rows(const at::Tensor& x, const at::Tensor& weight) {
 // the copy where it lies at 24-33 GB/s when its layout is the one the kernel knows,
 // [N/64][K/2][64][2]: block b's pair p holds w[64b + c][2p], w[64b + c][2p + 1] for c < 64 (a
 // pair layout of 64-column blocks, what oneDNN chose for every pi05 shape on that machine).
-// blocked_layout_matches compares a copy with its plain weight, every element, before the
-// plain one is released (packed.py, at pack time); any other layout stays with oneDNN.
+// blocked_layout_matches compares a copy with its plain weight before the plain one is
+// released (packed.py, at pack time); any other layout stays with oneDNN.
 constexpr int64_t kBlockedCols = 64;   // columns of a block of oneDNN's copy
 constexpr int64_t kBlockedRows = 4;    // rows of x a call serves (packed.py sends no more)
 
@@ -538,23 +538,28 @@ bool blocked_rows_available() {
 }
 
 // Say whether `packed` (oneDNN's copy of the bf16 weight [N, K]) is laid out as the kernel
-// reads it, element for element.
-bool blocked_layout_matches(const at::Tensor& weight, const at::Tensor& packed) {
+// reads it: every element (full), or every block's first, middle and last pairs (oneDNN lays
+// a shape out one way: packed.py checks a shape's first weight in full, ~3 GB/s).
+bool blocked_layout_matches(const at::Tensor& weight, const at::Tensor& packed, bool full) {
   if (!blocked_rows_available() || !packed.is_mkldnn() || weight.dim() != 2 ||
       weight.scalar_type() != at::kBFloat16 || !weight.is_contiguous()) {
     return false;
   }
   const int64_t N = weight.size(0), K = weight.size(1);
-  if (N % kBlockedCols != 0 || K % 2 != 0 || at::native::nbytes_from_mkldnn(packed) != N * K * 2) {
+  if (N % kBlockedCols != 0 || K % 2 != 0 ||
+      at::native::nbytes_from_mkldnn(packed) != N * K * 2) {
     return false;
   }
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const auto* c = reinterpret_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
+  const int64_t P = K / 2;
+  const int64_t spots[3] = {0, P / 2, P - 1};
   std::atomic<bool> same{true};
   at::parallel_for(0, N / kBlockedCols, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end && same.load(std::memory_order_relaxed); ++b) {
       const uint16_t* block = c + b * kBlockedCols * K;
-      for (int64_t p = 0; p < K / 2; ++p) {
+      for (int64_t i = 0; i < (full ? P : 3); ++i) {
+        const int64_t p = full ? i : spots[i];
         for (int64_t col = 0; col < kBlockedCols; ++col) {
           const uint16_t* want = w + (b * kBlockedCols + col) * K + 2 * p;
           const uint16_t* got = block + (p * kBlockedCols + col) * 2;
@@ -580,8 +585,9 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void blocked_ran
                                   copy + b * kBlockedCols * K, P, 2 * kBlock,
                                   2 * kBlockedCols, acc);
     for (int m = 0; m < M; ++m) {
+      uint16_t* row = out + m * N + b * kBlockedCols;
       for (int j = 0; j < NB; ++j) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * N + b * kBlockedCols + j * kBlock),
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + j * kBlock),
                             (__m256i)_mm512_cvtneps_pbh(acc[m][j]));
       }
     }
@@ -808,8 +814,6 @@ int64_t entries() {
 
 }  // namespace
 
-// linear has a CPU kernel (its fake, for tracing, is registered from Python); the
-// bookkeeping ops take any inputs (a packed copy is an mkldnn tensor).
 // Threads at::parallel_for hands the library's tasks to: torch.get_num_threads() where the
 // library was built with OpenMP (packed_native's -fopenmp); built without, the header's
 // parallel region compiles away and every kernel runs on the caller's thread alone.
@@ -820,6 +824,8 @@ int64_t parallel_threads() {
   return tasks.load();
 }
 
+// linear has a CPU kernel (its fake, for tracing, is registered from Python); the
+// bookkeeping ops take any inputs (a packed copy is an mkldnn tensor).
 TORCH_LIBRARY(oxygen_packed_native, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("gated_gelu(Tensor x, Tensor weight) -> Tensor");
@@ -839,7 +845,8 @@ TORCH_LIBRARY(oxygen_packed_native, m) {
   m.def("parallel_threads() -> int", parallel_threads);
   m.def("blocked_rows(Tensor x, Tensor packed, int N) -> Tensor", blocked_rows);
   m.def("blocked_rows_available() -> bool", blocked_rows_available);
-  m.def("blocked_layout_matches(Tensor weight, Tensor packed) -> bool", blocked_layout_matches);
+  m.def("blocked_layout_matches(Tensor weight, Tensor packed, bool full=True) -> bool",
+        blocked_layout_matches);
 }
 
 TORCH_LIBRARY_IMPL(oxygen_packed_native, CPU, m) {
