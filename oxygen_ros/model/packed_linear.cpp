@@ -113,18 +113,19 @@ at::Tensor pair_layout(const at::Tensor& weight) {
   return padded.view({blocks, kBlock, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// out[M, 16 NB columns from block b0] = x[M, K] @ pairs^T: M rows, NB blocks at once (enough
-// independent accumulators to hide vdpbf16ps' latency when M is small).
+// out[M, 16 NB columns from col0] = x[M, K] @ W^T for NB blocks of 16 columns at once (enough
+// independent accumulators to hide vdpbf16ps' latency when M is small), block j's pair p at
+// blocks + j * block_step + p * pair_step: the few-row copy's pair layout and oneDNN's copy in
+// blocks of 64 columns (blocked_rows) alike. Columns from N on are not stored.
 template <int M, int NB>
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void small_rows_blocks(
-    const uint16_t* x, int64_t K, const uint16_t* pairs, int64_t b0, int64_t N,
-    uint16_t* out) {
-  const int64_t P = K / 2;
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void pair_blocks(
+    const uint16_t* x, int64_t K, const uint16_t* blocks, int64_t block_step, int64_t pair_step,
+    int64_t col0, int64_t N, uint16_t* out) {
   __m512 acc[M][NB];
-  oxygen::pair_dot<M, NB>(reinterpret_cast<const int32_t*>(x), pairs + b0 * P * 2 * kBlock, P,
-                          acc);
+  oxygen::pair_dot_steps<M, NB>(reinterpret_cast<const int32_t*>(x), blocks, K / 2, block_step,
+                                pair_step, acc);
   for (int j = 0; j < NB; ++j) {
-    const int64_t col = (b0 + j) * kBlock;
+    const int64_t col = col0 + j * kBlock;
     const int64_t width = std::min<int64_t>(kBlock, N - col);
     const __mmask16 keep = width >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
     for (int m = 0; m < M; ++m) {
@@ -132,6 +133,15 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void small_rows_
       _mm256_mask_storeu_epi16(out + m * N + col, keep, rounded);
     }
   }
+}
+
+// The pair layout's blocks from b0: NB blocks of [K/2][16][2] one after another.
+template <int M, int NB>
+void small_rows_blocks(const uint16_t* x, int64_t K, const uint16_t* pairs, int64_t b0,
+                       int64_t N, uint16_t* out) {
+  const int64_t block_elems = K * kBlock;
+  pair_blocks<M, NB>(x, K, pairs + b0 * block_elems, block_elems, 2 * kBlock, b0 * kBlock, N,
+                     out);
 }
 
 // Blocks [b0, b1) of M rows: NB at a time, then one at a time (a column's sums are the same
@@ -574,23 +584,11 @@ bool blocked_layout_matches(const at::Tensor& weight, const at::Tensor& packed, 
 // Blocks [b0, b1) of the copy against M rows of x -> out[M, N] (bf16, rounded once): a block's
 // 64 columns as 4 vectors of 16, each pair's 256 bytes read once for the M rows.
 template <int M>
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void blocked_range(
-    const uint16_t* x, int64_t K, const uint16_t* copy, int64_t N, int64_t b0, int64_t b1,
-    uint16_t* out) {
-  constexpr int NB = kBlockedCols / kBlock;
-  const int64_t P = K / 2;
+void blocked_range(const uint16_t* x, int64_t K, const uint16_t* copy, int64_t N, int64_t b0,
+                   int64_t b1, uint16_t* out) {
   for (int64_t b = b0; b < b1; ++b) {
-    __m512 acc[M][NB];
-    oxygen::pair_dot_steps<M, NB>(reinterpret_cast<const int32_t*>(x),
-                                  copy + b * kBlockedCols * K, P, 2 * kBlock,
-                                  2 * kBlockedCols, acc);
-    for (int m = 0; m < M; ++m) {
-      uint16_t* row = out + m * N + b * kBlockedCols;
-      for (int j = 0; j < NB; ++j) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + j * kBlock),
-                            (__m256i)_mm512_cvtneps_pbh(acc[m][j]));
-      }
-    }
+    pair_blocks<M, kBlockedCols / kBlock>(x, K, copy + b * kBlockedCols * K, 2 * kBlock,
+                                          2 * kBlockedCols, b * kBlockedCols, N, out);
   }
 }
 
