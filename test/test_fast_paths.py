@@ -293,6 +293,54 @@ def test_a_broadcast_input_runs_the_warmed_up_graph():
     assert fn.fallbacks == 0
 
 
+@torch.no_grad()
+def test_a_compiled_pass_checks_its_arguments_not_its_models_modules_and_keeps_its_graphs():
+    """Dynamo's guards on the model's module tree are dropped (after a frame they are cold:
+    ~0.3 ms of pi05-cpu's first decode step), so each pass keeps its graphs to itself: a model
+    a layer deeper, called with arguments of the same shapes, runs a graph of its own and
+    equals its eager step.
+    """
+    g = torch.Generator().manual_seed(5)
+    cameras, size = MICRO.num_cameras, MICRO.vision.image_size
+    images = torch.rand(1, cameras, 3, size, size, generator=g) * 2 - 1
+    tokens = torch.randint(3, MICRO.backbone.vocab_size, (1, MICRO.max_token_len), generator=g)
+    masks = torch.ones(1, cameras, dtype=torch.bool), torch.arange(MICRO.max_token_len)[None] < 6
+    logits, guards = [], []
+    for depth in (2, 3):
+        towers = (GemmaConfig(32, depth, 64, 2, 1, 16, MICRO.backbone.vocab_size),
+                  GemmaConfig(16, depth, 32, 2, 1, 16, MICRO.backbone.vocab_size))
+        model = Pi05Model(MICRO.replace(backbone=towers[0], expert=towers[1])).eval()
+        prefix = model.prefill(images, masks[0], tokens, masks[1], extra_len=4)
+        step = (prefix.kv, prefix.slots, prefix.valid, prefix.n_valid, torch.tensor([0]),
+                torch.tensor([7]))
+        eager = model.decode_step(*step, attend_len=2)   # writes the entry the others rewrite
+        model.compile_decode(mode=None, backend='eager', dynamic=True)
+        logits.append((model.decode_step(*step, attend_len=2), eager))
+        guards.append(dict(model._decode_fn.guards))
+        model._decode_fn.seal()
+        model.decode_step(*step[:-2], torch.tensor([1]), torch.tensor([7]), attend_len=3)
+        assert model._decode_fn.fallbacks == 0             # J = 3: the same (dynamic) graph
+    for got, want in logits:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits[0][0], logits[1][0])   # the two models differ
+    for counts in guards:
+        assert counts['dropped'] > counts['kept'] > 0, counts
+
+
+def test_a_mode_becomes_inductor_options_beside_the_guard_filter():
+    """torch.compile takes a mode or options, not both: 'reduce-overhead' (CUDA graphs) is
+    written as its inductor options, so the guard filter goes with it; another backend keeps
+    its mode and every guard."""
+    from oxygen_ros.model.compiled import _isolated
+
+    counts = {'kept': 0, 'dropped': 0}
+    options = _isolated({'mode': 'reduce-overhead', 'dynamic': True}, counts)
+    assert 'mode' not in options and options['isolate_recompiles'] and options['dynamic']
+    assert options['options']['triton.cudagraphs'] and 'guard_filter_fn' in options['options']
+    assert _isolated({'mode': 'reduce-overhead', 'backend': 'eager'}, counts) == {
+        'mode': 'reduce-overhead', 'backend': 'eager', 'options': None}
+
+
 def test_compile_failure_falls_back_to_eager_logged(caplog):
     def broken_backend(graph, example_inputs):
         raise RuntimeError('no C++ compiler today')

@@ -5,6 +5,15 @@ an input that would need a new graph (a shape never warmed up) runs the eager fu
 of compiling inside a control tick: a recompile costs seconds, a missed tick is worse. Each
 such fallback is logged once per function and counted.
 
+Dynamo checks guards before every call of a graph: on the arguments, on globals, and on every
+submodule, attribute and parameter of the model the pass is a method of (~530 of the decode
+step's ~680). After a frame's prefill and denoise those objects are out of the caches: the
+check took ~0.3 ms of pi05-cpu's ~2.2 ms first decode step (AMD EPYC, 1 thread). A compiled pass
+keeps its model's structure fixed (prepare packs and fuses before it compiles; weights may
+change in place), so the guards on the module tree are dropped (`guard_filter_fn`) and each
+pass keeps its graphs to itself (`isolate_recompiles`): another model's call never finds them.
+A torch without those options keeps every guard.
+
 The compile cache (inductor's FX graph and AOT caches) lives under
 ~/.cache/oxygen_ros/torch_compile unless TORCHINDUCTOR_CACHE_DIR says otherwise, so a restart
 of the node finds its kernels already built.
@@ -13,6 +22,7 @@ of the node finds its kernels already built.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -95,6 +105,41 @@ def _no_recompile():
                 torch.compiler.set_stance('default')
 
 
+def _on_module_tree(name: str) -> bool:
+    """Say whether a guard's source lies inside a module's submodules (self._modules[...])."""
+    return '._modules[' in name
+
+
+def _isolated(options: dict, counts: dict[str, int]) -> dict:
+    """torch.compile options that keep the graphs to this call and skip module-tree guards.
+
+    counts: 'kept' and 'dropped' guards, added up as graphs are built. Unchanged options
+    where this torch lacks the two options, or where a mode other than inductor's cannot
+    be written as options (both may not be given).
+    """
+    if 'isolate_recompiles' not in inspect.signature(torch.compile).parameters:
+        return options
+    options = dict(options)
+    mode = options.pop('mode', None)
+    backend_options = dict(options.pop('options', None) or {})
+    if mode not in (None, 'default'):
+        if options.get('backend', 'inductor') != 'inductor':
+            return {**options, 'mode': mode, 'options': backend_options or None}
+        from torch._inductor import list_mode_options
+
+        backend_options = {**list_mode_options(mode, options.get('dynamic')),
+                           **backend_options}
+
+    def keep(entries) -> list[bool]:
+        flags = [not _on_module_tree(entry.name) for entry in entries]
+        counts['kept'] += sum(flags)
+        counts['dropped'] += len(flags) - sum(flags)
+        return flags
+
+    backend_options['guard_filter_fn'] = keep
+    return {**options, 'options': backend_options, 'isolate_recompiles': True}
+
+
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
     """Return a copy of `tensor` with row-major strides (contiguous() keeps a size-1 dim's 0)."""
     return torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)
@@ -106,13 +151,15 @@ class CompiledFunction:
     config: inductor settings in force while it compiles (torch._inductor.config names, e.g.
     freezing). They are patched around the calls that compile rather than passed as
     torch.compile options, because some (freezing) are read while dynamo traces.
+    guards: the guards its graphs check per call ('kept') and the module-tree ones dropped.
     """
 
     def __init__(self, fn: Callable, name: str, config: dict | None = None, **options):
         self.fn = fn
         self.name = name
         self.config = dict(config or {})
-        self.compiled = torch.compile(fn, **options)
+        self.guards = {'kept': 0, 'dropped': 0}
+        self.compiled = torch.compile(fn, **_isolated(options, self.guards))
         self.sealed = False
         self.failed = False      # compiling raised: eager from then on
         self.fallbacks = 0       # calls that ran eager because no graph fitted their inputs
