@@ -5,6 +5,9 @@ import os
 
 import pytest
 
+# A hung test ends the run with its stack (test/hang_watchdog.py): its hooks, imported here.
+from hang_watchdog import pytest_configure, pytest_runtest_protocol  # noqa: F401
+
 
 def _rclpy_major_version():
     """Return rclpy's major version without importing it (None when unknown)."""
