@@ -300,17 +300,13 @@ def test_a_compiled_pass_checks_its_arguments_not_its_models_modules_and_keeps_i
     a layer deeper, called with arguments of the same shapes, runs a graph of its own and
     equals its eager step.
     """
-    g = torch.Generator().manual_seed(5)
-    cameras, size = MICRO.num_cameras, MICRO.vision.image_size
-    images = torch.rand(1, cameras, 3, size, size, generator=g) * 2 - 1
-    tokens = torch.randint(3, MICRO.backbone.vocab_size, (1, MICRO.max_token_len), generator=g)
-    masks = torch.ones(1, cameras, dtype=torch.bool), torch.arange(MICRO.max_token_len)[None] < 6
     logits, guards = [], []
     for depth in (2, 3):
         towers = (GemmaConfig(32, depth, 64, 2, 1, 16, MICRO.backbone.vocab_size),
                   GemmaConfig(16, depth, 32, 2, 1, 16, MICRO.backbone.vocab_size))
-        model = Pi05Model(MICRO.replace(backbone=towers[0], expert=towers[1])).eval()
-        prefix = model.prefill(images, masks[0], tokens, masks[1], extra_len=4)
+        model, frontend = random_setup(MICRO.replace(backbone=towers[0], expert=towers[1]),
+                                       'libero', seed=5)
+        prefix = model.prefill(**frontend.prepare(observation(0)).tensors, extra_len=4)
         step = (prefix.kv, prefix.slots, prefix.valid, prefix.n_valid, torch.tensor([0]),
                 torch.tensor([7]))
         eager = model.decode_step(*step, attend_len=2)   # writes the entry the others rewrite

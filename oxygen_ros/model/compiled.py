@@ -151,7 +151,8 @@ class CompiledFunction:
     config: inductor settings in force while it compiles (torch._inductor.config names, e.g.
     freezing). They are patched around the calls that compile rather than passed as
     torch.compile options, because some (freezing) are read while dynamo traces.
-    guards: the guards its graphs check per call ('kept') and the module-tree ones dropped.
+    guards: the guards kept ('kept': checked before a call) and the module-tree ones dropped,
+    summed over its graphs.
     """
 
     def __init__(self, fn: Callable, name: str, config: dict | None = None, **options):
