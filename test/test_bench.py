@@ -8,6 +8,7 @@ mismatch) and that every system's tokens agree with isolated.
 import collections
 import csv
 import dataclasses
+import json
 import math
 
 import pytest
@@ -77,6 +78,18 @@ def test_quick_bench_writes_csv_markdown_and_plots(quick_run):
         assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
 
+def test_quick_bench_floors_run_at_the_nodes_threads_not_the_benchmarks(quick_run):
+    # The node's default (every core but one) is what a robot's frame runs on; the benchmark
+    # process itself runs 2 threads.
+    from oxygen_ros.runtime.engine_setup import inference_threads
+
+    result = json.loads((quick_run / 'result.json').read_text())
+    assert result['options']['threads'] == 2
+    assert result['environment']['machine']['threads'] == inference_threads(0)
+    summary = (quick_run / 'summary.md').read_text()
+    assert f"{inference_threads(0)} torch threads (the node's" in summary
+
+
 def test_quick_bench_tokens_match_isolated_everywhere(quick_run):
     runs = read_csv(quick_run / 'runs.csv')
     language = [r for r in runs if r['system'] != 'action-only']
@@ -95,6 +108,40 @@ def test_replot_from_result_json(quick_run):
     (quick_run / 'tradeoff.png').unlink()
     assert main(['bench', '--replot', str(quick_run)]) == 0
     assert (quick_run / 'tradeoff.png').read_bytes().startswith(PNG_MAGIC)
+
+
+def test_memory_probe_measures_the_model_prepared_as_the_node_prepares_it(monkeypatch):
+    # The product's memory: fused and packed weights, compiled passes warmed up on the
+    # system's own runner and sealed (configure's steps), not an eager model.
+    from oxygen_ros.bench import memory
+    from oxygen_ros.engine import prepare
+
+    calls = []
+    real_prepare, real_warm_up, real_seal = prepare.prepare_model, prepare.warm_up, prepare.seal
+
+    def prepare_model(model, device, setting='auto', **kw):
+        calls.append(('prepare', setting))
+        return real_prepare(model, device, setting, **kw)
+
+    def warm_up(runner, plan, frames, *args, **kw):
+        calls.append(('warm up', runner.kv.k.shape[1], len(frames)))
+        return real_warm_up(runner, plan, frames, *args, **kw)
+
+    def seal(model, plan, *args):
+        calls.append(('seal',))
+        return real_seal(model, plan, *args)
+
+    monkeypatch.setattr(prepare, 'prepare_model', prepare_model)
+    monkeypatch.setattr(prepare, 'warm_up', warm_up)
+    monkeypatch.setattr(prepare, 'seal', seal)
+    args = memory.build_parser().parse_args(
+        ['--system', 'oxygen', '--preset', 'tiny', '--compile', 'off', '--n', '4', '--k', '2',
+         '--frames', '3'])
+    result = memory.probe(args)
+    slots = calls[1][1]
+    assert calls == [('prepare', 'off'), ('warm up', slots, 1), ('seal',)], calls
+    assert slots >= 2   # the oxygen engine's own pool (a request per frame, two live)
+    assert result['above_runtime_mb'] > 0 and result['kv_pool_mb'] > 0
 
 
 # ---- token identity -----------------------------------------------------------------------

@@ -51,6 +51,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                        'measured (default pi05; quick: small)')
     bench.add_argument('--threads', type=int, default=2,
                        help='torch threads of the benchmark process (default 2)')
+    bench.add_argument('--floor-threads', type=int, default=0,
+                       help="part floors: torch threads (default 0: the node's, every core but "
+                            'one)')
     bench.add_argument('--workloads', nargs='+', default=None,
                        choices=['libero', 'droid', 'aloha'],
                        help='first one runs the N x k, S, arrivals and mixed sweeps')
@@ -224,9 +227,12 @@ def options_from_args(args: argparse.Namespace):
     plan = (quick_options if args.quick else full_options)(**plan_changes)
     if plan.headline_n % plan.headline_k:
         plan = dataclasses.replace(plan, headline_k=1)
+    if args.floor_threads < 0:
+        raise SystemExit(f'--floor-threads: expected 0 (the node\'s) or more, got '
+                         f'{args.floor_threads}')
     base = BenchOptions.quick_defaults() if args.quick else BenchOptions()
     changes = dict(plan=plan, device=args.device, dtype=args.dtype, compile=args.compile,
-                   threads=args.threads,
+                   threads=args.threads, floor_threads=args.floor_threads,
                    seed=args.seed, control_hz=args.control_hz, progress=not args.no_progress)
     if args.preset:
         changes['preset'] = args.preset

@@ -4,11 +4,16 @@ Run as `python -m oxygen_ros.bench.memory --system oxygen --n 30 --k 5 ...`; pri
 line. What it reports:
   runtime_mb        resident memory after importing torch and the engine, before the model
   peak_rss_mb       peak resident memory while serving frames (the high-water mark is reset
-                    after the model is built, so weight-init transients do not count)
-  above_runtime_mb  peak_rss_mb - runtime_mb: weights + KV cache + activations + allocator
+                    after the model is built and prepared, so weight-init and compile
+                    transients do not count)
+  above_runtime_mb  peak_rss_mb - runtime_mb: weights (and their packed copies) + compiled
+                    passes + KV cache + activations + allocator
   cuda_peak_mb      torch.cuda.max_memory_allocated while serving (CUDA only)
 For 'parallel' the two worker processes are what is measured (the parent only drives them):
 peak_rss_mb is their sum and above_runtime_mb subtracts one runtime per worker.
+The model is prepared as the node prepares its own (`--compile`, default auto: fused
+projections, packed weights, compiled passes warmed up on the system's own runner and sealed),
+so the figures are the product's; `--compile off` measures the eager model.
 The benchmark starts probes with MKL_DISABLE_FAST_MM=1 (see run.probe_memory) unless its own
 environment has MKL_DISABLE_FAST_MM=0; the JSON line says which (`mkl_fast_mm`).
 """
@@ -32,6 +37,7 @@ def probe(args: argparse.Namespace) -> dict:
     import torch
 
     from ..engine import LanguagePolicy, random_observation, random_setup
+    from ..engine.prepare import prepare_model, seal, warm_up
     from ..model import get_preset
     from .plan import SystemSpec
     from .systems import make_bench_system
@@ -42,12 +48,19 @@ def probe(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype)
     robot = args.workload
     model, frontend = random_setup(cfg, robot, seed=args.seed, device=args.device, dtype=dtype)
+    plan = prepare_model(model, args.device, args.compile)
+    warm_frames = [frontend.prepare(random_observation(
+        robot, 0, seed=args.seed, image_size=cfg.vision.image_size)).tensors]
     spec = SystemSpec(args.system, args.k if args.system in ('oxygen', 'oxygen-adaptive')
                       else None)
     policy = LanguagePolicy(max_new_tokens=args.n, eos_id=None, seed=args.seed)
     runner_options = {'kv_dtype': getattr(torch, args.kv_dtype)} if args.kv_dtype else None
     system = make_bench_system(spec, model, frontend, policy, args.period, args.seed,
-                               runner_options)
+                               runner_options, parallel={'compile_setting': args.compile,
+                                                         'warm_frames': warm_frames})
+    if hasattr(system, 'runner'):   # the parallel baseline's workers prepare their own
+        warm_up(system.runner, plan, warm_frames)
+        seal(model, plan)
     workers = multiprocessing.active_children() if args.system == 'parallel' else []
     cuda = args.device.startswith('cuda')
     if cuda:
@@ -86,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--workload', default='libero')
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--dtype', default='float32')
+    parser.add_argument('--compile', default='auto', choices=['auto', 'max', 'on', 'off'],
+                        help="torch.compile as the node's (prepare_model); off: eager")
     parser.add_argument('--kv-dtype', default='', help="KV store dtype ('' = --dtype)")
     parser.add_argument('--steps', type=int, default=10)
     parser.add_argument('--n', type=int, default=30)

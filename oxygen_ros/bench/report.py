@@ -99,7 +99,8 @@ def floors_section(result: BenchResult) -> list[str]:
     return [f'## At the machine\'s limit: the action path runs at {action["x_floor"]:.1f}× its '
             f'floor', '',
             f'{opts.preset}, one {opts.plan.workloads[0]} frame, {opts.dtype} '
-            f'({env.get("dtype_reason", "")}), {env.get("torch_threads")} torch threads. '
+            f'({env.get("dtype_reason", "")}), {machine.get("threads")} torch threads (the '
+            'node\'s: every core but one unless --floor-threads). '
             f'Measured in this run: matmul {rates}; copy '
             f'{machine.get("copy_bytes_per_s", 0) / 1e9:.1f} GB/s. Passes '
             f'{compiled.get("passes", "eager")}; warm-up and compile '
@@ -335,8 +336,9 @@ def summary_markdown(result: BenchResult, paths: dict[str, Path]) -> str:
                           m['peak_rss_vs_action_only']]
                          for m in result.memory]), '',
                   'Above runtime = peak RSS while serving minus the RSS of the imported runtime '
-                  '(weights + KV + activations); for parallel, the sum over its two worker '
-                  'processes. MKL fast memory manager '
+                  '(weights + KV + activations, and what preparing the model as the node does '
+                  f'keeps: packed copies, compiled passes; --compile {opts.compile}); for '
+                  'parallel, the sum over its two worker processes. MKL fast memory manager '
                   f'{"on" if result.memory[0].get("mkl_fast_mm", True) else "off"} in the '
                   'probes (MKL_DISABLE_FAST_MM; it caches a GEMM buffer per row count).', '']
     parts += build_section(result)

@@ -36,6 +36,7 @@ from ..engine.prepare import CompilePlan, prepare_model, runner_options, seal
 from ..engine.runner import ModelRunner
 from ..engine.workload import get_workload
 from ..model import get_preset, Pi05Model
+from ..runtime.engine_setup import inference_threads
 from ..runtime.procfs import cpu_model
 from .cpu import OtherLoad
 from .fleet_timing import FleetTimingOptions, run_fleet_timing
@@ -69,6 +70,8 @@ class BenchOptions:
     compile: str = 'auto'            # torch.compile of the shared model, as the node's
     build_preset: str = 'pi05'       # part 'build': model size of the peak-RSS probes
     threads: int = 2                 # torch threads of this process (parallel workers: 1 each)
+    floor_threads: int = 0           # part 'floors': torch threads (0: the node's default,
+    #                                  every core but one: the threads a robot's frame runs on)
     seed: int = 0
     control_hz: float | None = None  # frame deadline; None: (P + D) · (1 + slack)
     phase_repeats: int = 7           # action-path repeats behind the default deadline
@@ -362,7 +365,8 @@ def probe_memory(opts: BenchOptions, group: Group, period_s: float) -> list[dict
         cmd = [sys.executable, '-m', 'oxygen_ros.bench.memory', '--system', spec.name,
                '--kv-dtype', kv_dtype,
                '--preset', opts.preset, '--workload', group.workload, '--device', opts.device,
-               '--dtype', opts.dtype, '--steps', str(group.steps), '--n', str(group.n_tokens),
+               '--dtype', opts.dtype, '--compile', opts.compile,
+               '--steps', str(group.steps), '--n', str(group.n_tokens),
                '--k', str(spec.k or group.n_tokens), '--period', f'{period_s:.6f}',
                '--frames', str(frames), '--threads', '1', '--seed', str(opts.seed)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -563,22 +567,30 @@ def _run_benchmark(opts: BenchOptions, checkpoint, dtype_reason: str) -> BenchRe
 def run_floors_part(opts: BenchOptions, models: ModelCache, env: dict) -> list[dict]:
     """Each phase of the first workload's frame against its floor on this machine.
 
-    The machine's peaks (matmul per dtype at the benchmark's threads, copy bandwidth) are
-    measured here, in the same run; compiled passes are also timed eager, side by side.
+    At the node's torch threads (opts.floor_threads; 0: every core but one, the node's
+    default), not the benchmark's: a robot's frame runs on those, and a pass of few rows
+    (the denoise's) gains little from a second thread while its floor halves. The machine's
+    peaks (matmul per dtype at those threads, copy bandwidth) are measured here, in the same
+    run; compiled passes are also timed eager, side by side.
     """
-    machine = measure_machine(opts.device)
-    env['machine'] = dataclasses.asdict(machine)
-    steps = opts.plan.default_steps
-    model = models.model(steps)
-    workload = opts.plan.workloads[0]
-    frontend = models.frontend(steps, get_workload(workload).robot)
-    frame = frontend.prepare(random_observation(workload, 0, seed=opts.seed,
-                                                image_size=model.config.vision.image_size))
-    probe = PhaseProbe(model, batches=(1, 4), seed=opts.seed, frames=[frame.tensors],
-                       machine=machine, compare_eager=True)
-    for _ in range(opts.phase_repeats):
-        probe.sample()
-    return floor_rows(probe.costs(), probe.eager_seconds())
+    saved = torch.get_num_threads()
+    torch.set_num_threads(inference_threads(opts.floor_threads))
+    try:
+        machine = measure_machine(opts.device)
+        env['machine'] = dataclasses.asdict(machine)
+        steps = opts.plan.default_steps
+        model = models.model(steps)
+        workload = opts.plan.workloads[0]
+        frontend = models.frontend(steps, get_workload(workload).robot)
+        frame = frontend.prepare(random_observation(workload, 0, seed=opts.seed,
+                                                    image_size=model.config.vision.image_size))
+        probe = PhaseProbe(model, batches=(1, 4), seed=opts.seed, frames=[frame.tensors],
+                           machine=machine, compare_eager=True)
+        for _ in range(opts.phase_repeats):
+            probe.sample()
+        return floor_rows(probe.costs(), probe.eager_seconds())
+    finally:
+        torch.set_num_threads(saved)
 
 
 def save_result(result: BenchResult, path: str | Path) -> None:
