@@ -213,7 +213,8 @@ def plot_memory(result: BenchResult):
                                       label='hatched: the KV pool')],
                        fontsize=8, loc='upper right')
         axes[1].set_ylabel('peak RSS above runtime (MB)')
-        axes[1].set_title('above runtime: weights + KV cache + activations', fontsize=9)
+        axes[1].set_title('above runtime: the prepared model (weights, packed copies, compiled '
+                          'passes) + KV cache + activations', fontsize=9)
         for ax in axes:
             ax.set_xticks(x, labels, rotation=20)
     fig.suptitle(f'Peak memory, {plan.workloads[0]} N={plan.headline_n}, a fresh process per '
