@@ -86,6 +86,7 @@ def test_quick_bench_floors_run_at_the_nodes_threads_not_the_benchmarks(quick_ru
     result = json.loads((quick_run / 'result.json').read_text())
     assert result['options']['threads'] == 2
     assert result['environment']['machine']['threads'] == inference_threads(0)
+    assert 'passes' in result['environment']['floor_compile']   # its own model's, described
     summary = (quick_run / 'summary.md').read_text()
     assert f"{inference_threads(0)} torch threads (the node's" in summary
 

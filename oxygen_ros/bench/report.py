@@ -94,7 +94,7 @@ def floors_section(result: BenchResult) -> list[str]:
     machine = env.get('machine', {})
     rates = ', '.join(f'{name} {flops / 1e9:.0f} GFLOP/s'
                       for name, flops in machine.get('matmul_flops', {}).items())
-    compiled = next(iter(env.get('compile', {}).values()), {})
+    compiled = env.get('floor_compile') or next(iter(env.get('compile', {}).values()), {})
     action = next(r for r in result.floors if r['phase'] == 'action')
     return [f'## At the machine\'s limit: the action path runs at {action["x_floor"]:.1f}× its '
             f'floor', '',

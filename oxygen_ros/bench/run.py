@@ -569,17 +569,24 @@ def run_floors_part(opts: BenchOptions, models: ModelCache, env: dict) -> list[d
 
     At the node's torch threads (opts.floor_threads; 0: every core but one, the node's
     default), not the benchmark's: a robot's frame runs on those, and a pass of few rows
-    (the denoise's) gains little from a second thread while its floor halves. The machine's
-    peaks (matmul per dtype at those threads, copy bandwidth) are measured here, in the same
-    run; compiled passes are also timed eager, side by side.
+    (the denoise's) gains little from a second thread while its floor halves. Inductor writes
+    the thread count into its C++ kernels (dynamo does not guard on it), so at other threads
+    than the benchmark's the part prepares a model of its own, compiled at these, and drops
+    it after. The machine's peaks (matmul per dtype at those threads, copy bandwidth) are
+    measured here, in the same run; compiled passes are also timed eager, side by side.
     """
+    threads = inference_threads(opts.floor_threads)
     saved = torch.get_num_threads()
-    torch.set_num_threads(inference_threads(opts.floor_threads))
+    torch.set_num_threads(threads)
     try:
         machine = measure_machine(opts.device)
         env['machine'] = dataclasses.asdict(machine)
         steps = opts.plan.default_steps
+        if threads != opts.threads:
+            models = ModelCache(opts)
         model = models.model(steps)
+        plan = models.prepared[steps]
+        env['floor_compile'] = {'passes': plan.describe(), 'warm_up_s': round(plan.seconds, 1)}
         workload = opts.plan.workloads[0]
         frontend = models.frontend(steps, get_workload(workload).robot)
         frame = frontend.prepare(random_observation(workload, 0, seed=opts.seed,
