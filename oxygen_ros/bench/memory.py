@@ -58,7 +58,7 @@ def probe(args: argparse.Namespace) -> dict:
     system = make_bench_system(spec, model, frontend, policy, args.period, args.seed,
                                runner_options, parallel={'compile_setting': args.compile,
                                                          'warm_frames': warm_frames})
-    if hasattr(system, 'runner'):   # the parallel baseline's workers prepare their own
+    if spec.name != 'parallel':   # the parallel baseline's workers prepare their own
         warm_up(system.runner, plan, warm_frames)
         seal(model, plan)
     workers = multiprocessing.active_children() if args.system == 'parallel' else []
